@@ -1,0 +1,180 @@
+"""API keys → tenants, Host/Origin checks and the body-size limit, as one ASGI middleware.
+
+Every route except the health checks needs a key (``X-API-Key: tml-…`` as the Tinker SDK sends
+it, or ``Authorization: Bearer tml-…``). Keys are kept only as SHA-256 digests and compared in
+constant time. Requests naming a foreign Host (DNS rebinding) or a foreign Origin (a web page
+posting to a loopback service) are refused; the service sends no CORS headers at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+
+from openrl_service.config import LOOPBACK_HOSTS, Settings
+
+PUBLIC_PATHS = {"/healthz", "/readyz", "/api/v1/healthz"}
+DEFAULT_TENANT = "default"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    def __init__(self, keys: dict[str, str]):
+        self._by_digest = {_digest(k): t for k, t in keys.items()}
+
+    def tenant(self, key: str | None) -> str | None:
+        if not key:
+            return None
+        d = _digest(key)
+        found = None
+        for known, tenant in self._by_digest.items():
+            if hmac.compare_digest(known, d):
+                found = tenant
+        return found
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+
+def ensure_generated_key(data_dir: Path) -> tuple[str, Path]:
+    """The key `serve` creates when none is configured: ``<data>/api-key``, mode 0600, reused later."""
+    path = Path(data_dir) / "api-key"
+    if path.is_file():
+        key = path.read_text().strip()
+        if key.startswith("tml-"):
+            return key, path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = "tml-" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    try:
+        os.chmod(path, 0o600)
+    except OSError:
+        pass
+    return key, path
+
+
+def allowed_hosts(settings: Settings) -> set[str] | None:
+    """Host names a request may name; None means any (a non-loopback bind without a list)."""
+    hosts = {h.lower() for h in settings.allowed_hosts}
+    if "*" in hosts:
+        return None
+    if settings.loopback:
+        return hosts | {h.strip("[]") for h in LOOPBACK_HOSTS}
+    if settings.host in ("0.0.0.0", "::", ""):
+        return hosts or None
+    return hosts | {settings.host.lower()} | {h.strip("[]") for h in LOOPBACK_HOSTS}
+
+
+def _host_only(value: str) -> str:
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class AuthMiddleware:
+    def __init__(self, app, *, settings: Settings, keys: KeyRing):
+        self.app = app
+        self.settings = settings
+        self.keys = keys
+        self.hosts = allowed_hosts(settings)
+        self.max_body = settings.limits.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.hosts is not None:
+            host = _host_only(headers.get("host", ""))
+            if host not in self.hosts:
+                return await _error(
+                    send,
+                    400,
+                    f"Host {headers.get('host', '')!r} is not allowed by this service "
+                    "(start it with --allowed-host NAME to add one)",
+                    "host",
+                )
+            origin = headers.get("origin")
+            if origin and origin != "null" and _host_only(urlsplit(origin).netloc) not in self.hosts:
+                return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
+        path = scope.get("path", "")
+        if path not in PUBLIC_PATHS:
+            if self.settings.auth_enabled:
+                key = headers.get("x-api-key")
+                auth = headers.get("authorization", "")
+                if not key and auth.lower().startswith("bearer "):
+                    key = auth[7:].strip()
+                tenant = self.keys.tenant(key)
+                if tenant is None:
+                    what = "wrong" if key else "missing"
+                    return await _error(
+                        send,
+                        401,
+                        f"{what} API key: send it as X-API-Key or Authorization: Bearer",
+                        "X-API-Key",
+                    )
+            else:
+                tenant = DEFAULT_TENANT
+            scope.setdefault("state", {})["tenant"] = tenant
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await _error(
+                send,
+                413,
+                f"request body of {int(length)} bytes exceeds {self.max_body} bytes (OPENRL_MAX_BODY_BYTES)",
+                "body",
+            )
+        seen = 0
+        max_body = self.max_body
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > max_body:
+                    raise _TooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _error(
+                    send, 413, f"request body exceeds {max_body} bytes (OPENRL_MAX_BODY_BYTES)", "body"
+                )
+
+
+async def _error(send, status: int, message: str, field: str) -> None:
+    body = orjson.dumps({"error": message, "category": "user", "field": field})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

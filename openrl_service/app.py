@@ -1,0 +1,97 @@
+"""create_app(settings): the FastAPI application — routers, auth, error handlers; nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openrl_service.api.auth import AuthMiddleware, KeyRing
+from openrl_service.api.tinker import build_router, health, json_response
+from openrl_service.config import Settings
+from openrl_service.engine.service import TrainingService
+from openrl_service.errors import ServiceError
+
+log = logging.getLogger("openrl_service")
+
+
+def create_app(settings: Settings, *, service: TrainingService | None = None) -> FastAPI:
+    svc = service or TrainingService(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.futures.loop = asyncio.get_running_loop()
+        svc.start()
+
+        async def sweep():
+            while True:
+                await asyncio.sleep(min(10.0, max(0.5, settings.future_ttl_s / 4)))
+                svc.futures.sweep()
+
+        sweeper = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await asyncio.get_running_loop().run_in_executor(None, svc.stop)
+
+    app = FastAPI(
+        title="openrl-service",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Self-hosted LoRA training and sampling; speaks the Tinker wire protocol.",
+    )
+    app.state.service = svc
+    app.include_router(build_router(svc))
+
+    @app.get("/healthz")
+    async def healthz():
+        """The device-worker thread is alive."""
+        return health(svc)
+
+    @app.get("/readyz")
+    async def readyz():
+        """The model is loaded and the service takes work."""
+        if svc.engine.setup_error is not None:
+            return json_response({"status": "failed", "error": str(svc.engine.setup_error)}, status=503)
+        if not svc.engine.ready.is_set():
+            return json_response({"status": "loading"}, status=503)
+        base = svc.base
+        return json_response({"status": "ready", "model": base.name, "device": str(base.device)})
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError):
+        headers = {"Retry-After": "2"} if exc.status_code == 503 else None
+        resp = json_response(exc.to_json(), status=exc.status_code)
+        if headers:
+            resp.headers.update(headers)
+        return resp
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return json_response(
+            {"error": f"{where}: {first.get('msg', 'invalid request')}", "category": "user", "field": where},
+            status=400,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        incident = uuid.uuid4().hex[:8]
+        log.exception("unhandled error on %s %s (incident %s)", request.method, request.url.path, incident)
+        return json_response(
+            {"error": f"internal error (incident {incident})", "category": "server"}, status=500
+        )
+
+    keys = KeyRing(settings.api_keys)
+    return AuthMiddleware(app, settings=settings, keys=keys)  # type: ignore[return-value]

@@ -1,0 +1,117 @@
+"""`openrl-service serve | make-tiny-model`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from openrl_service import config as cfg
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from openrl_service.api.auth import ensure_generated_key
+    from openrl_service.app import create_app
+
+    try:
+        settings = cfg.from_env(
+            model=args.model,
+            model_name=args.model_name,
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            api_keys_file=args.api_keys_file,
+            no_auth=args.no_auth or None,
+            insecure=args.insecure or None,
+            device=args.device,
+        )
+    except (ValueError, OSError) as e:
+        print(f"openrl-service: {e}", file=sys.stderr)
+        return 2
+    if args.allowed_host:
+        settings.allowed_hosts.extend(args.allowed_host)
+    if settings.no_auth and not settings.loopback:
+        print(
+            f"openrl-service: --no-auth only works on a loopback host (got --host {settings.host}); "
+            "use --insecure to serve without keys on any interface",
+            file=sys.stderr,
+        )
+        return 2
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.auth_enabled and not settings.api_keys:
+        key, path = ensure_generated_key(settings.data_dir)
+        settings.api_keys[key] = "default"
+        print(
+            f"openrl-service: no API keys configured; using the key in {path} (tenant 'default'):", flush=True
+        )
+        print(f"export TINKER_API_KEY={key}", flush=True)
+    if not settings.auth_enabled:
+        print(
+            "openrl-service: authentication is OFF (--no-auth/--insecure): every caller is tenant 'default'",
+            flush=True,
+        )
+    host = settings.host
+    url_host = f"[{host}]" if ":" in host else host
+    print(
+        f"openrl-service: serving {settings.model} on http://{url_host}:{settings.port} "
+        f"(data in {settings.data_dir})",
+        flush=True,
+    )
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from openrl_service.models.tiny import build_tiny_model, tree_digest
+
+    out = build_tiny_model(args.dir)
+    print(f"openrl/tiny written to {out} (sha256 {tree_digest(out)[:16]})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="openrl-service", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve a model over the Tinker API")
+    s.add_argument(
+        "--model", default=None, help="tiny (default), a Hugging Face model folder, or a .gguf file"
+    )
+    s.add_argument("--model-name", default=None, help="the name clients use for the model (default: derived)")
+    s.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    s.add_argument(
+        "--data-dir", type=Path, default=None, help="checkpoints, keys and model cache (default: per-user)"
+    )
+    s.add_argument("--api-keys-file", type=Path, default=None, help="lines of 'tenant key'")
+    s.add_argument("--no-auth", action="store_true", help="no API keys (loopback hosts only)")
+    s.add_argument(
+        "--insecure", action="store_true", help="no API keys on any interface (trusted networks only)"
+    )
+    s.add_argument(
+        "--allowed-host", action="append", default=[], help="extra Host header name to accept ('*': any)"
+    )
+    s.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    s.set_defaults(func=_serve)
+    t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
+    t.add_argument("dir", type=Path)
+    t.set_defaults(func=_make_tiny)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""One typed settings object for the service: flags > environment (OPENRL_*) > defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("openrl-service", appauthor=False))
+
+
+@dataclass
+class Limits:
+    """Per-request limits; each error names the setting that raises it."""
+
+    max_body_bytes: int = 64 * 1024 * 1024  # OPENRL_MAX_BODY_BYTES
+    max_datums: int = 4096  # OPENRL_MAX_DATUMS
+    max_num_samples: int = 128  # OPENRL_MAX_NUM_SAMPLES
+    max_tokens: int = 4096  # OPENRL_MAX_TOKENS (sampling)
+    max_rank: int = 128  # OPENRL_MAX_RANK
+    max_runs_per_tenant: int = 64  # OPENRL_MAX_RUNS_PER_TENANT
+    max_topk: int = 20  # OPENRL_MAX_TOPK
+    max_stop_sequences: int = 16  # OPENRL_MAX_STOP_SEQUENCES
+
+
+@dataclass
+class Settings:
+    model: str = "tiny"  # "tiny" | HF folder | .gguf file
+    model_name: str | None = None  # the name clients use; derived from the model when None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = field(default_factory=default_data_dir)
+    api_keys_file: Path | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
+    no_auth: bool = False
+    insecure: bool = False
+    allowed_hosts: list[str] = field(default_factory=list)
+    device: str | None = None  # cuda | mps | cpu; auto when None
+    torch_threads: int | None = None
+    # Engine timing.
+    long_poll_s: float = 25.0  # OPENRL_LONG_POLL_S: how long retrieve_future holds before try_again
+    future_ttl_s: float = 3600.0  # OPENRL_FUTURE_TTL_S: completed results stay fetchable this long
+    seq_gap_timeout_s: float = 120.0  # OPENRL_SEQ_GAP_TIMEOUT_S: a missing seq_id fails waiters after this
+    microbatch_tokens: int = 16384  # padded tokens per forward/backward micro-batch
+    max_sampler_snapshots: int = 256  # in-memory sampler snapshots before older ones spill to disk
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
+
+    @property
+    def auth_enabled(self) -> bool:
+        return not (self.no_auth or self.insecure)
+
+
+_ENV_FIELDS = {
+    "OPENRL_MODEL": ("model", str),
+    "OPENRL_MODEL_NAME": ("model_name", str),
+    "OPENRL_HOST": ("host", str),
+    "OPENRL_PORT": ("port", int),
+    "OPENRL_DATA_DIR": ("data_dir", Path),
+    "OPENRL_DEVICE": ("device", str),
+    "OPENRL_TORCH_THREADS": ("torch_threads", int),
+    "OPENRL_LONG_POLL_S": ("long_poll_s", float),
+    "OPENRL_FUTURE_TTL_S": ("future_ttl_s", float),
+    "OPENRL_SEQ_GAP_TIMEOUT_S": ("seq_gap_timeout_s", float),
+    "OPENRL_MICROBATCH_TOKENS": ("microbatch_tokens", int),
+}
+_ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
+
+
+def _api_key_entry(tenant: str, key: str, source: str) -> tuple[str, str]:
+    tenant, key = tenant.strip(), key.strip()
+    if not tenant or not key:
+        raise ValueError(f"{source}: every entry needs a tenant and a key")
+    if not key.startswith("tml-"):
+        raise ValueError(
+            f"{source}: the key for tenant {tenant!r} must start with 'tml-' (the Tinker SDK requires it)"
+        )
+    return key, tenant
+
+
+def parse_api_keys_env(text: str, source: str = "OPENRL_API_KEYS") -> dict[str, str]:
+    """``tenant:key,tenant:key`` -> {key: tenant}."""
+    keys = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        tenant, sep, key = item.partition(":")
+        if not sep:
+            raise ValueError(f"{source}: entry {item.split(':')[0]!r}... must be 'tenant:key'")
+        k, t = _api_key_entry(tenant, key, source)
+        keys[k] = t
+    return keys
+
+
+def parse_api_keys_file(text: str, source: str) -> dict[str, str]:
+    """Lines ``tenant key`` (blank lines and # comments skipped) -> {key: tenant}."""
+    keys = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 1)
+        if len(parts) != 2:
+            raise ValueError(f"{source}: line {n} must be 'tenant key'")
+        k, t = _api_key_entry(parts[0], parts[1], f"{source} line {n}")
+        keys[k] = t
+    return keys
+
+
+def from_env(env: dict[str, str] | None = None, **overrides) -> Settings:
+    """Settings from OPENRL_* variables, then explicit overrides (the CLI flags) on top."""
+    env = os.environ if env is None else env
+    s = Settings()
+    for var, (name, typ) in _ENV_FIELDS.items():
+        if env.get(var):
+            setattr(s, name, typ(env[var]))
+    for var, name in _ENV_LIMITS.items():
+        if env.get(var):
+            setattr(s.limits, name, int(env[var]))
+    if env.get("OPENRL_API_KEYS"):
+        s.api_keys.update(parse_api_keys_env(env["OPENRL_API_KEYS"]))
+    if env.get("OPENRL_ALLOWED_HOSTS"):
+        s.allowed_hosts = [h.strip() for h in env["OPENRL_ALLOWED_HOSTS"].split(",") if h.strip()]
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if hasattr(s.limits, name):
+            setattr(s.limits, name, value)
+        else:
+            setattr(s, name, value)
+    if s.api_keys_file is not None:
+        s.api_keys.update(parse_api_keys_file(Path(s.api_keys_file).read_text(), str(s.api_keys_file)))
+    s.data_dir = Path(s.data_dir)
+    return s

@@ -1,0 +1,111 @@
+"""Futures: a request's result, waited on by long-poll, kept fetchable for a while, then gone (410).
+
+The device worker completes a future from its own thread; waiters live on the HTTP event loop and
+are woken through ``loop.call_soon_threadsafe``, so a finished result reaches a polling client at
+once instead of on its next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from openrl_service.errors import Gone, NotFound, ServiceError
+
+
+@dataclass
+class FutureRecord:
+    request_id: str
+    tenant: str
+    kind: str
+    created_at: float = field(default_factory=time.time)
+    done: bool = False
+    result: Any = None
+    error: ServiceError | None = None
+    completed_at: float | None = None
+    extra: dict = field(default_factory=dict)  # e.g. model_id, sample_sequence_ids for the submit reply
+    cache: Any = None  # the encoded reply, made once on first retrieve
+    _event: asyncio.Event | None = None
+
+    def reply(self) -> dict:
+        return {"request_id": self.request_id, **self.extra}
+
+
+class FutureStore:
+    def __init__(self, *, ttl_s: float, expired_memory: int = 200_000):
+        self.ttl_s = ttl_s
+        self._records: dict[str, FutureRecord] = {}
+        self._expired: OrderedDict[str, float] = OrderedDict()
+        self._expired_memory = expired_memory
+        self._lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def new(self, tenant: str, kind: str, **extra) -> FutureRecord:
+        rec = FutureRecord(request_id=f"req-{uuid.uuid4().hex}", tenant=tenant, kind=kind, extra=extra)
+        if self.loop is not None:
+            rec._event = asyncio.Event()
+        with self._lock:
+            self._records[rec.request_id] = rec
+        return rec
+
+    def complete(self, rec: FutureRecord, result: Any = None, error: ServiceError | None = None) -> None:
+        """Thread-safe; the first completion wins."""
+        with self._lock:
+            if rec.done:
+                return
+            rec.result, rec.error = result, error
+            rec.completed_at = time.time()
+            rec.done = True
+        if rec._event is not None and self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(rec._event.set)
+
+    def get(self, tenant: str, request_id: str) -> FutureRecord:
+        with self._lock:
+            rec = self._records.get(request_id)
+            expired = request_id in self._expired
+        if rec is None or rec.tenant != tenant:
+            if expired and rec is None:
+                raise Gone(
+                    f"request {request_id} finished too long ago; results are kept {self.ttl_s:.0f} s "
+                    "(OPENRL_FUTURE_TTL_S)",
+                    field="request_id",
+                )
+            raise NotFound(f"unknown request_id {request_id!r}", field="request_id")
+        return rec
+
+    async def wait(self, rec: FutureRecord, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for completion; True when done."""
+        if rec.done:
+            return True
+        if rec._event is None:
+            return rec.done
+        try:
+            await asyncio.wait_for(rec._event.wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return rec.done
+
+    def sweep(self, now: float | None = None) -> int:
+        """Forget completed results older than the TTL; remember their ids to answer 410."""
+        now = time.time() if now is None else now
+        with self._lock:
+            old = [
+                r
+                for r in self._records.values()
+                if r.done and r.completed_at and now - r.completed_at > self.ttl_s
+            ]
+            for r in old:
+                del self._records[r.request_id]
+                self._expired[r.request_id] = now
+            while len(self._expired) > self._expired_memory:
+                self._expired.popitem(last=False)
+        return len(old)
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return sum(1 for r in self._records.values() if not r.done)

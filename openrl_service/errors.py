@@ -1,0 +1,62 @@
+"""Errors the service raises, and how each one reaches a client.
+
+    ServiceError                  the base; never shown with a traceback
+    ├── UserError                 the caller asked for something impossible (HTTP 400 / "user" result)
+    │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
+    │   ├── Gone                  existed once, has expired (410)
+    │   └── PayloadTooLarge       request body over the limit (413)
+    ├── Unauthorized              missing or wrong API key (401)
+    ├── NotReady                  the model is still loading (503, retried by clients)
+    └── InternalError             the service failed; the message carries an id, never internals
+
+A ``UserError`` names the field and, where one applies, the limit and its setting, e.g.
+``num_samples must be <= 64 (OPENRL_MAX_NUM_SAMPLES); got 500``.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status_code = 500
+    category = "server"
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_json(self) -> dict:
+        body = {"error": self.message, "category": self.category}
+        if self.field:
+            body["field"] = self.field
+        return body
+
+
+class UserError(ServiceError):
+    status_code = 400
+    category = "user"
+
+
+class NotFound(UserError):
+    status_code = 404
+
+
+class Gone(UserError):
+    status_code = 410
+
+
+class PayloadTooLarge(UserError):
+    status_code = 413
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+    category = "user"
+
+
+class NotReady(ServiceError):
+    status_code = 503
+
+
+class InternalError(ServiceError):
+    status_code = 500

@@ -1,0 +1,59 @@
+"""The sampling vocabulary: what a sample request asks for and what comes back.
+
+A :class:`Sampler` turns one :class:`SampleJob` (a prompt, how many samples, the sampling
+parameters and which adapter snapshot) into a :class:`SampleOutput`. The torch backend lives in
+``torch_sampler.py``; a vLLM backend implements the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from openrl_service.training.lora import Adapter
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k filter
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class SampleJob:
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    adapter: Adapter | None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]  # raw model logprobs of the sampled tokens (before temperature/top-k/top-p)
+    stop_reason: str  # "stop" | "length"
+    topk_ids: np.ndarray | None = None  # [len(tokens), k] int32
+    topk_logprobs: np.ndarray | None = None  # [len(tokens), k] float32
+
+
+@dataclass
+class SampleOutput:
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None = None  # [len(prompt)] float32, NaN at position 0
+    topk_prompt_ids: np.ndarray | None = None
+    topk_prompt_logprobs: np.ndarray | None = None
+    tokens: int = field(default=0)  # prompt + generated tokens processed
+
+
+class Sampler(Protocol):
+    def sample(self, job: SampleJob) -> SampleOutput: ...

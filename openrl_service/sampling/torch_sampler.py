@@ -1,0 +1,156 @@
+"""Sampling with plain torch on CPU, MPS or CUDA: one batched decode per request, KV-cached.
+
+The prompt is prefilled once and its cache repeated for the ``num_samples`` rows. Each row has its
+own ``torch.Generator`` seeded from (seed, row), so a seeded request gives the same samples whatever
+else is running. Logprobs are always the raw model's (log-softmax of the unscaled logits), so they
+match what training computes; temperature, top-k and top-p only shape the choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import numpy as np
+import torch
+
+from openrl_service.models.loading import BaseModel
+from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput
+
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+def _cache_io(model) -> tuple[str, str]:
+    """transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache", "cache") if "cache" in params else ("past_key_values", "past_key_values")
+
+
+def row_seed(seed: int, row: int) -> int:
+    return (seed * 1_000_003 + row * 7_919 + 17) % (2**63 - 1)
+
+
+class TorchSampler:
+    def __init__(self, base: BaseModel):
+        self.base = base
+        self._cache_arg, self._cache_out = _cache_io(base.model)
+
+    @torch.inference_mode()
+    def sample(self, job: SampleJob) -> SampleOutput:
+        base = self.base
+        dev = base.device
+        p = job.params
+        n = job.num_samples
+        prompt = torch.tensor([job.prompt], dtype=torch.long, device=dev)
+        with base.router.use(job.adapter):
+            out = base.model(input_ids=prompt, use_cache=True)
+        logits_prompt = out.logits[0].float()  # [P, V]
+        cache = getattr(out, self._cache_out)
+        result = SampleOutput(sequences=[])
+        if job.prompt_logprobs or job.topk_prompt_logprobs:
+            logp = torch.log_softmax(logits_prompt[:-1], dim=-1)
+            if job.prompt_logprobs:
+                pl = torch.full((len(job.prompt),), float("nan"))
+                if len(job.prompt) > 1:
+                    pl[1:] = logp.gather(-1, prompt[0, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+                result.prompt_logprobs = pl.numpy().astype(np.float32)
+            if job.topk_prompt_logprobs:
+                k = job.topk_prompt_logprobs
+                ids = np.zeros((len(job.prompt), k), dtype=np.int32)
+                vals = np.full((len(job.prompt), k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+                if len(job.prompt) > 1:
+                    top = torch.topk(logp, k, dim=-1)
+                    ids[1:] = top.indices.cpu().numpy()
+                    vals[1:] = top.values.cpu().numpy()
+                result.topk_prompt_ids, result.topk_prompt_logprobs = ids, vals
+
+        base_seed = p.seed if p.seed is not None else random.SystemRandom().randrange(2**62)
+        gens = [torch.Generator(device=dev).manual_seed(row_seed(base_seed, r)) for r in range(n)]
+        stop_ids = set(p.stop_token_ids)
+        window = max((len(s) for s in p.stop_strings), default=0) + 8
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        topk_rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+        stop_reason = ["length"] * n
+        active = list(range(n))  # rows still generating, in cache order
+        logits = logits_prompt[-1:].expand(n, -1)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        pos = len(job.prompt)
+        for step in range(p.max_tokens):
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
+            chosen = _choose(logits.float(), p, [gens[r] for r in active])
+            chosen_lp = raw.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            if job.topk_sample_logprobs:
+                top = torch.topk(raw, job.topk_sample_logprobs, dim=-1)
+                top_ids, top_vals = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            chosen_l = chosen.tolist()
+            chosen_lp_l = chosen_lp.tolist()
+            keep = []
+            for j, r in enumerate(active):
+                tok = chosen_l[j]
+                tokens[r].append(tok)
+                logprobs[r].append(chosen_lp_l[j])
+                if job.topk_sample_logprobs:
+                    topk_rows[r].append((top_ids[j], top_vals[j]))
+                if tok in stop_ids or (
+                    p.stop_strings and self._hits_stop_string(tokens[r], p.stop_strings, window)
+                ):
+                    stop_reason[r] = "stop"
+                else:
+                    keep.append(j)
+            if len(keep) == 0 or step == p.max_tokens - 1:
+                break
+            if len(keep) < len(active):
+                cache.batch_select_indices(torch.tensor(keep, device=dev))
+                chosen = chosen[keep]
+                active = [active[j] for j in keep]
+            pos_ids = torch.full((len(active), 1), pos, dtype=torch.long, device=dev)
+            with base.router.use(job.adapter):
+                out = base.model(
+                    input_ids=chosen.unsqueeze(-1),
+                    position_ids=pos_ids,
+                    use_cache=True,
+                    **{self._cache_arg: cache},
+                )
+            cache = getattr(out, self._cache_out)
+            logits = out.logits[:, -1]
+            pos += 1
+        for r in range(n):
+            seq = SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=stop_reason[r])
+            if job.topk_sample_logprobs:
+                seq.topk_ids = np.stack([t[0] for t in topk_rows[r]]).astype(np.int32)
+                seq.topk_logprobs = np.stack([t[1] for t in topk_rows[r]]).astype(np.float32)
+            result.sequences.append(seq)
+        result.tokens = len(job.prompt) + sum(len(t) for t in tokens)
+        return result
+
+    def _hits_stop_string(self, toks: list[int], stops: tuple[str, ...], window: int) -> bool:
+        tok = self.base.tokenizer
+        tail = tok.decode(toks[-window:], skip_special_tokens=False)
+        if not any(s in tail for s in stops):
+            return False
+        # Only the newest token can complete a stop string (earlier ones were checked already).
+        before = tok.decode(toks[-window:-1], skip_special_tokens=False) if len(toks) > 1 else ""
+        return any(s in tail and s not in before for s in stops) or not before
+
+
+def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row: greedy at temperature 0, else top-k/top-p filtered sampling."""
+    if p.temperature == 0:
+        return logits.argmax(dim=-1)
+    scaled = logits / p.temperature
+    if p.top_k is not None and p.top_k > 0 and p.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, p.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = (cum - probs) >= p.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(scaled, dim=-1)
+    picks = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)]
+    return torch.cat(picks)

@@ -1,0 +1,151 @@
+"""The built-in losses, exactly as Tinker defines them: summed over tokens and datums, never averaged.
+
+Notation (per datum, per position t < N): ``lp`` = log p_θ(target_t | prefix), computed here;
+``q`` = the sampler's logprobs (``loss_fn_inputs["logprobs"]``); ``A`` = advantages; r = exp(lp − q).
+
+    cross_entropy        −Σ lp·w                       (w any real; [N,K] targets allowed)
+    importance_sampling  −Σ r·A
+    ppo                  −Σ min(r·A, clip(r, lo, hi)·A)
+    cispo                −Σ sg(clip(r, lo, hi))·lp·A
+    dro                  −Σ (lp·A − ½β(lp − q)²)
+    gspo                 s = mean_{mask≠0}(sg(lp) − q); r_t = exp(s + lp − sg(lp)); −Σ min(r·A, clip(r, lo, hi)·A)
+
+Where A = 0 the log-ratio is taken as 0 before exponentiating, so a prompt position (A = 0, q = 0)
+cannot produce inf·0 = NaN; everywhere else the math is the formula above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openrl_service.errors import UserError
+
+
+@dataclass(frozen=True)
+class LossDef:
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
+    config: dict[str, float]  # accepted config keys and their defaults
+
+
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# GSPO clips a sequence-level ratio, so its band is far narrower (GSPO paper: 3e-4 / 4e-4).
+_GSPO_CLIP = {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4}
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+LOSSES: dict[str, LossDef] = {
+    "cross_entropy": LossDef(("target_tokens",), ("weights",), {}),
+    "importance_sampling": LossDef(_RL_INPUTS, ("weights",), {}),
+    "ppo": LossDef(_RL_INPUTS, ("weights",), dict(_CLIP)),
+    "cispo": LossDef(_RL_INPUTS, ("weights",), dict(_CLIP)),
+    "dro": LossDef(_RL_INPUTS, ("weights",), {"beta": 0.05}),
+    "gspo": LossDef(_RL_INPUTS, ("weights", "sequence_ratio_mask"), dict(_GSPO_CLIP)),
+}
+UNSUPPORTED_REASONS = {
+    "stable_reinforce": "its math is unpublished",
+    "custom": "server-side custom losses are disabled (forward_backward_custom works client-side)",
+}
+FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
+
+
+def check_loss(loss_fn: str, config: dict[str, float]) -> dict[str, float]:
+    """Validate a loss name and its config; returns the config with defaults filled in."""
+    if loss_fn not in LOSSES:
+        why = UNSUPPORTED_REASONS.get(loss_fn)
+        supported = ", ".join(LOSSES)
+        prefix = f"loss_fn {loss_fn!r} is not supported ({why})" if why else f"unknown loss_fn {loss_fn!r}"
+        raise UserError(f"{prefix}; supported losses: {supported}", field="loss_fn")
+    spec = LOSSES[loss_fn]
+    unknown = sorted(set(config) - set(spec.config))
+    if unknown:
+        accepted = ", ".join(spec.config) or "none"
+        raise UserError(
+            f"loss_fn_config: unknown key(s) {', '.join(unknown)} for {loss_fn} (accepted: {accepted})",
+            field="loss_fn_config",
+        )
+    full = dict(spec.config)
+    full.update({k: float(v) for k, v in config.items()})
+    if "clip_low_threshold" in full and not full["clip_low_threshold"] <= full["clip_high_threshold"]:
+        raise UserError(
+            "loss_fn_config: clip_low_threshold must be <= clip_high_threshold; "
+            f"got {full['clip_low_threshold']} > {full['clip_high_threshold']}",
+            field="loss_fn_config",
+        )
+    return full
+
+
+def compute_loss(
+    loss_fn: str,
+    lp: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    valid: torch.Tensor,
+    config: dict[str, float],
+) -> torch.Tensor:
+    """Per-datum losses [B] for a padded micro-batch.
+
+    ``lp`` is [B, L] (or [B, L, K] for cross_entropy); ``inputs`` are padded alike with zeros;
+    ``valid`` is [B, L], True on real positions.
+    """
+    v = valid if lp.dim() == 2 else valid.unsqueeze(-1)
+    dims = tuple(range(1, lp.dim()))
+    if loss_fn == "cross_entropy":
+        w = inputs.get("weights")
+        w = v.to(lp.dtype) if w is None else w * v
+        return -(lp * w).sum(dim=dims)
+    q = inputs["logprobs"]
+    adv = inputs["advantages"]
+    active = v & (adv != 0)
+    if loss_fn == "dro":
+        beta = config["beta"]
+        per_tok = lp * adv - 0.5 * beta * (lp - q) ** 2
+        return -(per_tok * v).sum(dim=dims)
+    if loss_fn == "gspo":
+        mask = inputs.get("sequence_ratio_mask")
+        mask = active if mask is None else (mask != 0) & v
+        lp_sg = lp.detach()
+        count = mask.sum(dim=1).clamp(min=1)
+        s = ((lp_sg - q) * mask).sum(dim=1) / count
+        log_ratio = torch.where(active, s.unsqueeze(1) + lp - lp_sg, torch.zeros_like(lp))
+    else:
+        log_ratio = torch.where(active, lp - q, torch.zeros_like(lp))
+    ratio = torch.exp(log_ratio)
+    if loss_fn == "importance_sampling":
+        per_tok = ratio * adv
+    elif loss_fn in ("ppo", "gspo"):
+        lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+        per_tok = torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    elif loss_fn == "cispo":
+        lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+        per_tok = torch.clamp(ratio, lo, hi).detach() * lp * adv
+    else:  # pragma: no cover - check_loss guards the name
+        raise UserError(f"unknown loss_fn {loss_fn!r}", field="loss_fn")
+    return -(per_tok * active).sum(dim=dims)
+
+
+def ratio_stats(
+    lp: torch.Tensor, inputs: dict[str, torch.Tensor], valid: torch.Tensor, config: dict[str, float]
+) -> dict[str, float] | None:
+    """Importance-ratio statistics over the positions that carry an advantage (RL losses only)."""
+    if "advantages" not in inputs or "logprobs" not in inputs or lp.dim() != 2:
+        return None
+    active = valid & (inputs["advantages"] != 0)
+    n = int(active.sum())
+    if n == 0:
+        return None
+    with torch.no_grad():
+        log_ratio = (lp.detach() - inputs["logprobs"])[active]
+        ratio = torch.exp(log_ratio)
+        out = {
+            "tokens": n,
+            "ratio_sum": float(ratio.sum()),
+            "ratio_min": float(ratio.min()),
+            "ratio_max": float(ratio.max()),
+            # k3 estimator of KL(sampler || trainer): E[r - 1 - log r], always >= 0.
+            "kl_sum": float((ratio - 1 - log_ratio).sum()),
+        }
+        if "clip_low_threshold" in config:
+            lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
+            out["clipped"] = int(((ratio < lo) | (ratio > hi)).sum())
+    return out

@@ -1,0 +1,239 @@
+"""Forward/backward and optimizer steps for per-run LoRA adapters on the shared base model.
+
+Everything here runs on the engine's single device-worker thread. A call's datums run as padded
+micro-batches (longest first, at most ``microbatch_tokens`` padded tokens each), never one datum at
+a time. Gradients accumulate in the run's own adapter tensors until its ``optim_step``, which clips
+and steps over that run's parameters only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from openrl_service.errors import UserError
+from openrl_service.models.loading import BaseModel
+from openrl_service.training.lora import Adapter, LoraSpec, new_adapter
+from openrl_service.training.losses import FLOAT_INPUTS, compute_loss, ratio_stats
+
+
+@dataclass
+class DatumArrays:
+    """One validated datum: ``tokens_N`` and its loss inputs ([N] or [N, K] numpy arrays)."""
+
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class TrainState:
+    """A run's trainable state: adapter, optimizer, and how many optimizer steps it has taken."""
+
+    spec: LoraSpec
+    adapter: Adapter
+    optimizer: torch.optim.Optimizer
+    steps: int = 0
+    pending_backward: int = 0  # forward_backward calls since the last optim_step
+    param_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ForwardResult:
+    logprobs: list[np.ndarray]  # one per datum, shaped like its target_tokens
+    loss: float
+    tokens: int
+    stats: dict[str, float] | None = None
+
+
+def make_optimizer(adapter: Adapter) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(adapter.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+
+class Trainer:
+    def __init__(self, base: BaseModel, *, microbatch_tokens: int = 16384):
+        self.base = base
+        self.microbatch_tokens = microbatch_tokens
+
+    # -- runs -------------------------------------------------------------------------------
+    def new_state(self, spec: LoraSpec, seed: int) -> TrainState:
+        adapter = new_adapter(spec, self.base.targets, seed=seed, device=self.base.device)
+        return self.state_for(adapter)
+
+    def state_for(self, adapter: Adapter) -> TrainState:
+        return TrainState(
+            spec=adapter.spec,
+            adapter=adapter,
+            optimizer=make_optimizer(adapter),
+            param_names=[n for n, _ in adapter.named_parameters()],
+        )
+
+    # -- forward / backward -----------------------------------------------------------------
+    def _microbatches(self, lengths: list[int]) -> list[list[int]]:
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        batches: list[list[int]] = []
+        current: list[int] = []
+        for i in order:
+            longest = lengths[current[0]] if current else lengths[i]
+            if current and longest * (len(current) + 1) > self.microbatch_tokens:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+        return batches
+
+    def forward_backward(
+        self,
+        state: TrainState | None,
+        data: list[DatumArrays],
+        loss_fn: str,
+        config: dict[str, float],
+        *,
+        forward_only: bool,
+    ) -> ForwardResult:
+        base = self.base
+        adapter = state.adapter if state is not None else None
+        dev = base.device
+        outputs: list[np.ndarray | None] = [None] * len(data)
+        total = 0.0
+        ntok = 0
+        stats_acc: dict[str, float] = {}
+        for idx in self._microbatches([len(d.tokens) for d in data]):
+            batch = [data[i] for i in idx]
+            L = max(len(d.tokens) for d in batch)
+            B = len(batch)
+            ids = torch.zeros(B, L, dtype=torch.long)
+            valid = torch.zeros(B, L, dtype=torch.bool)
+            for r, d in enumerate(batch):
+                n = len(d.tokens)
+                ids[r, :n] = torch.from_numpy(d.tokens)
+                valid[r, :n] = True
+            target = _pad([d.inputs["target_tokens"] for d in batch], L, torch.long)
+            inputs = {
+                k: _pad([d.inputs[k] for d in batch], L, torch.float32).to(dev)
+                for k in FLOAT_INPUTS
+                if k in batch[0].inputs
+            }
+            ids, valid, target = ids.to(dev), valid.to(dev), target.to(dev)
+            with base.router.use(adapter), torch.set_grad_enabled(not forward_only):
+                logits = base.model(input_ids=ids, use_cache=False).logits
+                lp = _target_logprobs(logits, target)
+                del logits
+                per_datum = compute_loss(loss_fn, lp, inputs, valid, config)
+                loss = per_datum.sum()
+                if not forward_only:
+                    loss.backward()
+            total += float(loss.detach())
+            ntok += int(valid.sum())
+            stats = ratio_stats(lp, inputs, valid, config)
+            if stats:
+                for k, val in stats.items():
+                    if k == "ratio_min":
+                        stats_acc[k] = min(stats_acc.get(k, math.inf), val)
+                    elif k == "ratio_max":
+                        stats_acc[k] = max(stats_acc.get(k, -math.inf), val)
+                    else:
+                        stats_acc[k] = stats_acc.get(k, 0.0) + val
+            lp_cpu = lp.detach().to("cpu", torch.float32).numpy()
+            for r, i in enumerate(idx):
+                n = len(data[i].tokens)
+                outputs[i] = lp_cpu[r, :n].copy()
+        if state is not None and not forward_only:
+            state.pending_backward += 1
+        return ForwardResult(outputs, total, ntok, stats_acc or None)  # type: ignore[arg-type]
+
+    # -- optimizer ----------------------------------------------------------------------------
+    def optim_step(self, state: TrainState, adam: AdamParams) -> dict[str, float]:
+        params = state.adapter.parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        else:
+            norm = 0.0
+        if not math.isfinite(norm):
+            for p in params:
+                p.grad = None
+            state.pending_backward = 0
+            raise UserError(
+                "optim_step skipped: the accumulated gradient norm is not finite "
+                "(check advantages/weights for inf or huge values); gradients were discarded",
+                field="gradients",
+            )
+        if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
+            coef = adam.grad_clip_norm / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        for group in state.optimizer.param_groups:
+            group["lr"] = adam.learning_rate
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.steps += 1
+        state.pending_backward = 0
+        return {
+            "grad_norm:mean": norm,
+            "learning_rate:mean": adam.learning_rate,
+            "step:max": float(state.steps),
+        }
+
+    # -- optimizer state as plain tensors (safetensors; never pickle) -------------------------
+    @staticmethod
+    def optimizer_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        names = dict(zip(state.param_names, state.adapter.parameters(), strict=True))
+        for name, p in names.items():
+            st = state.optimizer.state.get(p)
+            if not st:
+                continue
+            out[f"{name}.exp_avg"] = st["exp_avg"].detach().to("cpu").contiguous()
+            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu").contiguous()
+            out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).to("cpu")
+        out["__steps__"] = torch.tensor([float(state.steps)])
+        return out
+
+    @staticmethod
+    def load_optimizer_tensors(state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
+        state.optimizer = make_optimizer(state.adapter)
+        for name, p in zip(state.param_names, state.adapter.parameters(), strict=True):
+            if f"{name}.exp_avg" not in tensors:
+                continue
+            state.optimizer.state[p] = {
+                "step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32),
+                "exp_avg": tensors[f"{name}.exp_avg"].to(p.device, p.dtype).clone(),
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(p.device, p.dtype).clone(),
+            }
+        if "__steps__" in tensors:
+            state.steps = int(tensors["__steps__"].item())
+
+
+def _pad(arrays: list[np.ndarray], length: int, dtype: torch.dtype) -> torch.Tensor:
+    first = arrays[0]
+    shape = (len(arrays), length, *first.shape[1:])
+    out = torch.zeros(shape, dtype=dtype)
+    for r, a in enumerate(arrays):
+        out[r, : a.shape[0]] = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+    return out
+
+
+def _target_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position: [B, L] for [B, L] targets, [B, L, K] for [B, L, K]."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if target.dim() == 2:
+        return (logits.gather(-1, target.unsqueeze(-1)) - lse).squeeze(-1)
+    return logits.gather(-1, target) - lse
