@@ -93,5 +93,5 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             {"error": f"internal error (incident {incident})", "category": "server"}, status=500
         )
 
-    keys = KeyRing(settings.api_keys)
-    return AuthMiddleware(app, settings=settings, keys=keys)  # type: ignore[return-value]
+    app.add_middleware(AuthMiddleware, settings=settings, keys=KeyRing(settings.api_keys))
+    return app

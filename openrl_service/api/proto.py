@@ -151,7 +151,7 @@ def _build():
     for mname, fields in SCHEMA.items():
         m = fd.message_type.add(name=mname)
         oneofs: dict[str, int] = {}
-        for fname, num, typ, label, oneof in fields:
+        for *_, oneof in fields:
             if oneof and oneof not in oneofs:
                 oneofs[oneof] = len(m.oneof_decl)
                 m.oneof_decl.add(name=oneof)

