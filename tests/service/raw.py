@@ -32,8 +32,8 @@ class RawTinker:
     def __init__(self, http: httpx.Client):
         self.http = http
 
-    def post(self, path: str, **body) -> httpx.Response:
-        return self.http.post(f"/api/v1/{path}", json=body)
+    def post(self, route: str, /, **body) -> httpx.Response:
+        return self.http.post(f"/api/v1/{route}", json=body)
 
     def session(self) -> str:
         r = self.post("create_session")

@@ -32,9 +32,9 @@ def test_gguf_model_trains_and_samples(make_server, gguf_path):
     caps = tinker.RestClient(base_url=live.url, api_key=ALICE_KEY).get_server_capabilities().result()
     assert caps.supported_models[0].model_name == NAME
     tc = sc.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False)
     sampler = tc.save_weights_and_get_sampling_client().result()
     res = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=12, temperature=0.0)).result()
     answer = tok.decode(res.sequences[0].tokens)
