@@ -66,7 +66,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="openrl-demo-") as data:
         log_path = Path(data) / "service.log"
         with open(log_path, "w") as log:
-            cmd = [sys.executable, "-m", "openrl_service.cli", "serve", "--port", str(port), "--data-dir", data]
+            cmd = [
+                sys.executable,
+                "-m",
+                "openrl_service.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                data,
+            ]
             print(f"demo: starting {' '.join(cmd[2:])}", flush=True)
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -74,7 +83,9 @@ def main() -> int:
                 key = (Path(data) / "api-key").read_text().strip()
                 os.environ["TINKER_API_KEY"] = key
                 os.environ.setdefault("TINKER_TELEMETRY", "0")
-                print(f"demo: service ready at {url}; training openrl/tiny for {args.steps} steps", flush=True)
+                print(
+                    f"demo: service ready at {url}; training openrl/tiny for {args.steps} steps", flush=True
+                )
                 means = run(url, steps=args.steps, seed=args.seed)
             except BaseException:
                 stop(proc)

@@ -37,8 +37,18 @@ def decode(tokens: list[int]) -> str:
     return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
-def run(base_url: str, *, steps: int, group: int = 8, batch: int = 8, lr: float | None = None,
-        rank: int | None = None, max_tokens: int | None = None, seed: int = 0, log=print) -> list[float]:
+def run(
+    base_url: str,
+    *,
+    steps: int,
+    group: int = 8,
+    batch: int = 8,
+    lr: float | None = None,
+    rank: int | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    log=print,
+) -> list[float]:
     """Train for ``steps`` steps; returns the mean reward of each step."""
     import tinker
     from tinker import types
@@ -56,7 +66,9 @@ def run(base_url: str, *, steps: int, group: int = 8, batch: int = 8, lr: float 
     for step in range(steps):
         t0 = time.perf_counter()
         sampler = tc.save_weights_and_get_sampling_client()
-        params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed * 100_003 + step * 1_009)
+        params = types.SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, seed=seed * 100_003 + step * 1_009
+        )
         futures = [sampler.sample(types.ModelInput.from_ints(p), group, params) for p in prompts]
         datums, rewards = [], []
         for prompt, fut in zip(prompts, futures, strict=True):
@@ -70,14 +82,16 @@ def run(base_url: str, *, steps: int, group: int = 8, batch: int = 8, lr: float 
                     continue
                 full = prompt + list(s.tokens)
                 n_prompt = len(prompt) - 1
-                datums.append(types.Datum(
-                    model_input=types.ModelInput.from_ints(full[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": full[1:],
-                        "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                        "advantages": [0.0] * n_prompt + [adv] * len(s.tokens),
-                    },
-                ))
+                datums.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": full[1:],
+                            "logprobs": [0.0] * n_prompt + list(s.logprobs),
+                            "advantages": [0.0] * n_prompt + [adv] * len(s.tokens),
+                        },
+                    )
+                )
         if datums:
             tc.forward_backward(datums, "importance_sampling").result()
             tc.optim_step(types.AdamParams(learning_rate=lr)).result()

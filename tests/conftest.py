@@ -75,7 +75,9 @@ def start_server(data_dir: Path, tiny_dir: Path, **overrides) -> LiveServer:
     if not models.exists():
         shutil.copytree(tiny_dir, models)
     port = free_port()
-    settings = Settings(data_dir=data_dir, port=port, api_keys={ALICE_KEY: "alice", BOB_KEY: "bob"}, **overrides)
+    settings = Settings(
+        data_dir=data_dir, port=port, api_keys={ALICE_KEY: "alice", BOB_KEY: "bob"}, **overrides
+    )
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

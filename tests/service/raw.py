@@ -8,9 +8,16 @@ import numpy as np
 from openrl_service.api import proto
 
 
-def fb_body(model_id: str, seq_id: int, datums: list[tuple[list[int], dict[str, np.ndarray]]],
-            loss_fn: str = "cross_entropy", forward_only: bool = False) -> bytes:
-    msg = proto.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, forward_only=forward_only)
+def fb_body(
+    model_id: str,
+    seq_id: int,
+    datums: list[tuple[list[int], dict[str, np.ndarray]]],
+    loss_fn: str = "cross_entropy",
+    forward_only: bool = False,
+) -> bytes:
+    msg = proto.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, forward_only=forward_only
+    )
     for tokens, inputs in datums:
         d = msg.data.add()
         d.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
@@ -25,7 +32,10 @@ def fb_body(model_id: str, seq_id: int, datums: list[tuple[list[int], dict[str, 
 def sft_datum(prompt: list[int], completion: list[int]) -> tuple[list[int], dict[str, np.ndarray]]:
     seq = prompt + completion
     w = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-    return seq[:-1], {"target_tokens": np.array(seq[1:], dtype=np.int64), "weights": np.array(w, dtype=np.float32)}
+    return seq[:-1], {
+        "target_tokens": np.array(seq[1:], dtype=np.int64),
+        "weights": np.array(w, dtype=np.float32),
+    }
 
 
 class RawTinker:
@@ -41,20 +51,30 @@ class RawTinker:
         return r.json()["session_id"]
 
     def create_model(self, session_id: str, model_seq_id: int = 0, rank: int = 8, seed: int = 1) -> str:
-        r = self.post("create_model", session_id=session_id, model_seq_id=model_seq_id, base_model="openrl/tiny",
-                      lora_config={"rank": rank, "seed": seed})
+        r = self.post(
+            "create_model",
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model="openrl/tiny",
+            lora_config={"rank": rank, "seed": seed},
+        )
         r.raise_for_status()
         self.result(r.json()["request_id"])
         return r.json()["model_id"]
 
     def submit_fb(self, model_id: str, seq_id: int, datums, loss_fn: str = "cross_entropy", **headers) -> str:
-        r = self.http.post("/api/v1/forward_backward", content=fb_body(model_id, seq_id, datums, loss_fn),
-                           headers={"Content-Type": "application/x-protobuf", **headers})
+        r = self.http.post(
+            "/api/v1/forward_backward",
+            content=fb_body(model_id, seq_id, datums, loss_fn),
+            headers={"Content-Type": "application/x-protobuf", **headers},
+        )
         r.raise_for_status()
         return r.json()["request_id"]
 
     def submit_optim(self, model_id: str, seq_id: int, lr: float = 1e-3, **adam) -> str:
-        r = self.post("optim_step", model_id=model_id, seq_id=seq_id, adam_params={"learning_rate": lr, **adam})
+        r = self.post(
+            "optim_step", model_id=model_id, seq_id=seq_id, adam_params={"learning_rate": lr, **adam}
+        )
         r.raise_for_status()
         return r.json()["request_id"]
 

@@ -12,8 +12,9 @@ SCRIPT = Path(__file__).with_name("tinker_conformance.py")
 
 def test_tinker_sdk_conformance_script_passes(server):
     env = {**os.environ, "TINKER_API_KEY": ALICE_KEY, "TINKER_TELEMETRY": "0"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), server.url, TINY], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), server.url, TINY], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == "PASS"

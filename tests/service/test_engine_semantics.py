@@ -13,12 +13,20 @@ COMPLETIONS = [[21, 22, 23], [41, 42, 43, 44]]
 
 
 def data_for(offset: int):
-    return [sft_datum([t + offset for t in p], [t + offset for t in c]) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+    return [
+        sft_datum([t + offset for t in p], [t + offset for t in c])
+        for p, c in zip(PROMPTS, COMPLETIONS, strict=True)
+    ]
 
 
 def sdk_data(offset: int):
-    return [types.Datum(model_input=types.ModelInput.from_ints(toks),
-                        loss_fn_inputs={k: v.tolist() for k, v in inputs.items()}) for toks, inputs in data_for(offset)]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(toks),
+            loss_fn_inputs={k: v.tolist() for k, v in inputs.items()},
+        )
+        for toks, inputs in data_for(offset)
+    ]
 
 
 def adapter_tensors(server, model_id):
@@ -38,7 +46,10 @@ ORDERS = {
 
 def run_schedule(sc, order: str):
     """Each run does fb, opt, fb, fb, opt (gradients accumulate across the two fb); ``order`` interleaves them."""
-    clients = {r: sc.create_lora_training_client(base_model=TINY, rank=8, seed=s).result() for r, s in (("A", 1), ("B", 2))}
+    clients = {
+        r: sc.create_lora_training_client(base_model=TINY, rank=8, seed=s).result()
+        for r, s in (("A", 1), ("B", 2))
+    }
     cursor = {"A": 0, "B": 0}
     metrics = {"A": [], "B": []}
     for r in order:
@@ -47,9 +58,17 @@ def run_schedule(sc, order: str):
         tc = clients[r]
         if kind == "fb":
             out = tc.forward_backward(sdk_data(0 if r == "A" else 100), "cross_entropy").result()
-            metrics[r].append(("loss", out.metrics["loss:sum"], [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs]))
+            metrics[r].append(
+                (
+                    "loss",
+                    out.metrics["loss:sum"],
+                    [o["logprobs"].to_numpy().tolist() for o in out.loss_fn_outputs],
+                )
+            )
         else:
-            out = tc.optim_step(types.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)).result()
+            out = tc.optim_step(
+                types.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)
+            ).result()
             metrics[r].append(("opt", out.metrics))
     return clients, metrics
 
@@ -57,7 +76,10 @@ def run_schedule(sc, order: str):
 def test_interleaved_runs_are_bit_identical_to_solo_runs(server, service_client):
     solo_a, metrics_a = run_schedule(service_client, "AAAAA")
     solo_b, metrics_b = run_schedule(service_client, "BBBBB")
-    ref = {"A": adapter_tensors(server, solo_a["A"].model_id), "B": adapter_tensors(server, solo_b["B"].model_id)}
+    ref = {
+        "A": adapter_tensors(server, solo_a["A"].model_id),
+        "B": adapter_tensors(server, solo_b["B"].model_id),
+    }
     ref_metrics = {"A": metrics_a["A"], "B": metrics_b["B"]}
     for name, order in ORDERS.items():
         clients, metrics = run_schedule(service_client, order)
@@ -74,9 +96,15 @@ def test_grad_clipping_is_per_run(server, service_client):
     a = service_client.create_lora_training_client(base_model=TINY, rank=8, seed=1).result()
     b = service_client.create_lora_training_client(base_model=TINY, rank=8, seed=2).result()
     a.forward_backward(sdk_data(0), "cross_entropy").result()
-    grads_before = {n: t.grad.clone() for n, t in server.service.runs[a.model_id].state.adapter.named_parameters()}
+    grads_before = {
+        n: t.grad.clone() for n, t in server.service.runs[a.model_id].state.adapter.named_parameters()
+    }
     b.forward_backward(sdk_data(100), "cross_entropy").result()
-    b_norm = b.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3)).result().metrics["grad_norm:mean"]
+    b_norm = (
+        b.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3))
+        .result()
+        .metrics["grad_norm:mean"]
+    )
     after = dict(server.service.runs[a.model_id].state.adapter.named_parameters())
     for n, g in grads_before.items():
         assert torch.equal(after[n].grad, g)
@@ -140,7 +168,11 @@ def test_a_gap_times_out_naming_the_missing_seq_id(make_server):
     raw.result(raw.submit_fb(m, 1, data_for(0)))
     waiting = raw.submit_optim(m, 3)  # seq 2 never comes
     err = raw.result(waiting)
-    assert err["category"] == "user" and "seq_id 2 never arrived" in err["error"] and "OPENRL_SEQ_GAP_TIMEOUT_S" in err["error"]
+    assert (
+        err["category"] == "user"
+        and "seq_id 2 never arrived" in err["error"]
+        and "OPENRL_SEQ_GAP_TIMEOUT_S" in err["error"]
+    )
     late = raw.result(raw.submit_fb(m, 2, data_for(0)))
     assert "arrived after" in late["error"]
     assert "grad_norm:mean" in raw.result(raw.submit_optim(m, 4))["metrics"]  # the run goes on
@@ -154,7 +186,11 @@ def test_long_poll_answers_try_again_then_results_expire_with_410(make_server):
     m = raw.create_model(sid)
     waiting = raw.submit_optim(m, 2)  # blocked behind the missing seq 1
     r = raw.post("retrieve_future", request_id=waiting)
-    assert r.status_code == 200 and r.json() == {"type": "try_again", "request_id": waiting, "queue_state": "active"}
+    assert r.status_code == 200 and r.json() == {
+        "type": "try_again",
+        "request_id": waiting,
+        "queue_state": "active",
+    }
     done = raw.submit_fb(m, 1, data_for(0))
     assert "loss_fn_outputs" in raw.result(done)
     assert "loss_fn_outputs" in raw.result(done)  # a result can be fetched more than once
@@ -188,13 +224,18 @@ def test_sampler_logprobs_match_the_trainer(service_client):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = [11, 12, 13, 14]
-    res = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=12, seed=1)).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=12, seed=1)
+    ).result()
     diffs = []
     datums = []
     for s in res.sequences:
         full = prompt + list(s.tokens)
-        datums.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                  loss_fn_inputs={"target_tokens": full[1:]}))
+        datums.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]}
+            )
+        )
     out = tc.forward(datums, "cross_entropy").result()
     for s, o in zip(res.sequences, out.loss_fn_outputs, strict=True):
         trainer_lp = o["logprobs"].to_numpy()[len(prompt) - 1 :]

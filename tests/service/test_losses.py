@@ -34,8 +34,15 @@ def tc(service_client):
 
 
 def current_logprobs(tc, data):
-    out = tc.forward([types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
-                      for d in data], "cross_entropy").result()
+    out = tc.forward(
+        [
+            types.Datum(
+                model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]}
+            )
+            for d in data
+        ],
+        "cross_entropy",
+    ).result()
     return [o["logprobs"].to_numpy().astype(np.float64) for o in out.loss_fn_outputs]
 
 
@@ -95,17 +102,23 @@ def test_rl_loss_matches_formula(tc, loss_fn, config):
 def test_cross_entropy_signed_weights_and_nk_targets(tc):
     seq = [72, 101, 108, 108, 111]
     weights = [1.0, -0.5, 2.0, 0.0]
-    d1 = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                     loss_fn_inputs={"target_tokens": seq[1:], "weights": weights})
+    d1 = types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": weights},
+    )
     out = tc.forward([d1], "cross_entropy").result()
     lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert out.metrics["loss:sum"] == pytest.approx(-(lp * np.array(weights)).sum(), rel=1e-5)
     # [N, K] targets: K candidate tokens per position, each with its own weight.
     targets = torch.tensor([[101, 102], [108, 109], [108, 110], [111, 112]])
     w2 = torch.tensor([[1.0, 0.5], [1.0, 0.0], [0.25, 1.0], [1.0, -1.0]])
-    d2 = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                     loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
-                                     "weights": types.TensorData.from_torch(w2)})
+    d2 = types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(targets),
+            "weights": types.TensorData.from_torch(w2),
+        },
+    )
     out2 = tc.forward([d2], "cross_entropy").result()
     lp2 = out2.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert lp2.shape == (4, 2)
@@ -142,7 +155,9 @@ def test_forward_backward_custom_matches_builtin_gradients(server, service_clien
             q = torch.tensor(d.loss_fn_inputs["logprobs"].to_numpy())
             adv = torch.tensor(d.loss_fn_inputs["advantages"].to_numpy())
             active = adv != 0
-            total = total - (torch.exp(torch.where(active, lp - q, torch.zeros_like(lp))) * adv * active).sum()
+            total = (
+                total - (torch.exp(torch.where(active, lp - q, torch.zeros_like(lp))) * adv * active).sum()
+            )
         return total, {}
 
     custom.forward_backward_custom(data, is_loss).result()

@@ -22,8 +22,11 @@ def test_zstd_compressed_forward_backward(server):
     raw = RawTinker(server.client())
     m = raw.create_model(raw.session())
     body = zstandard.ZstdCompressor().compress(fb_body(m, 1, [sft_datum([11, 12, 13], [21, 22])]))
-    r = server.client().post("/api/v1/forward_backward", content=body,
-                             headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"})
+    r = server.client().post(
+        "/api/v1/forward_backward",
+        content=body,
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
     assert r.status_code == 200
     out = raw.result(r.json()["request_id"])
     assert len(out["loss_fn_outputs"]) == 1 and out["metrics"]["loss:sum"] > 0
@@ -41,7 +44,9 @@ def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server):
     raw = RawTinker(server.client())
     sid = raw.session()
     m = raw.create_model(sid)
-    path = raw.result(raw.post("save_weights", model_id=m, seq_id=1, path="keep").json()["request_id"])["path"]
+    path = raw.result(raw.post("save_weights", model_id=m, seq_id=1, path="keep").json()["request_id"])[
+        "path"
+    ]
     assert raw.post(f"sessions/{sid}/finish", reason={"type": "success"}).status_code == 200
     assert raw.post("session_heartbeat", session_id=sid).status_code == 410  # the SDK stops heartbeating
     assert raw.post("get_info", model_id=m).status_code == 404

@@ -32,18 +32,27 @@ def test_gguf_model_trains_and_samples(make_server, gguf_path):
     caps = tinker.RestClient(base_url=live.url, api_key=ALICE_KEY).get_server_capabilities().result()
     assert caps.supported_models[0].model_name == NAME
     tc = sc.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
     sampler = tc.save_weights_and_get_sampling_client().result()
-    res = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=12, temperature=0.0)).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=12, temperature=0.0)
+    ).result()
     answer = tok.decode(res.sequences[0].tokens)
     assert "Paris" in answer, answer
     completion = tok.encode(" The capital of France is Paris.", add_special_tokens=False)
     seq = prompt + completion
-    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                        loss_fn_inputs={"target_tokens": seq[1:],
-                                        "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(completion)})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={
+            "target_tokens": seq[1:],
+            "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(completion),
+        },
+    )
     first = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     after = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]

@@ -23,8 +23,10 @@ def trained(server):
     tc = sc.create_lora_training_client(base_model=TINY, rank=8, seed=21).result()
     target = list(b"ab ab ab ab ab ab ab ab ab ab")
     seq = list(b"Once upon a time") + target
-    datum = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                        loss_fn_inputs={"target_tokens": seq[1:], "weights": [0.0] * 15 + [1.0] * len(target)})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [0.0] * 15 + [1.0] * len(target)},
+    )
     for _ in range(40):
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
@@ -79,7 +81,9 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(trained):
     _, _, sampler = trained
     greedy = sample(sampler, max_tokens=10, temperature=0.0).sequences[0].tokens
     assert sample(sampler, 3, max_tokens=10, temperature=1.0, top_k=1, seed=3).sequences[2].tokens == greedy
-    assert sample(sampler, 3, max_tokens=10, temperature=1.0, top_p=1e-6, seed=3).sequences[1].tokens == greedy
+    assert (
+        sample(sampler, 3, max_tokens=10, temperature=1.0, top_p=1e-6, seed=3).sequences[1].tokens == greedy
+    )
 
 
 def test_logprobs_are_raw_model_logprobs_whatever_the_temperature(trained):
@@ -87,13 +91,19 @@ def test_logprobs_are_raw_model_logprobs_whatever_the_temperature(trained):
     hot = sample(sampler, max_tokens=6, temperature=5.0, seed=7, stop=[]).sequences[0]
     prompt_then = types.ModelInput.from_ints(PROMPT.to_ints() + hot.tokens)
     lps = sampler.compute_logprobs(prompt_then).result()
-    np.testing.assert_allclose(lps[-len(hot.tokens):], hot.logprobs, atol=1e-4)
+    np.testing.assert_allclose(lps[-len(hot.tokens) :], hot.logprobs, atol=1e-4)
 
 
 def test_prompt_and_topk_logprobs(trained):
     _, _, sampler = trained
-    res = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=4, temperature=0.0), include_prompt_logprobs=True,
-                         topk_prompt_logprobs=3, topk_sample_logprobs=2).result()
+    res = sampler.sample(
+        PROMPT,
+        1,
+        types.SamplingParams(max_tokens=4, temperature=0.0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+    ).result()
     assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == PROMPT.length
     assert all(lp is not None and lp < 0 for lp in res.prompt_logprobs[1:])
     topk = res.topk_prompt_logprobs
@@ -124,6 +134,8 @@ def test_saved_sampler_weights_load_in_peft_with_the_same_logits(server, trained
     tokens = PROMPT.to_ints() + list(b"ab ab")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    peft_lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+    peft_lp = (
+        torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+    )
     ours = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
     np.testing.assert_allclose(peft_lp.numpy(), ours, atol=1e-4)

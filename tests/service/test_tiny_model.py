@@ -17,7 +17,9 @@ def test_loads_with_auto_classes_offline(tiny_model_dir):
     assert len(tok) == VOCAB_SIZE  # the special AutoTokenizer adds (<|endoftext|>) is already inside
     assert tok.encode("Hi!") == [72, 105, 33]  # token id == byte value
     assert tok.decode([72, 105, 33]) == "Hi!"
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.vocab_size == VOCAB_SIZE and model.config.tie_word_embeddings

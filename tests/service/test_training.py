@@ -19,8 +19,12 @@ def sft_data():
         prompt, completion = list(b"> "), list(line.encode())
         seq = prompt + completion
         weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                               loss_fn_inputs={"target_tokens": seq[1:], "weights": weights}))
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(seq[:-1]),
+                loss_fn_inputs={"target_tokens": seq[1:], "weights": weights},
+            )
+        )
     return out
 
 
@@ -36,8 +40,10 @@ def test_sft_30_steps_halve_the_loss(service_client):
     assert final <= 0.5 * losses[0], (losses[0], final)
     # Per-datum logprobs come back shaped like the targets and sum to the reported loss.
     out = tc.forward(data, "cross_entropy").result()
-    total = -sum(float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
-                 for o, d in zip(out.loss_fn_outputs, data, strict=True))
+    total = -sum(
+        float((o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum())
+        for o, d in zip(out.loss_fn_outputs, data, strict=True)
+    )
     assert abs(total - out.metrics["loss:sum"]) < 1e-3 * max(1.0, abs(total))
 
 

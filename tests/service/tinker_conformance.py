@@ -29,24 +29,36 @@ def datum(prompt, completion):
     seq = prompt + completion
     w = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
     return types.Datum(
-        model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs={"target_tokens": seq[1:], "weights": w}
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": w},
     )
 
 
 sc = tinker.ServiceClient(base_url=BASE_URL)
 rest = tinker.RestClient(base_url=BASE_URL)
-check(any(m.model_name == BASE_MODEL for m in rest.get_server_capabilities().result().supported_models), "capabilities")
+check(
+    any(m.model_name == BASE_MODEL for m in rest.get_server_capabilities().result().supported_models),
+    "capabilities",
+)
 tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
-check(tc.get_info().model_data.model_name == BASE_MODEL and tc.model_id.endswith(":train:0"), "create_model+get_info")
+check(
+    tc.get_info().model_data.model_name == BASE_MODEL and tc.model_id.endswith(":train:0"),
+    "create_model+get_info",
+)
 data = [datum([11, 12, 13, 14], [21, 22, 23]), datum([31, 32], [41, 42, 43, 44])]
 fb = tc.forward_backward(data, "cross_entropy").result()
 check(
     len(fb.loss_fn_outputs) == 2
-    and all(o["logprobs"].shape == [d.model_input.length] for o, d in zip(fb.loss_fn_outputs, data)),
+    and all(
+        o["logprobs"].shape == [d.model_input.length] for o, d in zip(fb.loss_fn_outputs, data, strict=True)
+    ),
     "fwd_bwd per-datum logprobs",
 )
 check(math.isfinite(fb.metrics.get("loss:sum", math.nan)), f"metrics {fb.metrics}")
-check(isinstance(tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(), types.OptimStepResponse), "optim_step")
+check(
+    isinstance(tc.optim_step(types.AdamParams(learning_rate=1e-4)).result(), types.OptimStepResponse),
+    "optim_step",
+)
 fwd = tc.forward(data, "cross_entropy").result()
 check(fwd.metrics["loss:sum"] < fb.metrics["loss:sum"], "loss decreased after a step")
 sampler = tc.save_weights_and_get_sampling_client().result()
@@ -62,7 +74,8 @@ check(state.path == f"tinker://{tc.model_id}/weights/ckpt-0001", f"save_state {s
 sw = tc.save_weights_for_sampler("sampler-0001").result()
 s2 = sc.create_sampling_client(model_path=sw.path).result()
 check(
-    s2.get_base_model() == BASE_MODEL and s2.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result().sequences,
+    s2.get_base_model() == BASE_MODEL
+    and s2.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result().sequences,
     "sample from saved sampler weights",
 )
 tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
@@ -70,11 +83,16 @@ tc.load_state(state.path).result()
 after = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
 check(abs(after - fwd.metrics["loss:sum"]) < 1e-3, "load_state restores weights")
 tc2 = sc.create_training_client_from_state_with_optimizer(state.path).result()
-check(abs(tc2.forward(data, "cross_entropy").result().metrics["loss:sum"] - after) < 1e-3, "from_state weights")
 check(
-    {c.checkpoint_type for c in rest.list_checkpoints(tc.model_id).result().checkpoints} >= {"training", "sampler"},
+    abs(tc2.forward(data, "cross_entropy").result().metrics["loss:sum"] - after) < 1e-3, "from_state weights"
+)
+check(
+    {c.checkpoint_type for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    >= {"training", "sampler"},
     "list",
 )
-check(rest.get_training_run_by_tinker_path(state.path).result().training_run_id == tc.model_id, "training run")
+check(
+    rest.get_training_run_by_tinker_path(state.path).result().training_run_id == tc.model_id, "training run"
+)
 sc.close("success").result()
 print("PASS")
