@@ -31,7 +31,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         async def sweep():
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, settings.future_ttl_s / 4)))
-                svc.futures.sweep()
+                svc.engine.forget(svc.futures.sweep())
+                svc.reap_idle_sessions()
 
         sweeper = asyncio.create_task(sweep())
         try:

@@ -49,7 +49,9 @@ class Settings:
     future_ttl_s: float = 3600.0  # OPENRL_FUTURE_TTL_S: completed results stay fetchable this long
     seq_gap_timeout_s: float = 120.0  # OPENRL_SEQ_GAP_TIMEOUT_S: a missing seq_id fails waiters after this
     microbatch_tokens: int = 16384  # padded tokens per forward/backward micro-batch
-    max_sampler_snapshots: int = 256  # in-memory sampler snapshots before older ones spill to disk
+    max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
+    max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
+    session_idle_timeout_s: float = 3600.0  # OPENRL_SESSION_IDLE_TIMEOUT_S: no heartbeat/request → finished
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -73,6 +75,9 @@ _ENV_FIELDS = {
     "OPENRL_FUTURE_TTL_S": ("future_ttl_s", float),
     "OPENRL_SEQ_GAP_TIMEOUT_S": ("seq_gap_timeout_s", float),
     "OPENRL_MICROBATCH_TOKENS": ("microbatch_tokens", int),
+    "OPENRL_MAX_SAMPLER_SNAPSHOTS": ("max_sampler_snapshots", int),
+    "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
+    "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 

@@ -30,6 +30,9 @@ class FutureRecord:
     completed_at: float | None = None
     extra: dict = field(default_factory=dict)  # e.g. model_id, sample_sequence_ids for the submit reply
     cache: Any = None  # the encoded reply, made once on first retrieve
+    # Where the scheduler indexed this future, so the index can forget it when the result expires.
+    idem_key: str | None = None
+    slot: tuple[str, int] | None = None
     _event: asyncio.Event | None = None
 
     def reply(self) -> dict:
@@ -90,8 +93,8 @@ class FutureStore:
             pass
         return rec.done
 
-    def sweep(self, now: float | None = None) -> int:
-        """Forget completed results older than the TTL; remember their ids to answer 410."""
+    def sweep(self, now: float | None = None) -> list[FutureRecord]:
+        """Forget completed results older than the TTL (returned); remember their ids to answer 410."""
         now = time.time() if now is None else now
         with self._lock:
             old = [
@@ -104,7 +107,7 @@ class FutureStore:
                 self._expired[r.request_id] = now
             while len(self._expired) > self._expired_memory:
                 self._expired.popitem(last=False)
-        return len(old)
+        return old
 
     def pending_count(self) -> int:
         with self._lock:

@@ -109,10 +109,16 @@ class Engine:
         with self._cv:
             return self._idem.get((tenant, key))
 
-    def remember(self, tenant: str, key: str | None, rec: FutureRecord) -> None:
-        if key:
-            with self._cv:
-                self._idem[(tenant, key)] = rec
+    def forget(self, expired: list[FutureRecord]) -> None:
+        """Drop index entries of expired futures, so retries are remembered only as long as results."""
+        with self._cv:
+            for rec in expired:
+                if rec.idem_key and self._idem.get((rec.tenant, rec.idem_key)) is rec:
+                    del self._idem[(rec.tenant, rec.idem_key)]
+                if rec.slot is not None:
+                    lane = self._lanes.get(rec.slot[0])
+                    if lane is not None and lane.seq_index.get(rec.slot[1]) is rec:
+                        del lane.seq_index[rec.slot[1]]
 
     def submit(self, op: Op, *, idem_key: str | None = None) -> tuple[FutureRecord, bool]:
         """Queue ``op``; returns (the future to answer with, whether this was a retry)."""
@@ -130,6 +136,7 @@ class Engine:
                 if prior is not None:
                     return prior, True
                 lane.seq_index[op.seq_id] = op.future
+                op.future.slot = (op.lane, op.seq_id)
                 if op.seq_id < (lane.next_seq or 0) or op.seq_id in lane.skipped:
                     late = UserError(
                         f"seq_id {op.seq_id} arrived after model {op.run_id} had moved past it "
@@ -149,6 +156,7 @@ class Engine:
                 lane.ready.append(op)
             if idem_key:
                 self._idem[(tenant, idem_key)] = op.future
+                op.future.idem_key = idem_key
             self._cv.notify_all()
         return op.future, False
 

@@ -105,6 +105,7 @@ class TrainingService:
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, SamplerEntry] = {}
+        self._evicted: dict[str, str] = {}  # sampler id -> tenant, to explain a 404
         self._lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -180,6 +181,28 @@ class TrainingService:
                 self.samplers.pop(sid, None)
         for rid in run_ids:
             self.engine.close_lane(f"run:{rid}")
+
+    def reap_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client that died)."""
+        now = time.time() if now is None else now
+        idle = []
+        for sess in list(self.sessions.values()):
+            if sess.finished:
+                continue
+            last = max(
+                [sess.last_heartbeat]
+                + [self.runs[r].last_request_time for r in sess.run_ids if r in self.runs]
+            )
+            if now - last > self.settings.session_idle_timeout_s:
+                idle.append(sess)
+        for sess in idle:
+            log.info(
+                "finishing idle session %s (no heartbeat for %.0f s)",
+                sess.session_id,
+                now - sess.last_heartbeat,
+            )
+            self.finish_session(sess.tenant, sess.session_id)
+        return [s.session_id for s in idle]
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, tenant: str, model_id: str) -> Run:
@@ -679,24 +702,37 @@ class TrainingService:
 
     # -- samplers -------------------------------------------------------------------------------
     def _add_sampler(self, entry: SamplerEntry) -> None:
+        """Register a sampler; beyond the count or byte budget the oldest snapshots are evicted."""
+        s = self.settings
         with self._lock:
             self.samplers[entry.sampler_id] = entry
             sess = self.sessions.get(entry.session_id or "")
             if sess is not None:
                 sess.sampler_ids.append(entry.sampler_id)
-            snapshots = [s for s in self.samplers.values() if s.adapter is not None]
-            overflow = len(snapshots) - self.settings.max_sampler_snapshots
-            if overflow > 0:
-                for old in sorted(snapshots, key=lambda s: s.created_at)[:overflow]:
-                    del self.samplers[old.sampler_id]
-                    log.info(
-                        "evicted sampler %s (over %d snapshots)",
-                        old.sampler_id,
-                        self.settings.max_sampler_snapshots,
-                    )
+            snapshots = sorted(
+                (x for x in self.samplers.values() if x.adapter is not None), key=lambda x: x.created_at
+            )
+            total = sum(x.adapter.nbytes() for x in snapshots)
+            while len(snapshots) > 1 and (
+                len(snapshots) > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes
+            ):
+                old = snapshots.pop(0)
+                total -= old.adapter.nbytes()
+                del self.samplers[old.sampler_id]
+                self._evicted[old.sampler_id] = old.tenant
+                while len(self._evicted) > 100_000:
+                    self._evicted.pop(next(iter(self._evicted)))
+                log.info("evicted sampler %s (snapshot budget)", old.sampler_id)
 
     def sampler_entry(self, tenant: str, sampler_id: str) -> SamplerEntry:
         entry = self.samplers.get(sampler_id)
+        if entry is None and self._evicted.get(sampler_id) == tenant:
+            raise NotFound(
+                f"sampler {sampler_id} was evicted: the service keeps the newest {self.settings.max_sampler_snapshots} "
+                "snapshots within OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES (OPENRL_MAX_SAMPLER_SNAPSHOTS); "
+                "save weights for a new sampling client",
+                field="sampling_session_id",
+            )
         if entry is None or entry.tenant != tenant:
             raise NotFound(f"unknown sampling_session_id {sampler_id!r}", field="sampling_session_id")
         return entry

@@ -66,3 +66,45 @@ def test_every_executed_op_is_recorded(server):
     ops = [op for op in server.service.recorder.since(start) if op.run == m]
     assert [op.kind for op in ops] == ["forward_backward", "optim_step"]
     assert ops[0].tokens == 4 and all(op.end >= op.start and op.ok for op in ops)
+
+
+def test_old_snapshots_are_evicted_with_an_explanation(make_server):
+    live = make_server(max_sampler_snapshots=2)
+    raw = RawTinker(live.client())
+    sid = raw.session()
+    m = raw.create_model(sid)
+    ids = []
+    for seq in (1, 2, 3):
+        r = raw.post(
+            "save_weights_for_sampler", model_id=m, seq_id=seq, sampling_session_seq_id=seq, kind="snapshot"
+        )
+        ids.append(raw.result(r.json()["request_id"])["sampling_session_id"])
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [11, 12]}]}
+    gone = raw.post("asample", sampling_session_id=ids[0], num_samples=1, prompt=prompt)
+    assert gone.status_code == 404 and "evicted" in gone.json()["error"]
+    assert "OPENRL_MAX_SAMPLER_SNAPSHOTS" in gone.json()["error"]
+    ok = raw.post("asample", sampling_session_id=ids[2], num_samples=1, prompt=prompt)
+    assert ok.status_code == 200 and len(ok.json()["sample_sequence_ids"]) == 1
+
+
+def test_a_client_that_vanished_has_its_session_finished(make_server):
+    live = make_server(session_idle_timeout_s=60)
+    raw = RawTinker(live.client())
+    sid = raw.session()
+    m = raw.create_model(sid)
+    assert live.service.reap_idle_sessions() == []  # heartbeats and requests keep a session alive
+    assert live.service.reap_idle_sessions(now=__import__("time").time() + 120) == [sid]
+    assert raw.post("session_heartbeat", session_id=sid).status_code == 410
+    assert raw.post("get_info", model_id=m).status_code == 404
+
+
+def test_retries_are_remembered_as_long_as_results(make_server):
+    live = make_server(future_ttl_s=1)
+    raw = RawTinker(live.client())
+    m = raw.create_model(raw.session())
+    first = raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])])
+    raw.result(first)
+    assert raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])]) == first  # a retry within the TTL
+    live.service.engine.forget(live.service.futures.sweep(now=__import__("time").time() + 10))
+    late = raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])])
+    assert late != first and "arrived after" in raw.result(late)["error"]  # never applied a second time
