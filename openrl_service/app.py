@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -85,14 +84,6 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        incident = uuid.uuid4().hex[:8]
-        log.exception("unhandled error on %s %s (incident %s)", request.method, request.url.path, incident)
-        return json_response(
-            {"error": f"internal error (incident {incident})", "category": "server"}, status=500
-        )
 
     app.add_middleware(AuthMiddleware, settings=settings, keys=KeyRing(settings.api_keys))
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -18,6 +19,8 @@ from urllib.parse import urlsplit
 import orjson
 
 from openrl_service.config import LOOPBACK_HOSTS, Settings
+
+log = logging.getLogger("openrl_service")
 
 PUBLIC_PATHS = {"/healthz", "/readyz", "/api/v1/healthz"}
 DEFAULT_TENANT = "default"
@@ -110,7 +113,8 @@ class AuthMiddleware:
                     "host",
                 )
             origin = headers.get("origin")
-            if origin and origin != "null" and _host_only(urlsplit(origin).netloc) not in self.hosts:
+            # "null" is what sandboxed frames and file:// pages send: refused like any foreign origin.
+            if origin and (origin == "null" or _host_only(urlsplit(origin).netloc) not in self.hosts):
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
         path = scope.get("path", "")
         if path not in PUBLIC_PATHS:
@@ -168,8 +172,11 @@ class AuthMiddleware:
                 )
 
 
-async def _error(send, status: int, message: str, field: str) -> None:
-    body = orjson.dumps({"error": message, "category": "user", "field": field})
+async def _error(send, status: int, message: str, field: str | None, category: str = "user") -> None:
+    payload = {"error": message, "category": category}
+    if field:
+        payload["field"] = field
+    body = orjson.dumps(payload)
     await send(
         {
             "type": "http.response.start",

@@ -48,23 +48,41 @@ def json_response(data: Any, status: int = 200) -> Response:
     )
 
 
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"decompressed body exceeds {max_bytes} bytes (OPENRL_MAX_BODY_BYTES)", field="body"
+    )
+
+
+def inflate_zstd(body: bytes, max_bytes: int) -> bytes:
+    """Decompress in bounded chunks: a frame that declares (or inflates to) more than the limit is refused
+    before it is allocated."""
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise UserError(
+            f"body: Content-Encoding zstd but the body is not valid zstd ({e})", field="body"
+        ) from e
+    if declared > max_bytes:
+        raise _too_large(max_bytes)
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while chunk := reader.read(1 << 20):
+                out += chunk
+                if len(out) > max_bytes:
+                    raise _too_large(max_bytes)
+    except zstandard.ZstdError as e:
+        raise UserError(
+            f"body: Content-Encoding zstd but the body is not valid zstd ({e})", field="body"
+        ) from e
+    return bytes(out)
+
+
 async def read_body(request: Request, max_bytes: int) -> bytes:
     body = await request.body()
     if request.headers.get("content-encoding", "").lower() == "zstd":
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
-        except zstandard.ZstdError as e:
-            if "size" in str(e).lower() or "output" in str(e).lower():
-                raise PayloadTooLarge(
-                    f"decompressed body exceeds {max_bytes} bytes (OPENRL_MAX_BODY_BYTES)", field="body"
-                ) from e
-            raise UserError(
-                f"body: Content-Encoding zstd but the body is not valid zstd ({e})", field="body"
-            ) from e
-        if len(body) > max_bytes:
-            raise PayloadTooLarge(
-                f"decompressed body exceeds {max_bytes} bytes (OPENRL_MAX_BODY_BYTES)", field="body"
-            )
+        body = inflate_zstd(body, max_bytes)
     return body
 
 
@@ -97,7 +115,8 @@ def _tenant(request: Request) -> str:
 
 
 # -- protobuf decode / encode --------------------------------------------------------------------
-def _tensor_to_numpy(t, where: str) -> np.ndarray:
+def _tensor_to_numpy(t, where: str, max_n: int, max_k: int) -> np.ndarray:
+    """A protobuf Tensor as a writable numpy array; every declared size is checked before allocating."""
     if t.dtype not in proto.NUMPY_OF:
         raise UserError(
             f"{where}: unsupported dtype {proto.DTYPE_NAMES.get(t.dtype, t.dtype)} "
@@ -105,9 +124,15 @@ def _tensor_to_numpy(t, where: str) -> np.ndarray:
             field=where,
         )
     dt = proto.NUMPY_OF[t.dtype]
-    shape = list(t.shape)
+    shape = [int(s) for s in t.shape]
     if any(s < 0 for s in shape) or len(shape) > 2:
         raise UserError(f"{where}: shape {shape} is not [N] or [N, K]", field=where)
+    if shape and shape[0] > max_n:
+        raise UserError(
+            f"{where}: shape {shape} is longer than the model's context length {max_n}", field=where
+        )
+    if len(shape) == 2 and shape[1] > max_k:
+        raise UserError(f"{where}: shape {shape} has K > {max_k} (the vocabulary size)", field=where)
     which = t.WhichOneof("encoding")
     itemsize = np.dtype(dt).itemsize
     if which == "sparse_csr":
@@ -140,13 +165,14 @@ def _tensor_to_numpy(t, where: str) -> np.ndarray:
         )
     arr = np.frombuffer(raw, dtype=dt).copy()  # writable: torch refuses read-only buffers
     if shape:
-        if int(np.prod(shape)) != arr.size:
+        if math.prod(shape) != arr.size:
             raise UserError(f"{where}: shape {shape} does not match its {arr.size} values", field=where)
         arr = arr.reshape(shape)
     return arr
 
 
-def decode_datums(msg) -> list[DatumArrays]:
+def decode_datums(msg, *, max_n: int, max_k: int) -> list[DatumArrays]:
+    """The request's datums as numpy arrays; shapes are bounded by the context length and vocabulary."""
     data = []
     for i, d in enumerate(msg.data):
         toks = []
@@ -165,10 +191,15 @@ def decode_datums(msg) -> list[DatumArrays]:
                 )
             toks.append(np.frombuffer(c.encoded_text.tokens, dtype=np.int32))
         tokens = np.concatenate(toks).astype(np.int64) if toks else np.zeros(0, dtype=np.int64)
+        if len(tokens) > max_n:
+            raise UserError(
+                f"data[{i}].model_input has {len(tokens)} tokens; the model's context length is {max_n}",
+                field=f"data[{i}].model_input",
+            )
         inputs = {}
         for name, t in d.loss_fn_inputs.items():
             where = f"data[{i}].loss_fn_inputs.{name}"
-            arr = _tensor_to_numpy(t, where)
+            arr = _tensor_to_numpy(t, where, max_n, max_k)
             if name == "target_tokens":
                 if arr.dtype != np.int64 and arr.dtype != np.int32:
                     raise UserError(f"{where} must be int64 token ids; got {arr.dtype}", field=where)
@@ -367,8 +398,9 @@ def build_router(svc: TrainingService) -> APIRouter:
             raise UserError(f"body is not a valid ForwardBackwardRequest protobuf ({e})", field="body") from e
         if not msg.model_id:
             raise UserError("model_id is required", field="model_id")
+        base = svc.require_ready()
         try:
-            data: Any = decode_datums(msg)
+            data: Any = decode_datums(msg, max_n=base.context_length, max_k=base.vocab_size)
             config = loss_config(msg)
         except UserError as e:
             data, config = e, {}
