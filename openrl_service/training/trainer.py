@@ -63,9 +63,14 @@ def make_optimizer(adapter: Adapter) -> torch.optim.Optimizer:
 
 
 class Trainer:
+    # fp32 logits of one micro-batch (tokens × vocab × 4 bytes) stay under this; large vocabularies
+    # (150k for Qwen) would otherwise need ~10 GB of logits for 16k tokens.
+    LOGITS_BUDGET_BYTES = 2 << 30
+
     def __init__(self, base: BaseModel, *, microbatch_tokens: int = 16384):
         self.base = base
-        self.microbatch_tokens = microbatch_tokens
+        by_logits = self.LOGITS_BUDGET_BYTES // (4 * max(1, base.vocab_size))
+        self.microbatch_tokens = min(microbatch_tokens, max(256, by_logits))
 
     # -- runs -------------------------------------------------------------------------------
     def new_state(self, spec: LoraSpec, seed: int) -> TrainState:
