@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,9 @@ class Limits:
     max_runs_per_tenant: int = 64  # OPENRL_MAX_RUNS_PER_TENANT
     max_topk: int = 20  # OPENRL_MAX_TOPK
     max_stop_sequences: int = 16  # OPENRL_MAX_STOP_SEQUENCES
+    max_target_k: int = 64  # OPENRL_MAX_TARGET_K: K of [N, K] targets
+    max_request_tokens: int = 4 * 1024 * 1024  # OPENRL_MAX_REQUEST_TOKENS: Σ N·K over a call's datums
+    max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
 
 
 @dataclass
@@ -82,10 +86,17 @@ _ENV_FIELDS = {
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 
 
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
 def _api_key_entry(tenant: str, key: str, source: str) -> tuple[str, str]:
     tenant, key = tenant.strip(), key.strip()
     if not tenant or not key:
         raise ValueError(f"{source}: every entry needs a tenant and a key")
+    if not TENANT_RE.match(tenant):
+        raise ValueError(
+            f"{source}: tenant name {tenant!r} must be 1-64 letters, digits, '.', '_' or '-' starting with a letter or digit"
+        )
     if not key.startswith("tml-"):
         raise ValueError(
             f"{source}: the key for tenant {tenant!r} must start with 'tml-' (the Tinker SDK requires it)"

@@ -4,7 +4,8 @@
     ├── UserError                 the caller asked for something impossible (HTTP 400 / "user" result)
     │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
     │   ├── Gone                  existed once, has expired (410)
-    │   └── PayloadTooLarge       request body over the limit (413)
+    │   ├── PayloadTooLarge       request body over the limit (413)
+    │   └── UnsupportedMediaType  a JSON route got another Content-Type (415)
     ├── Unauthorized              missing or wrong API key (401)
     ├── NotReady                  the model is still loading (503, retried by clients)
     └── InternalError             the service failed; the message carries an id, never internals
@@ -47,6 +48,10 @@ class Gone(UserError):
 
 class PayloadTooLarge(UserError):
     status_code = 413
+
+
+class UnsupportedMediaType(UserError):
+    status_code = 415
 
 
 class Unauthorized(ServiceError):

@@ -96,7 +96,23 @@ class AuthMiddleware:
         self.settings = settings
         self.keys = keys
         self.hosts = allowed_hosts(settings)
+        self.explicit_hosts = {h.lower() for h in settings.allowed_hosts}
         self.max_body = settings.limits.max_body_bytes
+
+    def _origin_ok(self, origin: str) -> bool:
+        """Same-origin only: the service's own host names on its own port, or an --allowed-host name.
+        "null" (sandboxed frames, file:// pages) and other local ports (another local web app) are refused."""
+        if origin == "null":
+            return False
+        parts = urlsplit(origin)
+        host = (parts.hostname or "").lower()
+        if host in self.explicit_hosts:
+            return True
+        try:
+            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        except ValueError:
+            return False
+        return host in self.hosts and port == self.settings.port
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -113,8 +129,7 @@ class AuthMiddleware:
                     "host",
                 )
             origin = headers.get("origin")
-            # "null" is what sandboxed frames and file:// pages send: refused like any foreign origin.
-            if origin and (origin == "null" or _host_only(urlsplit(origin).netloc) not in self.hosts):
+            if origin and not self._origin_ok(origin):
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
         path = scope.get("path", "")
         if path not in PUBLIC_PATHS:

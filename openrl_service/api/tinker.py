@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from openrl_service.api import proto
 from openrl_service.engine.service import TrainingService
-from openrl_service.errors import PayloadTooLarge, UserError
+from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
 from openrl_service.sampling.base import SampleOutput
 from openrl_service.storage.checkpoints import KINDS, parse_tinker_path
 from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
@@ -88,6 +88,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def read_json(request: Request, max_bytes: int) -> dict:
     body = await read_body(request, max_bytes)
+    if body and "json" not in request.headers.get("content-type", "").lower():
+        # Also keeps "simple" cross-site form/text posts out: browsers cannot send JSON without CORS.
+        raise UnsupportedMediaType(
+            "this route takes a JSON body (Content-Type: application/json)", field="body"
+        )
     try:
         data = orjson.loads(body) if body else {}
     except orjson.JSONDecodeError as e:
@@ -115,8 +120,11 @@ def _tenant(request: Request) -> str:
 
 
 # -- protobuf decode / encode --------------------------------------------------------------------
-def _tensor_to_numpy(t, where: str, max_n: int, max_k: int) -> np.ndarray:
-    """A protobuf Tensor as a writable numpy array; every declared size is checked before allocating."""
+def _tensor_to_numpy(t, where: str, n: int, max_k: int) -> np.ndarray:
+    """A protobuf Tensor as a writable numpy array for a datum of ``n`` tokens.
+
+    Every declared size is checked against the datum and the limits before anything is allocated:
+    a few bytes of CSR can otherwise declare terabytes."""
     if t.dtype not in proto.NUMPY_OF:
         raise UserError(
             f"{where}: unsupported dtype {proto.DTYPE_NAMES.get(t.dtype, t.dtype)} "
@@ -127,35 +135,34 @@ def _tensor_to_numpy(t, where: str, max_n: int, max_k: int) -> np.ndarray:
     shape = [int(s) for s in t.shape]
     if any(s < 0 for s in shape) or len(shape) > 2:
         raise UserError(f"{where}: shape {shape} is not [N] or [N, K]", field=where)
-    if shape and shape[0] > max_n:
-        raise UserError(
-            f"{where}: shape {shape} is longer than the model's context length {max_n}", field=where
-        )
-    if len(shape) == 2 and shape[1] > max_k:
-        raise UserError(f"{where}: shape {shape} has K > {max_k} (the vocabulary size)", field=where)
-    which = t.WhichOneof("encoding")
+    mismatch = UserError(
+        f"{where} has shape {shape}; expected [{n}] or [{n}, K] to match model_input length {n}", field=where
+    )
+    if len(shape) == 2 and not 1 <= shape[1] <= max_k:
+        raise UserError(f"{where}: shape {shape} needs 1 <= K <= {max_k} (OPENRL_MAX_TARGET_K)", field=where)
     itemsize = np.dtype(dt).itemsize
-    if which == "sparse_csr":
-        csr = t.sparse_csr
+    if t.WhichOneof("encoding") == "sparse_csr":
         if len(shape) != 2:
             raise UserError(f"{where}: a sparse tensor needs a 2-D shape; got {shape}", field=where)
+        if shape[0] != n:
+            raise mismatch
+        csr = t.sparse_csr
         if len(csr.values) % itemsize or len(csr.crow_indices) % 8 or len(csr.col_indices) % 8:
             raise UserError(f"{where}: sparse buffers are not whole {itemsize}/8-byte elements", field=where)
         values = np.frombuffer(csr.values, dtype=dt)
         crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
         col = np.frombuffer(csr.col_indices, dtype=np.int64)
-        n, k = shape
+        rows, k = shape
         if (
-            len(crow) != n + 1
+            len(crow) != rows + 1
             or len(col) != len(values)
             or (len(crow) and (crow[0] != 0 or crow[-1] != len(values)))
             or (len(col) and (col.min() < 0 or col.max() >= k))
             or np.any(np.diff(crow) < 0)
         ):
             raise UserError(f"{where}: malformed CSR tensor for shape {shape}", field=where)
-        dense = np.zeros((n, k), dtype=dt)
-        rows = np.repeat(np.arange(n), np.diff(crow))
-        dense[rows, col] = values
+        dense = np.zeros((rows, k), dtype=dt)
+        dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
         return dense
     raw = t.dense
     if len(raw) % itemsize:
@@ -163,17 +170,19 @@ def _tensor_to_numpy(t, where: str, max_n: int, max_k: int) -> np.ndarray:
             f"{where}: {len(raw)} bytes is not a whole number of {proto.DTYPE_NAMES[t.dtype]} values",
             field=where,
         )
+    count = len(raw) // itemsize
+    if shape and math.prod(shape) != count:
+        raise UserError(f"{where}: shape {shape} does not match its {count} values", field=where)
+    if (shape and shape[0] != n) or (not shape and count != n):
+        raise mismatch
     arr = np.frombuffer(raw, dtype=dt).copy()  # writable: torch refuses read-only buffers
-    if shape:
-        if math.prod(shape) != arr.size:
-            raise UserError(f"{where}: shape {shape} does not match its {arr.size} values", field=where)
-        arr = arr.reshape(shape)
-    return arr
+    return arr.reshape(shape) if shape else arr
 
 
-def decode_datums(msg, *, max_n: int, max_k: int) -> list[DatumArrays]:
-    """The request's datums as numpy arrays; shapes are bounded by the context length and vocabulary."""
+def decode_datums(msg, *, max_n: int, max_k: int, max_cells: int) -> list[DatumArrays]:
+    """The request's datums as numpy arrays, bounded by the context length, K and the request size."""
     data = []
+    cells = 0
     for i, d in enumerate(msg.data):
         toks = []
         for c in d.model_input:
@@ -191,15 +200,24 @@ def decode_datums(msg, *, max_n: int, max_k: int) -> list[DatumArrays]:
                 )
             toks.append(np.frombuffer(c.encoded_text.tokens, dtype=np.int32))
         tokens = np.concatenate(toks).astype(np.int64) if toks else np.zeros(0, dtype=np.int64)
-        if len(tokens) > max_n:
+        n = len(tokens)
+        if n > max_n:
             raise UserError(
-                f"data[{i}].model_input has {len(tokens)} tokens; the model's context length is {max_n}",
+                f"data[{i}].model_input has {n} tokens; the model's context length is {max_n}",
                 field=f"data[{i}].model_input",
+            )
+        widest = max([t.shape[1] for t in d.loss_fn_inputs.values() if len(t.shape) == 2] + [1])
+        cells += n * max(1, min(int(widest), max_k))
+        if cells > max_cells:
+            raise UserError(
+                f"data: the request holds more than {max_cells} token positions (N, times K for [N, K] "
+                "targets, summed over datums) (OPENRL_MAX_REQUEST_TOKENS); split it into several calls",
+                field="data",
             )
         inputs = {}
         for name, t in d.loss_fn_inputs.items():
             where = f"data[{i}].loss_fn_inputs.{name}"
-            arr = _tensor_to_numpy(t, where, max_n, max_k)
+            arr = _tensor_to_numpy(t, where, n, max_k)
             if name == "target_tokens":
                 if arr.dtype != np.int64 and arr.dtype != np.int32:
                     raise UserError(f"{where} must be int64 token ids; got {arr.dtype}", field=where)
@@ -400,7 +418,12 @@ def build_router(svc: TrainingService) -> APIRouter:
             raise UserError("model_id is required", field="model_id")
         base = svc.require_ready()
         try:
-            data: Any = decode_datums(msg, max_n=base.context_length, max_k=base.vocab_size)
+            data: Any = decode_datums(
+                msg,
+                max_n=base.context_length,
+                max_k=min(base.vocab_size, svc.limits.max_target_k),
+                max_cells=svc.limits.max_request_tokens,
+            )
             config = loss_config(msg)
         except UserError as e:
             data, config = e, {}
@@ -492,17 +515,14 @@ def build_router(svc: TrainingService) -> APIRouter:
     async def create_sampling_session(request: Request):
         """A sampler on the base model or on a saved sampler checkpoint."""
         body = await read_json(request, max_body)
-        rec = svc.create_sampler(
+        sampler_id = svc.create_sampler(
             _tenant(request),
             session_id=field(body, "session_id", str),
             seq_id=body.get("sampling_session_seq_id"),
             base_model=body.get("base_model"),
             model_path=body.get("model_path"),
         )
-        await svc.futures.wait(rec, timeout_s=600)
-        if rec.error is not None:
-            raise rec.error
-        return json_response({"type": "create_sampling_session", **rec.result})
+        return json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
     @r.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request):
@@ -556,6 +576,13 @@ def build_router(svc: TrainingService) -> APIRouter:
         request_id = field(body, "request_id", str)
         rec = svc.futures.get(_tenant(request), request_id)
         if not await svc.futures.wait(rec, svc.settings.long_poll_s):
+            if not svc.engine.alive and svc.engine.ready.is_set():
+                return json_response(
+                    {
+                        "error": "the service's device worker has stopped; restart the service",
+                        "category": "server",
+                    }
+                )
             return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if rec.error is not None:
             return json_response(rec.error.to_json())

@@ -173,7 +173,12 @@ class Engine:
         if best is None:
             return None
         best.last_served = time.monotonic()
-        return best.ready.popleft()
+        op = best.ready.popleft()
+        if best.next_seq is None and not best.ready:
+            # Unordered lanes (samplers) carry no state between ops: drop them when drained so that
+            # one lane per sampler ever used does not pile up.
+            self._lanes.pop(op.lane, None)
+        return op
 
     def _expire_gaps(self) -> None:
         now = time.monotonic()
@@ -207,20 +212,28 @@ class Engine:
             log.exception("model setup failed")
             return
         while True:
-            with self._cv:
-                op = None
-                while not self._stop:
-                    self._expire_gaps()
-                    op = self._next_op()
-                    if op is not None:
-                        break
-                    self._cv.wait(timeout=0.25)
-                if self._stop:
-                    return
-                self.current = op
-            self._execute(op)
-            with self._cv:
-                self.current = None
+            try:
+                with self._cv:
+                    op = None
+                    while not self._stop:
+                        self._expire_gaps()
+                        op = self._next_op()
+                        if op is not None:
+                            break
+                        self._cv.wait(timeout=0.25)
+                    if self._stop:
+                        return
+                    self.current = op
+                self._execute(op)
+            except Exception:  # noqa: BLE001 - the worker must outlive any one bad op or bookkeeping bug
+                log.exception("device worker: unexpected error; continuing")
+                if op is not None:
+                    self.futures.complete(
+                        op.future, error=InternalError(f"internal error while running {op.kind}")
+                    )
+            finally:
+                with self._cv:
+                    self.current = None
 
     def _execute(self, op: Op) -> None:
         start = time.time()

@@ -12,6 +12,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
 from openrl_service.config import Settings
@@ -55,6 +57,7 @@ class Session:
     created_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.time)
     finished: bool = False
+    finished_at: float | None = None
     tags: list[str] = field(default_factory=list)
     user_metadata: dict = field(default_factory=dict)
     display_name: str | None = None
@@ -87,6 +90,18 @@ class SamplerEntry:
     model_path: str | None = None
     source_run: str | None = None
     created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+
+def spec_from_manifest(manifest: dict) -> LoraSpec:
+    lora = manifest["lora"]
+    return LoraSpec(
+        rank=lora["rank"],
+        train_attn=lora["train_attn"],
+        train_mlp=lora["train_mlp"],
+        train_unembed=lora["train_unembed"],
+        alpha=lora.get("alpha", LoraSpec(1).alpha),
+    )
 
 
 class TrainingService:
@@ -106,6 +121,7 @@ class TrainingService:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, SamplerEntry] = {}
         self._evicted: dict[str, str] = {}  # sampler id -> tenant, to explain a 404
+        self._ended: dict[str, str] = {}  # forgotten finished session id -> tenant, to answer 410
         self._lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -138,14 +154,37 @@ class TrainingService:
         return [self.require_ready().capability()]
 
     # -- sessions -------------------------------------------------------------------------------
+    def check_metadata(self, value: Any, field_name: str = "user_metadata") -> dict:
+        """user_metadata must be a JSON object of at most ``max_metadata_bytes``."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise UserError(
+                f"{field_name} must be a JSON object; got {type(value).__name__}", field=field_name
+            )
+        size = len(orjson.dumps(value))
+        if size > self.limits.max_metadata_bytes:
+            raise UserError(
+                f"{field_name} is {size} bytes as JSON; at most {self.limits.max_metadata_bytes} "
+                "(OPENRL_MAX_METADATA_BYTES)",
+                field=field_name,
+            )
+        return dict(value)
+
     def create_session(
         self, tenant: str, *, tags=None, user_metadata=None, display_name=None, project_id=None
     ) -> Session:
+        if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+            raise UserError("tags must be a list of strings", field="tags")
+        for name, value in (("display_name", display_name), ("project_id", project_id)):
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise UserError(f"{name} must be a string of at most 256 characters", field=name)
+        self.check_metadata({"tags": tags or []}, "tags")
         sess = Session(
             session_id=f"s{uuid.uuid4().hex[:16]}",
             tenant=tenant,
             tags=list(tags or []),
-            user_metadata=dict(user_metadata or {}),
+            user_metadata=self.check_metadata(user_metadata),
             display_name=display_name,
             project_id=project_id,
         )
@@ -165,6 +204,8 @@ class TrainingService:
 
     def heartbeat(self, tenant: str, session_id: str) -> bool:
         """False once the session is finished (the SDK stops heartbeating on 410)."""
+        if self._ended.get(session_id) == tenant:
+            return False
         sess = self.session(tenant, session_id, live=False)
         sess.last_heartbeat = time.time()
         return not sess.finished
@@ -173,6 +214,7 @@ class TrainingService:
         """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
         sess = self.session(tenant, session_id, live=False)
         sess.finished = True
+        sess.finished_at = time.time()
         with self._lock:
             run_ids = [r for r in sess.run_ids if r in self.runs]
             for rid in run_ids:
@@ -183,17 +225,22 @@ class TrainingService:
             self.engine.close_lane(f"run:{rid}")
 
     def reap_idle_sessions(self, now: float | None = None) -> list[str]:
-        """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client that died)."""
+        """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client
+        that died), and forget sessions finished longer ago than that. Returns the sessions finished."""
         now = time.time() if now is None else now
+        timeout = self.settings.session_idle_timeout_s
         idle = []
         for sess in list(self.sessions.values()):
             if sess.finished:
+                if now - (sess.finished_at or now) > timeout:
+                    with self._lock:
+                        self.sessions.pop(sess.session_id, None)
+                        self._ended[sess.session_id] = sess.tenant
+                        while len(self._ended) > 100_000:
+                            self._ended.pop(next(iter(self._ended)))
                 continue
-            last = max(
-                [sess.last_heartbeat]
-                + [self.runs[r].last_request_time for r in sess.run_ids if r in self.runs]
-            )
-            if now - last > self.settings.session_idle_timeout_s:
+            runs = [self.runs[r].last_request_time for r in sess.run_ids if r in self.runs]
+            if now - max([sess.last_heartbeat, *runs]) > timeout:
                 idle.append(sess)
         for sess in idle:
             log.info(
@@ -315,6 +362,7 @@ class TrainingService:
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
         self._check_base_model(base_model)
+        user_metadata = self.check_metadata(user_metadata)
         seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
         run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata)
 
@@ -338,24 +386,18 @@ class TrainingService:
         idem: str | None,
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
+        user_metadata = self.check_metadata(user_metadata)
         ref = parse_tinker_path(path)
         if ref.kind != "weights":
             raise UserError(
                 f"path: a training client starts from a 'weights' checkpoint (save_state); got {ref.kind}",
                 field="path",
             )
-        manifest, _, _ = self.store.load(tenant, ref)  # NotFound for foreign or absent checkpoints
+        manifest = self.store.manifest(tenant, ref)  # NotFound for foreign or absent checkpoints
         self._check_base_model(manifest.get("base_model"), "path")
         if base_model is not None:
             self._check_base_model(base_model)
-        lora = manifest["lora"]
-        spec = LoraSpec(
-            rank=lora["rank"],
-            train_attn=lora["train_attn"],
-            train_mlp=lora["train_mlp"],
-            train_unembed=lora["train_unembed"],
-            alpha=lora.get("alpha", LoraSpec(1).alpha),
-        )
+        spec = spec_from_manifest(manifest)
         run = self._register_run(
             tenant, sess, model_seq_id, spec, int(manifest.get("seed", 0)), user_metadata
         )
@@ -583,6 +625,7 @@ class TrainingService:
     ) -> FutureRecord:
         def prepare(run: Run):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
+            meta = self.check_metadata(user_metadata)
 
             def work():
                 st = self._state(run)
@@ -592,7 +635,7 @@ class TrainingService:
                     adapter=st.adapter.peft_state_dict(),
                     adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
                     optimizer=Trainer.optimizer_tensors(st),
-                    manifest={**self._manifest(run), "user_metadata": user_metadata or {}},
+                    manifest={**self._manifest(run), "user_metadata": meta},
                     overwrite=overwrite,
                 )
                 return {"path": ref.path}
@@ -682,6 +725,7 @@ class TrainingService:
 
                 return ephemeral
             ref = CheckpointRef(run.run_id, "sampler_weights", check_name(name))
+            meta = self.check_metadata(user_metadata)
 
             def named():
                 st = self._state(run)
@@ -691,7 +735,7 @@ class TrainingService:
                     adapter=st.adapter.peft_state_dict(),
                     adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
                     optimizer=None,
-                    manifest={**self._manifest(run), "user_metadata": user_metadata or {}},
+                    manifest={**self._manifest(run), "user_metadata": meta},
                     overwrite=True,
                 )
                 return {"path": ref.path}
@@ -702,35 +746,61 @@ class TrainingService:
 
     # -- samplers -------------------------------------------------------------------------------
     def _add_sampler(self, entry: SamplerEntry) -> None:
-        """Register a sampler; beyond the count or byte budget the oldest snapshots are evicted."""
-        s = self.settings
+        """Register a sampler (not for a finished session: its owner is gone) and keep the budget."""
         with self._lock:
-            self.samplers[entry.sampler_id] = entry
             sess = self.sessions.get(entry.session_id or "")
+            if sess is not None and sess.finished:
+                return
+            self.samplers[entry.sampler_id] = entry
             if sess is not None:
                 sess.sampler_ids.append(entry.sampler_id)
-            snapshots = sorted(
-                (x for x in self.samplers.values() if x.adapter is not None), key=lambda x: x.created_at
+            self._enforce_snapshot_budget(keep=entry)
+
+    def _enforce_snapshot_budget(self, keep: SamplerEntry) -> None:
+        """Least-recently-used adapters go first. A checkpoint-backed sampler only drops its tensors
+        (they reload from disk on its next request); an ephemeral snapshot is forgotten. Caller holds
+        the lock."""
+        s = self.settings
+        loaded = sorted(
+            (x for x in self.samplers.values() if x.adapter is not None and x is not keep),
+            key=lambda x: x.last_used,
+        )
+        count = len(loaded) + (keep.adapter is not None)
+        total = sum(x.adapter.nbytes() for x in loaded) + (keep.adapter.nbytes() if keep.adapter else 0)
+        while loaded and (count > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes):
+            old = loaded.pop(0)
+            count -= 1
+            total -= old.adapter.nbytes()
+            if old.model_path is not None:
+                old.adapter = None
+                continue
+            del self.samplers[old.sampler_id]
+            self._evicted[old.sampler_id] = old.tenant
+            while len(self._evicted) > 100_000:
+                self._evicted.pop(next(iter(self._evicted)))
+            log.info("evicted sampler %s (snapshot budget)", old.sampler_id)
+
+    def _sampler_adapter(self, entry: SamplerEntry) -> Adapter | None:
+        """On the worker: the entry's adapter, reloaded from its checkpoint if the budget dropped it."""
+        adapter = entry.adapter
+        if adapter is None and entry.model_path is not None:
+            ref = parse_tinker_path(entry.model_path)
+            manifest, tensors, _ = self.store.load(entry.tenant, ref)
+            adapter = adapter_from_peft(
+                spec_from_manifest(manifest), tensors, device=self.base.device, trainable=False
             )
-            total = sum(x.adapter.nbytes() for x in snapshots)
-            while len(snapshots) > 1 and (
-                len(snapshots) > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes
-            ):
-                old = snapshots.pop(0)
-                total -= old.adapter.nbytes()
-                del self.samplers[old.sampler_id]
-                self._evicted[old.sampler_id] = old.tenant
-                while len(self._evicted) > 100_000:
-                    self._evicted.pop(next(iter(self._evicted)))
-                log.info("evicted sampler %s (snapshot budget)", old.sampler_id)
+            with self._lock:
+                entry.adapter = adapter
+                self._enforce_snapshot_budget(keep=entry)
+        return adapter
 
     def sampler_entry(self, tenant: str, sampler_id: str) -> SamplerEntry:
         entry = self.samplers.get(sampler_id)
         if entry is None and self._evicted.get(sampler_id) == tenant:
             raise NotFound(
-                f"sampler {sampler_id} was evicted: the service keeps the newest {self.settings.max_sampler_snapshots} "
-                "snapshots within OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES (OPENRL_MAX_SAMPLER_SNAPSHOTS); "
-                "save weights for a new sampling client",
+                f"sampler {sampler_id} was evicted: the service keeps the {self.settings.max_sampler_snapshots} "
+                "most recently used snapshots (OPENRL_MAX_SAMPLER_SNAPSHOTS) within "
+                "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES; save weights for a new sampling client",
                 field="sampling_session_id",
             )
         if entry is None or entry.tenant != tenant:
@@ -739,7 +809,9 @@ class TrainingService:
 
     def create_sampler(
         self, tenant: str, *, session_id: str, seq_id: Any, base_model: str | None, model_path: str | None
-    ) -> FutureRecord:
+    ) -> str:
+        """A sampler on the base model or on a saved checkpoint; returns its id at once (the checkpoint's
+        tensors load on the worker with its first sample request)."""
         sess = self.session(tenant, session_id)
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:
             raise UserError(
@@ -748,58 +820,31 @@ class TrainingService:
             )
         sampler_id = f"{sess.session_id}:sample:{seq_id}"
         existing = self.samplers.get(sampler_id)
-        rec = self.futures.new(tenant, "create_sampler")
         if existing is not None and existing.tenant == tenant:
-            self.futures.complete(rec, result={"sampling_session_id": sampler_id})
-            return rec
+            return sampler_id  # a retry
         if model_path is None:
             name = self._check_base_model(base_model)
             self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
-            self.futures.complete(rec, result={"sampling_session_id": sampler_id})
-            return rec
+            return sampler_id
         ref = parse_tinker_path(model_path, field="model_path")
-        manifest, _, _ = self.store.load(tenant, ref)
+        manifest = self.store.manifest(tenant, ref)
         name = self._check_base_model(manifest.get("base_model"), "model_path")
         if base_model is not None:
             self._check_base_model(base_model)
-
-        def work():
-            _, tensors, _ = self.store.load(tenant, ref)
-            lora = manifest["lora"]
-            spec = LoraSpec(
-                rank=lora["rank"],
-                train_attn=lora["train_attn"],
-                train_mlp=lora["train_mlp"],
-                train_unembed=lora["train_unembed"],
-                alpha=lora.get("alpha", LoraSpec(1).alpha),
+        self._add_sampler(
+            SamplerEntry(
+                sampler_id, tenant, sess.session_id, name, None, model_path=ref.path, source_run=ref.run_id
             )
-            adapter = adapter_from_peft(spec, tensors, device=self.base.device, trainable=False)
-            self._add_sampler(
-                SamplerEntry(
-                    sampler_id,
-                    tenant,
-                    sess.session_id,
-                    name,
-                    adapter,
-                    model_path=ref.path,
-                    source_run=ref.run_id,
-                )
-            )
-            return {"sampling_session_id": sampler_id}
-
-        op = Op(kind="create_sampler", lane=f"sampler:{sampler_id}", fn=work, future=rec)
-        self.engine.submit(op)
-        return rec
+        )
+        return sampler_id
 
     def sampling_params(self, raw: dict) -> SamplingParams:
         """Validate Tinker SamplingParams JSON; errors name the field and the limit."""
         base = self.require_ready()
         lim = self.limits
         raw = raw or {}
-        max_tokens = raw.get("max_tokens")
-        if max_tokens is None:
-            max_tokens = min(lim.max_tokens, 512)
-        if (
+        max_tokens = raw.get("max_tokens")  # None: as many as fit (resolved against the prompt in sample)
+        if max_tokens is not None and (
             isinstance(max_tokens, bool)
             or not isinstance(max_tokens, int)
             or not 1 <= max_tokens <= lim.max_tokens
@@ -919,6 +964,10 @@ class TrainingService:
                 )
         if not prompt:
             raise UserError("prompt is empty", field="prompt")
+        if params.max_tokens is None:
+            params = dataclasses.replace(
+                params, max_tokens=max(1, min(lim.max_tokens, base.context_length - len(prompt)))
+            )
         if len(prompt) + params.max_tokens > base.context_length:
             raise UserError(
                 f"prompt ({len(prompt)} tokens) + sampling_params.max_tokens ({params.max_tokens}) exceeds "
@@ -931,17 +980,18 @@ class TrainingService:
             prompt=prompt,
             num_samples=num_samples,
             params=params,
-            adapter=entry.adapter,
+            adapter=None,  # resolved on the worker: a checkpoint-backed sampler may need to reload
             prompt_logprobs=bool(prompt_logprobs),
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs,
         )
+        entry.last_used = time.time()
         rec = self.futures.new(tenant, "sample")
         rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
         op = Op(
             kind="sample",
             lane=f"sampler:{sampler_id}",
-            fn=lambda: self.sampler.sample(job),
+            fn=lambda: self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry))),
             future=rec,
             run_id=entry.source_run or sampler_id,
             tokens=lambda out: out.tokens,

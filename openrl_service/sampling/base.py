@@ -17,7 +17,7 @@ from openrl_service.training.lora import Adapter
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None only until the service resolves it against the prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k filter

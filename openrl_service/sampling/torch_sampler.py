@@ -34,6 +34,7 @@ class TorchSampler:
     def __init__(self, base: BaseModel):
         self.base = base
         self._cache_arg, self._cache_out = _cache_io(base.model)
+        self._keep_arg = "logits_to_keep" in inspect.signature(base.model.forward).parameters
 
     @torch.inference_mode()
     def sample(self, job: SampleJob) -> SampleOutput:
@@ -42,9 +43,15 @@ class TorchSampler:
         p = job.params
         n = job.num_samples
         prompt = torch.tensor([job.prompt], dtype=torch.long, device=dev)
+        # Without prompt logprobs only the last position's logits are needed: skip the [P, V] rest.
+        keep = (
+            {}
+            if (job.prompt_logprobs or job.topk_prompt_logprobs or not self._keep_arg)
+            else {"logits_to_keep": 1}
+        )
         with base.router.use(job.adapter):
-            out = base.model(input_ids=prompt, use_cache=True)
-        logits_prompt = out.logits[0].float()  # [P, V]
+            out = base.model(input_ids=prompt, use_cache=True, **keep)
+        logits_prompt = out.logits[0].float()  # [P, V], or [1, V] with logits_to_keep
         cache = getattr(out, self._cache_out)
         result = SampleOutput(sequences=[])
         if job.prompt_logprobs or job.topk_prompt_logprobs:

@@ -22,18 +22,18 @@ import re
 import shutil
 import tempfile
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from openrl_service.config import TENANT_RE
 from openrl_service.errors import NotFound, UserError
 
 KINDS = ("weights", "sampler_weights")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,191}$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,127}$")
 MANIFEST_VERSION = 1
 
 
@@ -90,10 +90,15 @@ class CheckpointStore:
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
-        return self.root / "tenants" / urllib.parse.quote(tenant, safe="")
+        if not TENANT_RE.match(tenant):  # tenant names come from the key configuration, checked there too
+            raise ValueError(f"invalid tenant name {tenant!r}")
+        return self.root / "tenants" / tenant
 
     def run_dir(self, tenant: str, run_id: str) -> Path:
-        return self._tenant_root(tenant) / "runs" / urllib.parse.quote(run_id, safe="")
+        """``:`` is not portable in file names (Windows); ``~`` never occurs in a run id, so this is 1:1."""
+        if not _RUN_RE.match(run_id):
+            raise NotFound(f"unknown training run {run_id!r}", field="run_id")
+        return self._tenant_root(tenant) / "runs" / run_id.replace(":", "~")
 
     def _ckpt_dir(self, tenant: str, ref: CheckpointRef) -> Path:
         return self.run_dir(tenant, ref.run_id) / ref.kind / ref.name
@@ -106,7 +111,10 @@ class CheckpointStore:
 
     def read_run_meta(self, tenant: str, run_id: str) -> dict | None:
         p = self.run_dir(tenant, run_id) / "run.json"
-        return json.loads(p.read_text()) if p.is_file() else None
+        try:
+            return json.loads(p.read_text()) if p.is_file() else None
+        except OSError:
+            return None
 
     # -- checkpoints ----------------------------------------------------------------------------
     def exists(self, tenant: str, ref: CheckpointRef) -> bool:
@@ -161,15 +169,19 @@ class CheckpointStore:
                 shutil.rmtree(tmp, ignore_errors=True)
         return final
 
+    def manifest(self, tenant: str, ref: CheckpointRef) -> dict:
+        """The checkpoint's manifest alone (cheap: no tensors); NotFound for foreign or absent ones."""
+        try:
+            return json.loads((self._ckpt_dir(tenant, ref) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+
     def load(
         self, tenant: str, ref: CheckpointRef, *, with_optimizer: bool = False
     ) -> tuple[dict, dict, dict | None]:
         """(manifest, adapter tensors, optimizer tensors or None); NotFound for foreign or absent ones."""
+        manifest = self.manifest(tenant, ref)
         d = self._ckpt_dir(tenant, ref)
-        mpath = d / "manifest.json"
-        if not mpath.is_file():
-            raise NotFound(f"checkpoint {ref.path} not found", field="path")
-        manifest = json.loads(mpath.read_text())
         adapter = load_file(str(d / "adapter_model.safetensors"))
         optimizer = None
         if with_optimizer:

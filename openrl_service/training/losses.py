@@ -7,11 +7,13 @@ Notation (per datum, per position t < N): ``lp`` = log p_θ(target_t | prefix), 
     importance_sampling  −Σ r·A
     ppo                  −Σ min(r·A, clip(r, lo, hi)·A)
     cispo                −Σ sg(clip(r, lo, hi))·lp·A
-    dro                  −Σ (lp·A − ½β(lp − q)²)
+    dro                  −Σ (lp·A − ½β(lp − q)²)        (over positions with A ≠ 0, see below)
     gspo                 s = mean_{mask≠0}(sg(lp) − q); r_t = exp(s + lp − sg(lp)); −Σ min(r·A, clip(r, lo, hi)·A)
 
-Where A = 0 the log-ratio is taken as 0 before exponentiating, so a prompt position (A = 0, q = 0)
-cannot produce inf·0 = NaN; everywhere else the math is the formula above.
+RL losses act only where A ≠ 0. For the ratio losses that is the formula itself (an A = 0 term is
+0); there the log-ratio is also taken as 0 before exponentiating, so a prompt position (A = 0,
+q = 0) cannot produce inf·0 = NaN. For dro it is a choice: its ½β(lp − q)² penalty would otherwise
+pull every prompt position (q = 0 there, as tinker-cookbook sends) towards log-probability 0.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
 LOSSES: dict[str, LossDef] = {
     "cross_entropy": LossDef(("target_tokens",), ("weights",), {}),
-    "importance_sampling": LossDef(_RL_INPUTS, ("weights",), {}),
-    "ppo": LossDef(_RL_INPUTS, ("weights",), dict(_CLIP)),
-    "cispo": LossDef(_RL_INPUTS, ("weights",), dict(_CLIP)),
-    "dro": LossDef(_RL_INPUTS, ("weights",), {"beta": 0.05}),
-    "gspo": LossDef(_RL_INPUTS, ("weights", "sequence_ratio_mask"), dict(_GSPO_CLIP)),
+    "importance_sampling": LossDef(_RL_INPUTS, (), {}),
+    "ppo": LossDef(_RL_INPUTS, (), dict(_CLIP)),
+    "cispo": LossDef(_RL_INPUTS, (), dict(_CLIP)),
+    "dro": LossDef(_RL_INPUTS, (), {"beta": 0.05}),
+    "gspo": LossDef(_RL_INPUTS, ("sequence_ratio_mask",), dict(_GSPO_CLIP)),
 }
 UNSUPPORTED_REASONS = {
     "stable_reinforce": "its math is unpublished",
@@ -100,7 +102,7 @@ def compute_loss(
     if loss_fn == "dro":
         beta = config["beta"]
         per_tok = lp * adv - 0.5 * beta * (lp - q) ** 2
-        return -(per_tok * v).sum(dim=dims)
+        return -(per_tok * active).sum(dim=dims)
     if loss_fn == "gspo":
         mask = inputs.get("sequence_ratio_mask")
         mask = active if mask is None else (mask != 0) & v

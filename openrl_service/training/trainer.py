@@ -109,6 +109,35 @@ class Trainer:
         *,
         forward_only: bool,
     ) -> ForwardResult:
+        """Run the call; on failure (e.g. out of memory in a later micro-batch) the run's gradients are
+        left exactly as they were, so a failed call never leaks part of its gradient into optim_step."""
+        if forward_only or state is None:
+            return self._run(state, data, loss_fn, config, forward_only=True)
+        params = state.adapter.parameters()
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            result = self._run(state, data, loss_fn, config, forward_only=False)
+        except BaseException:
+            for p, g in zip(params, stash, strict=True):
+                p.grad = g
+            raise
+        for p, g in zip(params, stash, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+        state.pending_backward += 1
+        return result
+
+    def _run(
+        self,
+        state: TrainState | None,
+        data: list[DatumArrays],
+        loss_fn: str,
+        config: dict[str, float],
+        *,
+        forward_only: bool,
+    ) -> ForwardResult:
         base = self.base
         adapter = state.adapter if state is not None else None
         dev = base.device
@@ -156,8 +185,6 @@ class Trainer:
             for r, i in enumerate(idx):
                 n = len(data[i].tokens)
                 outputs[i] = lp_cpu[r, :n].copy()
-        if state is not None and not forward_only:
-            state.pending_backward += 1
         return ForwardResult(outputs, total, ntok, stats_acc or None)  # type: ignore[arg-type]
 
     # -- optimizer ----------------------------------------------------------------------------

@@ -71,7 +71,6 @@ def expected(loss_fn, lps, data, config):
             tok = np.clip(r, lo, hi) * lp * adv
         elif loss_fn == "dro":
             tok = lp * adv - 0.5 * config["beta"] * (lp - q) ** 2
-            act = np.ones_like(act)
         elif loss_fn == "gspo":
             s = np.mean((lp - q)[act])
             rs = np.exp(np.full_like(lp, s))
