@@ -20,19 +20,11 @@ import pytest
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+pytest_plugins = ["tests.strict_skips", "pytester"]
+
 ALICE_KEY = "tml-alice-0123456789abcdef"
 BOB_KEY = "tml-bob-0123456789abcdef"
 TINY = "openrl/tiny"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    if os.environ.get("OPENRL_CI_STRICT") == "1" and rep.skipped and "gpu" not in item.keywords:
-        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        rep.outcome = "failed"
-        rep.longrepr = f"skipped under OPENRL_CI_STRICT=1 (only gpu tests may skip): {reason}"
 
 
 def free_port() -> int:
