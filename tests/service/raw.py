@@ -7,23 +7,24 @@ import numpy as np
 
 from openrl_service.api import proto
 
+DTYPES = {np.dtype(np.int64): proto.DTYPE_INT64, np.dtype(np.float32): proto.DTYPE_FLOAT32}
+
 
 def fb_body(
     model_id: str,
     seq_id: int,
     datums: list[tuple[list[int], dict[str, np.ndarray]]],
     loss_fn: str = "cross_entropy",
-    forward_only: bool = False,
+    **fields,
 ) -> bytes:
-    msg = proto.ForwardBackwardRequest(
-        model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, forward_only=forward_only
-    )
+    """A protobuf ForwardBackwardRequest; ``fields`` sets other request fields (e.g. forward_only)."""
+    msg = proto.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, **fields)
     for tokens, inputs in datums:
         d = msg.data.add()
         d.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         for name, arr in inputs.items():
             t = d.loss_fn_inputs[name]
-            t.dtype = proto.DTYPE_INT64 if arr.dtype == np.int64 else proto.DTYPE_FLOAT32
+            t.dtype = DTYPES[arr.dtype]
             t.dense = arr.tobytes()
             t.shape.extend(arr.shape)
     return msg.SerializeToString()
@@ -36,6 +37,16 @@ def sft_datum(prompt: list[int], completion: list[int]) -> tuple[list[int], dict
         "target_tokens": np.array(seq[1:], dtype=np.int64),
         "weights": np.array(w, dtype=np.float32),
     }
+
+
+def result(client: httpx.Client, request_id: str) -> dict:
+    """Long-poll ``retrieve_future`` (JSON) until the future is done."""
+    while True:
+        r = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if body.get("type") != "try_again":
+            return body
 
 
 class RawTinker:
@@ -79,9 +90,4 @@ class RawTinker:
         return r.json()["request_id"]
 
     def result(self, request_id: str) -> dict:
-        while True:
-            r = self.post("retrieve_future", request_id=request_id)
-            r.raise_for_status()
-            body = r.json()
-            if body.get("type") != "try_again":
-                return body
+        return result(self.http, request_id)

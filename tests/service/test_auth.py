@@ -27,22 +27,13 @@ import tinker
 
 from openrl_service.api import proto
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY, free_port
+from tests.service.raw import result
 
 PROTO = "application/x-protobuf"
 PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-def result(client: httpx.Client, request_id: str) -> dict:
-    """Long-poll ``retrieve_future`` (JSON) until the future is done."""
-    while True:
-        r = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        if body.get("type") != "try_again":
-            return body
-
-
 def ok_result(client: httpx.Client, resp: httpx.Response) -> dict:
     assert resp.status_code == 200, resp.text
     out = result(client, resp.json()["request_id"])

@@ -26,24 +26,14 @@ from tinker import types
 from openrl_service.api import proto
 from openrl_service.config import Limits
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
+from tests.service.raw import fb_body, result
 
 PROTO = "application/x-protobuf"
 VOCAB = 260  # openrl/tiny
 CONTEXT = 2048  # openrl/tiny
-DTYPES = {np.dtype(np.float32): proto.DTYPE_FLOAT32, np.dtype(np.int64): proto.DTYPE_INT64}
 
 
 # -- helpers: the Tinker flow over raw HTTP ------------------------------------------------------------
-def result(client: httpx.Client, request_id: str) -> dict:
-    """Long-poll ``retrieve_future`` (JSON) until the future is done."""
-    while True:
-        r = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        if body.get("type") != "try_again":
-            return body
-
-
 def datum(tokens=(11, 12, 13, 14, 15), **inputs) -> dict:
     """A cross-entropy datum; ``inputs`` override or add loss_fn_inputs (numpy arrays keep their dtype)."""
     tokens = list(tokens)
@@ -66,16 +56,7 @@ def rl_datum(tokens=(11, 12, 13, 14), **inputs) -> dict:
 
 
 def fb_request(model_id: str, seq_id: int, data: list[dict], loss_fn: str = "cross_entropy", **kw) -> bytes:
-    msg = proto.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn, **kw)
-    for d in data:
-        m = msg.data.add()
-        m.model_input.add().encoded_text.tokens = np.asarray(d["tokens"], dtype="<i4").tobytes()
-        for name, arr in d["inputs"].items():
-            t = m.loss_fn_inputs[name]
-            t.dtype = DTYPES[arr.dtype]
-            t.dense = arr.tobytes()
-            t.shape.extend(arr.shape)
-    return msg.SerializeToString()
+    return fb_body(model_id, seq_id, [(d["tokens"], d["inputs"]) for d in data], loss_fn, **kw)
 
 
 class RawRun:
@@ -106,6 +87,17 @@ class RawRun:
     def post_fb(self, data: list[dict], loss_fn: str = "cross_entropy", **kw) -> httpx.Response:
         body = fb_request(self.model_id, self.next_seq(), data, loss_fn, **kw)
         return self.client.post("/api/v1/forward_backward", content=body, headers={"Content-Type": PROTO})
+
+    def valid_request(self):
+        """A valid one-datum ForwardBackwardRequest at the next seq_id, for a test to break."""
+        msg = proto.ForwardBackwardRequest()
+        msg.ParseFromString(fb_request(self.model_id, self.next_seq(), [datum()]))
+        return msg
+
+    def post_proto(self, msg) -> httpx.Response:
+        return self.client.post(
+            "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
+        )
 
     def post_optim(self, adam_params: dict) -> httpx.Response:
         return self.client.post(
@@ -394,26 +386,20 @@ def test_wrong_dtype_names_the_field_and_the_expected_dtype(server, client, run,
 
 
 def test_unsupported_tensor_dtype_names_the_field(server, client, run):
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     msg.data[0].loss_fn_inputs["weights"].dtype = proto.DTYPE_BFLOAT16
     msg.data[0].loss_fn_inputs["weights"].dense = b"\x00\x3f" * 5
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].loss_fn_inputs.weights", "bfloat16")
     run.train_ok()
     assert_still_serves(server.url)
 
 
 def test_tensor_shape_that_lies_about_its_size_names_the_field(server, client, run):
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     del msg.data[0].loss_fn_inputs["weights"].shape[:]
     msg.data[0].loss_fn_inputs["weights"].shape.extend([9])
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].loss_fn_inputs.weights", "[9]", "5 values")
     run.train_ok()
     assert_still_serves(server.url)
@@ -421,15 +407,12 @@ def test_tensor_shape_that_lies_about_its_size_names_the_field(server, client, r
 
 def test_tensor_shape_whose_product_overflows_is_an_error_not_a_500(server, client, run):
     """2**62 * 4 wraps to 0 in int64, which "matches" an empty buffer; the shape must still be refused."""
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     t = msg.data[0].loss_fn_inputs["weights"]
     t.dense = b""
     del t.shape[:]
     t.shape.extend([2**62, 4])
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].loss_fn_inputs.weights")
     run.train_ok()
     assert_still_serves(server.url)
@@ -437,25 +420,21 @@ def test_tensor_shape_whose_product_overflows_is_an_error_not_a_500(server, clie
 
 def test_sparse_tensor_declaring_a_huge_shape_is_an_error_not_a_500(server, client, run):
     """An empty CSR tensor can declare [N, 2**40] in a few bytes; decoding it must not allocate terabytes."""
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     t = msg.data[0].loss_fn_inputs["target_tokens"]
     t.ClearField("dense")
     del t.shape[:]
     t.shape.extend([5, 2**40])
     t.sparse_csr.crow_indices = np.zeros(6, dtype="<i8").tobytes()
     del msg.data[0].loss_fn_inputs["weights"]
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].loss_fn_inputs.target_tokens")
     run.train_ok()
     assert_still_serves(server.url)
 
 
 def test_malformed_sparse_tensor_names_the_field(server, client, run):
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     t = msg.data[0].loss_fn_inputs["target_tokens"]
     t.ClearField("dense")
     del t.shape[:]
@@ -463,33 +442,25 @@ def test_malformed_sparse_tensor_names_the_field(server, client, run):
     t.sparse_csr.values = np.arange(3, dtype="<i8").tobytes()
     t.sparse_csr.crow_indices = np.array([0, 1, 2, 3, 9, 3], dtype="<i8").tobytes()
     t.sparse_csr.col_indices = np.array([0, 5, 1], dtype="<i8").tobytes()
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].loss_fn_inputs.target_tokens", "CSR")
     run.train_ok()
     assert_still_serves(server.url)
 
 
 def test_token_bytes_that_are_not_whole_int32s_name_the_field(server, client, run):
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     msg.data[0].model_input[0].encoded_text.tokens += b"\x01"
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].model_input", "int32")
     run.train_ok()
     assert_still_serves(server.url)
 
 
 def test_image_chunks_are_refused_for_a_text_model(server, client, run):
-    msg = proto.ForwardBackwardRequest()
-    msg.ParseFromString(fb_request(run.model_id, run.next_seq(), [datum()]))
+    msg = run.valid_request()
     msg.data[0].model_input.add().image.data = b"\x89PNG"
-    r = client.post(
-        "/api/v1/forward_backward", content=msg.SerializeToString(), headers={"Content-Type": PROTO}
-    )
+    r = run.post_proto(msg)
     assert_error_result(client, r, "data[0].model_input", "image")
     run.train_ok()
     assert_still_serves(server.url)
