@@ -65,7 +65,7 @@ def run(
     means = []
     for step in range(steps):
         t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
+        sampler = tc.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(
             max_tokens=max_tokens, temperature=1.0, seed=seed * 100_003 + step * 1_009
         )
