@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openrl_service.api.auth import AuthMiddleware, KeyRing
+from openrl_service.api.hub import build_hub_router
+from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health, json_response
 from openrl_service.config import Settings
 from openrl_service.engine.service import TrainingService
@@ -28,10 +31,16 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         svc.start()
 
         async def sweep():
+            """Housekeeping: expired results and idle sessions every few seconds, expired checkpoints
+            (a walk over the data folder) every five minutes."""
+            last_disk_sweep = 0.0
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, settings.future_ttl_s / 4)))
                 svc.engine.forget(svc.futures.sweep())
                 svc.reap_idle_sessions()
+                if time.monotonic() - last_disk_sweep > 300:
+                    last_disk_sweep = time.monotonic()
+                    await asyncio.get_running_loop().run_in_executor(None, svc.store.sweep_expired)
 
         sweeper = asyncio.create_task(sweep())
         try:
@@ -48,6 +57,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     )
     app.state.service = svc
     app.include_router(build_router(svc))
+    app.include_router(build_hub_router(svc))
+    app.include_router(build_rest_router(svc))
 
     @app.get("/healthz")
     async def healthz():

@@ -55,6 +55,7 @@ class Settings:
     microbatch_tokens: int = 16384  # padded tokens per forward/backward micro-batch
     max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
+    min_ttl_s: float = 3600.0  # OPENRL_MIN_TTL_S: shortest checkpoint TTL accepted (Tinker: 1 hour)
     session_idle_timeout_s: float = 3600.0  # OPENRL_SESSION_IDLE_TIMEOUT_S: no heartbeat/request → finished
     limits: Limits = field(default_factory=Limits)
 
@@ -82,6 +83,7 @@ _ENV_FIELDS = {
     "OPENRL_MAX_SAMPLER_SNAPSHOTS": ("max_sampler_snapshots", int),
     "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
+    "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 

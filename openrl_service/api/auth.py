@@ -23,6 +23,7 @@ from openrl_service.config import LOOPBACK_HOSTS, Settings
 log = logging.getLogger("openrl_service")
 
 PUBLIC_PATHS = {"/healthz", "/readyz", "/api/v1/healthz"}
+SIGNED_PREFIX = "/api/v1/downloads/"
 DEFAULT_TENANT = "default"
 
 
@@ -132,7 +133,8 @@ class AuthMiddleware:
             if origin and not self._origin_ok(origin):
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
         path = scope.get("path", "")
-        if path not in PUBLIC_PATHS:
+        # Signed download links carry their own authorisation (an HMAC over tenant, file and expiry).
+        if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX):
             if self.settings.auth_enabled:
                 key = headers.get("x-api-key")
                 auth = headers.get("authorization", "")

@@ -10,7 +10,6 @@ Conventions the SDK depends on (see docs/architecture.md):
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,6 @@ from openrl_service.api import proto
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
 from openrl_service.sampling.base import SampleOutput
-from openrl_service.storage.checkpoints import KINDS, parse_tinker_path
 from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
 PROTO = "application/x-protobuf"
@@ -351,7 +349,9 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
         """End a session; its runs and samplers leave device memory, checkpoints stay."""
-        svc.finish_session(_tenant(request), session_id)
+        body = await read_json(request, max_body)
+        reason = body.get("reason") if isinstance(body.get("reason"), dict) else {}
+        svc.finish_session(_tenant(request), session_id, reason=str(reason.get("type", "success")))
         return json_response({"type": "session_finish", "session_id": session_id})
 
     @r.post("/telemetry")
@@ -464,6 +464,22 @@ def build_router(svc: TrainingService) -> APIRouter:
             bool(body.get("overwrite", False)),
             body.get("user_metadata"),
             idem(request),
+            ttl_seconds=body.get("ttl_seconds"),
+        )
+        return json_response(rec.reply())
+
+    @r.post("/save_weights_external")
+    async def save_weights_external(request: Request):
+        """The adapter as a downloadable PEFT folder under tinker://<run>/external_weights/<name>."""
+        body = await read_json(request, max_body)
+        rec = svc.save_external(
+            _tenant(request),
+            field(body, "model_id", str),
+            body.get("seq_id"),
+            body.get("path"),
+            body.get("ttl_seconds"),
+            body.get("age_encryption_recipients"),
+            idem(request),
         )
         return json_response(rec.reply())
 
@@ -507,6 +523,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             body.get("sampling_session_seq_id"),
             body.get("user_metadata"),
             idem(request),
+            ttl_seconds=body.get("ttl_seconds"),
         )
         return json_response(rec.reply())
 
@@ -588,19 +605,6 @@ def build_router(svc: TrainingService) -> APIRouter:
             return json_response(rec.error.to_json())
         wants_proto = PROTO in request.headers.get("accept", "")
         return encode_result(rec, wants_proto)
-
-    # -- the REST reads the core loop needs (the full REST surface lives with the REST issue) ----
-    @r.get("/training_runs/{run_id}")
-    async def get_training_run(run_id: str, request: Request):
-        """One training run of the caller's."""
-        return json_response(training_run(svc, _tenant(request), run_id))
-
-    @r.get("/training_runs/{run_id}/checkpoints")
-    async def list_checkpoints(run_id: str, request: Request):
-        """A run's checkpoints, newest first."""
-        tenant = _tenant(request)
-        training_run(svc, tenant, run_id)
-        return json_response({"checkpoints": checkpoints_of(svc, tenant, run_id)})
 
     @r.get("/healthz")
     async def api_healthz():
@@ -700,63 +704,3 @@ def encode_result(rec, wants_proto: bool) -> Response:
         resp = json_response({**res, "type": rec.kind} if isinstance(res, dict) else res)
     rec.cache = (wants_proto, resp)
     return resp
-
-
-# -- training runs and checkpoints read back from disk -----------------------------------------
-def training_run(svc: TrainingService, tenant: str, run_id: str) -> dict:
-    if run_id.startswith("tinker://"):
-        run_id = parse_tinker_path(run_id).run_id
-    meta = svc.store.read_run_meta(tenant, run_id)
-    if meta is None:
-        from openrl_service.errors import NotFound
-
-        raise NotFound(f"unknown training run {run_id!r}", field="run_id")
-    live = svc.runs.get(run_id)
-    cks = checkpoints_of(svc, tenant, run_id)
-    last = {
-        k: next((c for c in cks if c["checkpoint_type"] == t), None)
-        for k, t in (("last_checkpoint", "training"), ("last_sampler_checkpoint", "sampler"))
-    }
-    return {
-        "training_run_id": run_id,
-        "base_model": meta["base_model"],
-        "model_owner": tenant,
-        "is_lora": True,
-        "corrupted": False,
-        "lora_rank": meta["lora"]["rank"],
-        "last_request_time": _iso(live.last_request_time if live else meta["created_at"]),
-        "user_metadata": meta.get("user_metadata") or None,
-        **last,
-    }
-
-
-def checkpoints_of(svc: TrainingService, tenant: str, run_id: str) -> list[dict]:
-    out = []
-    run_dir = svc.store.run_dir(tenant, run_id)
-    for kind in KINDS:
-        d = run_dir / kind
-        if not d.is_dir():
-            continue
-        for ck in d.iterdir():
-            mpath = ck / "manifest.json"
-            if ck.name.startswith(".") or not mpath.is_file():
-                continue
-            m = orjson.loads(mpath.read_bytes())
-            size = sum(p.stat().st_size for p in ck.iterdir() if p.is_file())
-            out.append(
-                {
-                    "checkpoint_id": f"{kind}/{m['name']}",
-                    "checkpoint_type": "training" if kind == "weights" else "sampler",
-                    "time": _iso(m["created_at"]),
-                    "tinker_path": m["tinker_path"],
-                    "size_bytes": size,
-                    "public": False,
-                    "user_metadata": m.get("user_metadata") or None,
-                }
-            )
-    out.sort(key=lambda c: c["time"], reverse=True)
-    return out
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1e6):06d}Z"

@@ -64,6 +64,27 @@ class Session:
     project_id: str | None = None
     run_ids: list[str] = field(default_factory=list)
     sampler_ids: list[str] = field(default_factory=list)
+    finish_reason: str | None = None  # success | errored | interrupted | idle
+
+    def record(self) -> dict:
+        """What is kept on disk: enough to list, get and search the session after it ends."""
+        status = (
+            {"type": "client_finished", "reason": {"type": self.finish_reason or "success"}}
+            if self.finished
+            else {"type": "active"}
+        )
+        return {
+            "session_id": self.session_id,
+            "tenant": self.tenant,
+            "created_at": self.created_at,
+            "display_name": self.display_name,
+            "project_id": self.project_id,
+            "user_metadata": self.user_metadata,
+            "tags": self.tags,
+            "status": status,
+            "training_run_ids": list(self.run_ids),
+            "sampler_ids": list(self.sampler_ids),
+        }
 
 
 @dataclass
@@ -154,6 +175,19 @@ class TrainingService:
         return [self.require_ready().capability()]
 
     # -- sessions -------------------------------------------------------------------------------
+    def expiry(self, ttl_seconds: Any, field_name: str = "ttl_seconds") -> float | None:
+        """ttl_seconds (None: never) as an absolute expiry time; bounds as Tinker's: 1 hour to 10 years."""
+        if ttl_seconds is None:
+            return None
+        lo, hi = self.settings.min_ttl_s, 10 * 365 * 24 * 3600
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not lo <= ttl_seconds <= hi:
+            raise UserError(
+                f"{field_name} must be null or an integer in [{lo:g}, {hi}] seconds (OPENRL_MIN_TTL_S); "
+                f"got {ttl_seconds!r}",
+                field=field_name,
+            )
+        return time.time() + ttl_seconds
+
     def check_metadata(self, value: Any, field_name: str = "user_metadata") -> dict:
         """user_metadata must be a JSON object of at most ``max_metadata_bytes``."""
         if value is None:
@@ -190,6 +224,7 @@ class TrainingService:
         )
         with self._lock:
             self.sessions[sess.session_id] = sess
+        self.store.write_session(tenant, sess.record())
         return sess
 
     def session(self, tenant: str, session_id: str, *, live: bool = True) -> Session:
@@ -210,11 +245,14 @@ class TrainingService:
         sess.last_heartbeat = time.time()
         return not sess.finished
 
-    def finish_session(self, tenant: str, session_id: str) -> None:
+    def finish_session(self, tenant: str, session_id: str, reason: str = "success") -> None:
         """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
         sess = self.session(tenant, session_id, live=False)
+        if not sess.finished:
+            sess.finish_reason = reason if reason in ("success", "errored", "interrupted") else "success"
         sess.finished = True
         sess.finished_at = time.time()
+        self.store.write_session(tenant, sess.record())
         with self._lock:
             run_ids = [r for r in sess.run_ids if r in self.runs]
             for rid in run_ids:
@@ -248,7 +286,7 @@ class TrainingService:
                 sess.session_id,
                 now - sess.last_heartbeat,
             )
-            self.finish_session(sess.tenant, sess.session_id)
+            self.finish_session(sess.tenant, sess.session_id, reason="interrupted")
         return [s.session_id for s in idle]
 
     # -- runs -----------------------------------------------------------------------------------
@@ -344,9 +382,13 @@ class TrainingService:
                 "seed": run.seed,
                 "created_at": run.created_at,
                 "user_metadata": run.user_metadata,
+                "project_id": getattr(self.sessions.get(run.session_id), "project_id", None),
                 **extra,
             },
         )
+        sess = self.sessions.get(run.session_id)
+        if sess is not None:
+            self.store.write_session(run.tenant, sess.record())
 
     def create_model(
         self,
@@ -622,10 +664,12 @@ class TrainingService:
         overwrite: bool,
         user_metadata: dict | None,
         idem: str | None,
+        ttl_seconds: Any = None,
     ) -> FutureRecord:
         def prepare(run: Run):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
             meta = self.check_metadata(user_metadata)
+            expires_at = self.expiry(ttl_seconds)
 
             def work():
                 st = self._state(run)
@@ -635,7 +679,7 @@ class TrainingService:
                     adapter=st.adapter.peft_state_dict(),
                     adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
                     optimizer=Trainer.optimizer_tensors(st),
-                    manifest={**self._manifest(run), "user_metadata": meta},
+                    manifest={**self._manifest(run), "user_metadata": meta, "expires_at": expires_at},
                     overwrite=overwrite,
                 )
                 return {"path": ref.path}
@@ -699,6 +743,7 @@ class TrainingService:
         sampling_session_seq_id: Any,
         user_metadata: dict | None,
         idem: str | None,
+        ttl_seconds: Any = None,
     ) -> FutureRecord:
         def prepare(run: Run):
             if name is None:
@@ -724,25 +769,55 @@ class TrainingService:
                     return {"sampling_session_id": sampler_id}
 
                 return ephemeral
-            ref = CheckpointRef(run.run_id, "sampler_weights", check_name(name))
-            meta = self.check_metadata(user_metadata)
-
-            def named():
-                st = self._state(run)
-                self.store.save(
-                    run.tenant,
-                    ref,
-                    adapter=st.adapter.peft_state_dict(),
-                    adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
-                    optimizer=None,
-                    manifest={**self._manifest(run), "user_metadata": meta},
-                    overwrite=True,
-                )
-                return {"path": ref.path}
-
-            return named
+            return self._export(run, "sampler_weights", name, user_metadata, ttl_seconds)
 
         return self.run_op(tenant, model_id, seq_id, "save_weights_for_sampler", prepare, idem)
+
+    def save_external(
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: Any,
+        name: Any,
+        ttl_seconds: Any,
+        recipients: Any,
+        idem: str | None,
+    ) -> FutureRecord:
+        """save_weights_external: the adapter as a PEFT folder to download (external_weights checkpoint)."""
+
+        def prepare(run: Run):
+            if recipients:
+                raise UserError(
+                    "age_encryption_recipients: encrypted exports are not supported by this service; "
+                    "download over HTTPS from a trusted network instead",
+                    field="age_encryption_recipients",
+                )
+            return self._export(run, "external_weights", name, None, ttl_seconds)
+
+        return self.run_op(tenant, model_id, seq_id, "save_weights_external", prepare, idem)
+
+    def _export(
+        self, run: Run, kind: str, name: Any, user_metadata: Any, ttl_seconds: Any
+    ) -> Callable[[], dict]:
+        """Adapter-only checkpoint work (sampler or external weights); validated now, written on the worker."""
+        ref = CheckpointRef(run.run_id, kind, check_name(name))
+        meta = self.check_metadata(user_metadata)
+        expires_at = self.expiry(ttl_seconds)
+
+        def work() -> dict:
+            st = self._state(run)
+            folder = self.store.save(
+                run.tenant,
+                ref,
+                adapter=st.adapter.peft_state_dict(),
+                adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
+                optimizer=None,
+                manifest={**self._manifest(run), "user_metadata": meta, "expires_at": expires_at},
+                overwrite=True,
+            )
+            return {"path": ref.path, "size_bytes": sum(p.stat().st_size for p in folder.iterdir())}
+
+        return work
 
     # -- samplers -------------------------------------------------------------------------------
     def _add_sampler(self, entry: SamplerEntry) -> None:

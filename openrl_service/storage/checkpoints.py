@@ -2,15 +2,18 @@
 
 Layout (every name below is chosen by the service, never by a client):
 
+    <data>/tenants/<tenant>/sessions/<session-id>.json               session record
     <data>/tenants/<tenant>/runs/<run-dir>/run.json                 run metadata
-    <data>/tenants/<tenant>/runs/<run-dir>/<kind>/<name>/
+    <data>/tenants/<tenant>/runs/<run-dir>/<weights|sampler_weights|external_weights>/<name>/
         adapter_model.safetensors   PEFT layout, loadable by PEFT and vLLM
         adapter_config.json
         optimizer.safetensors       ("weights" checkpoints only: AdamW moments and step)
-        manifest.json               kind, run, base model, LoRA spec, steps, file digests
+        manifest.json               kind, run, base model, LoRA spec, steps, file digests,
+                                    expires_at (TTL) and public
 
 A checkpoint is written into a temporary folder beside its final place and renamed into it, so a
 reader never sees a half-written one. Only safetensors and JSON are read back: nothing is unpickled.
+A checkpoint past its ``expires_at`` is treated as absent at once and deleted by the next sweep.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from safetensors.torch import load_file, save_file
 from openrl_service.config import TENANT_RE
 from openrl_service.errors import NotFound, UserError
 
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
+CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,127}$")
 MANIFEST_VERSION = 1
@@ -71,7 +75,8 @@ def parse_tinker_path(path: str, field: str = "path") -> CheckpointRef:
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or not _RUN_RE.match(parts[0]) or parts[1] not in KINDS:
         raise UserError(
-            f"{field}: expected tinker://<run_id>/<weights|sampler_weights>/<name>; got {path!r}", field=field
+            f"{field}: expected tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>; got {path!r}",
+            field=field,
         )
     return CheckpointRef(parts[0], parts[1], check_name(parts[2], field))
 
@@ -153,6 +158,8 @@ class CheckpointStore:
                 "created_at": time.time(),
                 "has_optimizer": optimizer is not None,
                 "files": files,
+                "expires_at": None,
+                "public": False,
                 **manifest,
             }
             (tmp / "manifest.json").write_text(json.dumps(full, indent=2, sort_keys=True))
@@ -170,11 +177,125 @@ class CheckpointStore:
         return final
 
     def manifest(self, tenant: str, ref: CheckpointRef) -> dict:
-        """The checkpoint's manifest alone (cheap: no tensors); NotFound for foreign or absent ones."""
+        """The checkpoint's manifest alone (cheap: no tensors); NotFound for foreign, absent or expired ones."""
         try:
-            return json.loads((self._ckpt_dir(tenant, ref) / "manifest.json").read_text())
+            manifest = json.loads((self._ckpt_dir(tenant, ref) / "manifest.json").read_text())
         except (OSError, ValueError):
             raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+        if _expired(manifest):
+            raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
+        return manifest
+
+    def update_manifest(self, tenant: str, ref: CheckpointRef, **changes) -> dict:
+        manifest = {**self.manifest(tenant, ref), **changes}
+        _atomic_write_text(
+            self._ckpt_dir(tenant, ref) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
+        )
+        return manifest
+
+    def delete(self, tenant: str, ref: CheckpointRef) -> None:
+        self.manifest(tenant, ref)  # NotFound unless it is there
+        d = self._ckpt_dir(tenant, ref)
+        trash = d.parent / f".{ref.name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
+        os.replace(d, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
+        """Copy a checkpoint to another run/name (atomically); the copy is private and has its own TTL."""
+        self.manifest(tenant, src)
+        final = self._ckpt_dir(tenant, dst)
+        if final.exists():
+            raise UserError(f"checkpoint {dst.path} already exists", field="path")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{dst.name}.tmp-"))
+        try:
+            for p in self._ckpt_dir(tenant, src).iterdir():
+                if p.name != "manifest.json":
+                    shutil.copy2(p, tmp / p.name)
+            manifest = {
+                **self.manifest(tenant, src),
+                "run_id": dst.run_id,
+                "kind": dst.kind,
+                "name": dst.name,
+                "tinker_path": dst.path,
+                "created_at": time.time(),
+                "expires_at": expires_at,
+                "public": False,
+                "copied_from": src.path,
+            }
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
+
+    # -- listings -------------------------------------------------------------------------------
+    def list_runs(self, tenant: str) -> list[dict]:
+        root = self._tenant_root(tenant) / "runs"
+        out = []
+        for d in root.iterdir() if root.is_dir() else ():
+            try:
+                out.append(json.loads((d / "run.json").read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def list_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
+        """Live checkpoints of a run, each manifest with ``size_bytes``; expired ones are left out."""
+        out = []
+        run = self.run_dir(tenant, run_id)
+        for kind in KINDS:
+            d = run / kind
+            for ck in sorted(d.iterdir()) if d.is_dir() else ():
+                if ck.name.startswith("."):
+                    continue
+                try:
+                    m = json.loads((ck / "manifest.json").read_text())
+                    size = sum(p.stat().st_size for p in ck.iterdir() if p.is_file())
+                except (OSError, ValueError):
+                    continue
+                if not _expired(m):
+                    out.append({**m, "size_bytes": size})
+        return out
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Delete every expired checkpoint from disk; returns how many."""
+        now = time.time() if now is None else now
+        removed = 0
+        for mpath in self.root.glob("tenants/*/runs/*/*/*/manifest.json"):
+            try:
+                m = json.loads(mpath.read_text())
+            except (OSError, ValueError):
+                continue
+            if _expired(m, now):
+                shutil.rmtree(mpath.parent, ignore_errors=True)
+                removed += 1
+        return removed
+
+    # -- sessions -------------------------------------------------------------------------------
+    def write_session(self, tenant: str, record: dict) -> None:
+        d = self._tenant_root(tenant) / "sessions"
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(d / f"{record['session_id']}.json", json.dumps(record, indent=2, sort_keys=True))
+
+    def list_sessions(self, tenant: str) -> list[dict]:
+        d = self._tenant_root(tenant) / "sessions"
+        out = []
+        for p in d.glob("*.json") if d.is_dir() else ():
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def read_session(self, tenant: str, session_id: str) -> dict | None:
+        if not _RUN_RE.match(session_id):
+            return None
+        try:
+            return json.loads((self._tenant_root(tenant) / "sessions" / f"{session_id}.json").read_text())
+        except (OSError, ValueError):
+            return None
 
     def load(
         self, tenant: str, ref: CheckpointRef, *, with_optimizer: bool = False
@@ -200,6 +321,11 @@ class CheckpointStore:
         if not (d / "manifest.json").is_file():
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         return d
+
+
+def _expired(manifest: dict, now: float | None = None) -> bool:
+    exp = manifest.get("expires_at")
+    return exp is not None and (time.time() if now is None else now) >= exp
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
