@@ -147,6 +147,9 @@ class Catalog:
                     "copied_from": src.path,
                 },
             )
+        if run_id not in sess.run_ids:
+            sess.run_ids.append(run_id)
+            self.store.write_session(tenant, sess.record())
         dst = CheckpointRef(run_id, src.kind, src.name)
         self.store.copy(tenant, src, dst, expires_at=expires_at)
         return {"tinker_path": dst.path}
