@@ -46,6 +46,7 @@ class FutureStore:
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._expired_memory = expired_memory
         self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def new(self, tenant: str, kind: str, **extra) -> FutureRecord:
@@ -64,6 +65,7 @@ class FutureStore:
             rec.result, rec.error = result, error
             rec.completed_at = time.time()
             rec.done = True
+            self._done.notify_all()
         if rec._event is not None and self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(rec._event.set)
 
@@ -92,6 +94,11 @@ class FutureStore:
         except asyncio.TimeoutError:
             pass
         return rec.done
+
+    def wait_sync(self, rec: FutureRecord, timeout_s: float | None = None) -> bool:
+        """Block a plain thread (no event loop: scripts, benchmarks) until ``rec`` completes."""
+        with self._done:
+            return self._done.wait_for(lambda: rec.done, timeout_s)
 
     def sweep(self, now: float | None = None) -> list[FutureRecord]:
         """Forget completed results older than the TTL (returned); remember their ids to answer 410."""
