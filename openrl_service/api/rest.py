@@ -135,7 +135,7 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
 
     @r.put("/sessions/{session_id}/project")
     async def assign_project(session_id: str, request: Request):
-        """Move a session (and the runs it creates from now on) to a project."""
+        """Move a session and its runs to a project."""
         body = await read_json(request, max_body)
         cat.assign_project(tenant(request), session_id, body.get("project_id"))
         return Response(status_code=204)

@@ -183,7 +183,9 @@ class Catalog:
     def list_training_runs(self, tenant: str, limit: Any, offset: Any, project_id: str | None) -> dict:
         runs = self.store.list_runs(tenant)
         if project_id is not None:
-            runs = [r for r in runs if r.get("project_id") == project_id]
+            # A run belongs to its session's current project: assigning a session moves its runs.
+            projects = {r["session_id"]: r.get("project_id") for r in self._all_sessions(tenant)}
+            runs = [r for r in runs if projects.get(r.get("session_id"), r.get("project_id")) == project_id]
         runs.sort(key=lambda r: (r["created_at"], r["run_id"]), reverse=True)
         items, cursor = page(runs, limit, offset)
         return {"training_runs": [self._run_json(tenant, m) for m in items], "cursor": cursor}
@@ -219,6 +221,7 @@ class Catalog:
         return {"sessions": [r["session_id"] for r in items], "cursor": cursor}
 
     def assign_project(self, tenant: str, session_id: str, project_id: Any) -> None:
+        """Move a session, and with it every run it created, into a project."""
         if not isinstance(project_id, str) or not 0 < len(project_id) <= 256:
             raise UserError(
                 "project_id must be a non-empty string of at most 256 characters", field="project_id"

@@ -138,6 +138,10 @@ def _normalise_json(out: Path) -> None:
         data = json.loads(path.read_text())
         if path.name == "config.json":
             data["_name_or_path"] = TINY_MODEL_NAME
+        if path.name == "tokenizer_config.json":
+            # transformers 5 writes its own class name ("TokenizersBackend"), which 4.x cannot load;
+            # PreTrainedTokenizerFast loads the same tokenizer.json in 4.x and 5.x alike.
+            data["tokenizer_class"] = "PreTrainedTokenizerFast"
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
