@@ -48,6 +48,10 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): padded-batch vs p
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/service/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
 
+.PHONY: compat-doc
+compat-doc: $(STAMP) ## rewrite docs/tinker-compatibility.md from the Tinker SDK surface suite
+	OPENRL_WRITE_COMPAT_DOC=1 $(BIN)/python -m pytest -q tests/service/test_tinker_surface.py::test_compat_doc_is_current
+
 serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
 	$(BIN)/openrl-service serve
 
