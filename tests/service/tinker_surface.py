@@ -1977,5 +1977,6 @@ def _(c: Ctx):
 def _(c: Ctx):
     path = res(c.scratch.save_state("unpub-async")).path
     res(c.rest.publish_checkpoint_from_tinker_path(path))
+    assert listed(c, path).public is True
     assert c.aw(c.rest.unpublish_checkpoint_from_tinker_path_async(path)) is None
     assert listed(c, path).public is False
