@@ -139,7 +139,11 @@ def _error(status: int, code: str, message: str) -> Response:
         json.dumps({"error": message}).encode(),
         status_code=status,
         media_type="application/json",
-        headers={"X-Error-Code": code, "X-Error-Message": message},
+        # Names in the message come from the URL: repr() and ASCII keep the header well-formed.
+        headers={
+            "X-Error-Code": code,
+            "X-Error-Message": message.encode("ascii", "backslashreplace").decode(),
+        },
     )
 
 
@@ -222,7 +226,7 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
             return snap
         data = snap.files.get(filename)
         if data is None:
-            return _error(404, "EntryNotFound", f"{filename} does not exist on {revision!r} of {repo!r}")
+            return _error(404, "EntryNotFound", f"{filename!r} does not exist on {revision!r} of {repo!r}")
         media = "application/json" if filename.endswith(".json") else "application/octet-stream"
         return Response(
             data,

@@ -83,6 +83,16 @@ def test_absent_files_weights_unknown_repos_and_revisions_are_404(server):
         assert r.status_code == 404 and r.headers["x-error-code"] == "RepoNotFound", path
     r = c.get(f"/{TINY}/resolve/v9/tokenizer.json")
     assert r.status_code == 404 and r.headers["x-error-code"] == "RevisionNotFound"
+    for odd in ("%E2%82%AC%0Ax", "a%0D%0AX-Evil:%201", "%00"):  # non-Latin-1, CR/LF, NUL from the URL
+        for path in (
+            f"/{TINY}/resolve/main/{odd}",
+            f"/openrl/{odd}/resolve/main/x",
+            f"/{TINY}/resolve/{odd}/x",
+        ):
+            r = c.get(path)
+            assert r.status_code == 404 and "x-evil" not in r.headers, path
+            message = r.headers.get("x-error-message", "")  # (a newline in a file name matches no route)
+            assert message.isascii() and "\n" not in message and "\r" not in message, path
 
 
 def test_tree_lists_files_and_subpaths(server, tiny_model_dir):
