@@ -60,8 +60,10 @@ def test_another_tenant_gets_404_for_every_rest_object(server, alice_world):
         r = bob.request(method, url, json=body)
         assert r.status_code == 404, (method, url, r.status_code, r.text)
     # Nothing of Alice's shows up in Bob's listings, and her objects are untouched.
-    assert bob.get("/api/v1/training_runs").json()["cursor"]["total_count"] == 0
-    assert bob.get("/api/v1/checkpoints").json()["checkpoints"] == []
+    bob_runs = bob.get("/api/v1/training_runs", params={"limit": 1000}).json()["training_runs"]
+    assert run not in {r["training_run_id"] for r in bob_runs}
+    bob_ckpts = bob.get("/api/v1/checkpoints", params={"limit": 1000}).json()["checkpoints"]
+    assert not {c["tinker_path"] for c in bob_ckpts} & set(alice_world["paths"].values())
     assert session not in bob.get("/api/v1/sessions").json()["sessions"]
     assert bob.post("/api/v1/sessions/search", json={"session_id": session}).json()["sessions"] == []
     ckpts = {
