@@ -136,7 +136,9 @@ def test_every_route_but_health_needs_a_key(server):
                 if path.startswith(SIGNED):
                     # Signed download links carry their own authorisation: a forged one is unknown.
                     if r.status_code != 404 or "download link" not in r.json()["error"]:
-                        unprotected.append(f"{method} {path} ({who} key): forged link answered {r.status_code}")
+                        unprotected.append(
+                            f"{method} {path} ({who} key): forged link answered {r.status_code}"
+                        )
                 elif path in PUBLIC:
                     if r.status_code != 200:
                         unprotected.append(
