@@ -999,23 +999,16 @@ class TrainingService:
             stop_strings=stop_strs,
         )
 
-    def sample(
+    def check_sample(
         self,
-        tenant: str,
-        *,
-        sampler_id: str,
         prompt: list[int],
         num_samples: Any,
         params: SamplingParams,
-        prompt_logprobs: bool,
-        topk_prompt_logprobs: Any,
-        topk_sample_logprobs: Any,
-        idem: str | None,
-    ) -> FutureRecord:
-        prior = self.engine.idempotent(tenant, idem)
-        if prior is not None:
-            return prior
-        entry = self.sampler_entry(tenant, sampler_id)
+        topk_prompt: Any = 0,
+        topk_sample: Any = 0,
+    ) -> SamplingParams:
+        """Validate one sample request against the limits and the model; returns the params with
+        ``max_tokens`` resolved (when omitted: as many as fit the context, up to OPENRL_MAX_TOKENS)."""
         base = self.require_ready()
         lim = self.limits
         if (
@@ -1028,10 +1021,7 @@ class TrainingService:
                 f"got {num_samples!r}",
                 field="num_samples",
             )
-        for name, k in (
-            ("topk_prompt_logprobs", topk_prompt_logprobs),
-            ("topk_sample_logprobs", topk_sample_logprobs),
-        ):
+        for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample)):
             if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= lim.max_topk:
                 raise UserError(
                     f"{name} must be an integer in [0, {lim.max_topk}] (OPENRL_MAX_TOPK); got {k!r}",
@@ -1051,6 +1041,26 @@ class TrainingService:
             )
         if min(prompt) < 0 or max(prompt) >= base.vocab_size:
             raise UserError(f"prompt: token ids must be in [0, {base.vocab_size})", field="prompt")
+        return params
+
+    def sample(
+        self,
+        tenant: str,
+        *,
+        sampler_id: str,
+        prompt: list[int],
+        num_samples: Any,
+        params: SamplingParams,
+        prompt_logprobs: bool,
+        topk_prompt_logprobs: Any,
+        topk_sample_logprobs: Any,
+        idem: str | None,
+    ) -> FutureRecord:
+        prior = self.engine.idempotent(tenant, idem)
+        if prior is not None:
+            return prior
+        entry = self.sampler_entry(tenant, sampler_id)
+        params = self.check_sample(prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs)
         job = SampleJob(
             prompt=prompt,
             num_samples=num_samples,

@@ -38,6 +38,45 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+def adam_params(body: dict) -> AdamParams:
+    """``adam_params`` (or a refused ``optimizer_params``) from a request body, every field range-checked."""
+    raw = body.get("adam_params")
+    if raw is None:
+        if body.get("optimizer_params") is not None:
+            raise UserError(
+                "optimizer_params: only AdamW (adam_params) is supported", field="optimizer_params"
+            )
+        raise UserError("adam_params is required", field="adam_params")
+    if not isinstance(raw, dict):
+        raise UserError("adam_params must be an object", field="adam_params")
+    out = AdamParams()
+    bounds = {
+        "learning_rate": (0, math.inf),
+        "beta1": (0, 1),
+        "beta2": (0, 1),
+        "eps": (0, math.inf),
+        "weight_decay": (0, math.inf),
+        "grad_clip_norm": (0, math.inf),
+    }
+    for name, (lo, hi) in bounds.items():
+        if name not in raw or raw[name] is None:
+            continue
+        v = raw[name]
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not math.isfinite(v)
+            or not lo <= v <= hi
+            or (name in ("beta1", "beta2") and v >= 1)
+        ):
+            rng = "[0, 1)" if hi == 1 else ">= 0"
+            raise UserError(
+                f"adam_params.{name} must be a finite number {rng}; got {v!r}", field=f"adam_params.{name}"
+            )
+        setattr(out, name, float(v))
+    return out
+
+
 @dataclass
 class TrainState:
     """A run's trainable state: adapter, optimizer, and how many optimizer steps it has taken."""

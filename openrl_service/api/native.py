@@ -1,0 +1,142 @@
+"""The notebook API (``/openrl/v1``): JSON + Server-Sent Events over the same engine, auth and limits.
+
+    POST   /openrl/v1/runs                          create a run        {name?, base_model?, rank?, seed?, ...}
+    GET    /openrl/v1/runs                          the caller's runs
+    GET    /openrl/v1/runs/{run_id}                 one run
+    DELETE /openrl/v1/runs/{run_id}                 free it (checkpoints stay)
+    POST   /openrl/v1/runs/{run_id}/sample          text prompts → completions with sample ids
+    POST   /openrl/v1/runs/{run_id}/train_step      sample ids + advantages → loss, ratio/KL/clip stats
+    POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
+    GET    /openrl/v1/runs/{run_id}/checkpoints     list
+    POST   /openrl/v1/runs/{run_id}/metrics         client-reported metrics of a step (rewards)
+    GET    /openrl/v1/runs/{run_id}/metrics         all of them
+    GET    /openrl/v1/events                        SSE: telemetry ticks and run events (schema version 1)
+
+The OpenAPI schema is served at /openapi.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from openrl_service.api.tinker import field, json_response, read_json
+from openrl_service.engine.catalog import Catalog
+from openrl_service.engine.native import NativeRuns
+from openrl_service.engine.service import TrainingService
+
+TICK_S = 1.0
+
+
+def build_native_router(svc: TrainingService) -> APIRouter:
+    r = APIRouter(prefix="/openrl/v1", tags=["native"])
+    native = NativeRuns(svc)
+    cat = Catalog(svc)
+    max_body = svc.limits.max_body_bytes
+
+    def tenant(request: Request) -> str:
+        return request.state.tenant
+
+    @r.post("/runs")
+    async def create_run(request: Request):
+        """Create a LoRA run on the served model (defaults from its capability entry)."""
+        nr = await native.create(tenant(request), await read_json(request, max_body))
+        return json_response(native.describe(nr), status=201)
+
+    @r.get("/runs")
+    async def list_runs(request: Request):
+        """The caller's live runs."""
+        return json_response({"runs": native.list(tenant(request))})
+
+    @r.get("/runs/{run_id}")
+    async def get_run(run_id: str, request: Request):
+        """One run: name, model, rank, step."""
+        return json_response(native.describe(native.get(tenant(request), run_id)))
+
+    @r.delete("/runs/{run_id}")
+    async def delete_run(run_id: str, request: Request):
+        """Free a run's adapter and optimizer; its checkpoints stay."""
+        native.delete(tenant(request), run_id)
+        return json_response({"run_id": run_id, "deleted": True})
+
+    @r.post("/runs/{run_id}/sample")
+    async def sample(run_id: str, request: Request):
+        """Completions of text prompts from the run's current weights, each with a sample id."""
+        return json_response(await native.sample(tenant(request), run_id, await read_json(request, max_body)))
+
+    @r.post("/runs/{run_id}/train_step")
+    async def train_step(run_id: str, request: Request):
+        """One RL step over named samples and their advantages: loss + AdamW."""
+        return json_response(
+            await native.train_step(tenant(request), run_id, await read_json(request, max_body))
+        )
+
+    @r.post("/runs/{run_id}/checkpoints")
+    async def save(run_id: str, request: Request):
+        """Save weights + optimizer; the path loads with the Tinker SDK."""
+        body = await read_json(request, max_body)
+        nr = native.get(tenant(request), run_id)
+        rec = svc.save_state(
+            tenant(request),
+            run_id,
+            nr.next_seq(),
+            field(body, "name", str),
+            bool(body.get("overwrite", False)),
+            body.get("user_metadata"),
+            None,
+            ttl_seconds=body.get("ttl_seconds"),
+        )
+        return json_response(await native._result(rec), status=201)
+
+    @r.get("/runs/{run_id}/checkpoints")
+    async def checkpoints(run_id: str, request: Request):
+        """The run's checkpoints, newest first."""
+        native.get(tenant(request), run_id)
+        return json_response(cat.list_checkpoints(tenant(request), run_id))
+
+    @r.post("/runs/{run_id}/metrics")
+    async def add_metrics(run_id: str, request: Request):
+        """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
+        return json_response(
+            native.add_metrics(tenant(request), run_id, await read_json(request, max_body)), status=201
+        )
+
+    @r.get("/runs/{run_id}/metrics")
+    async def get_metrics(run_id: str, request: Request):
+        """Every metrics row stored for the run."""
+        return json_response({"metrics": native.get(tenant(request), run_id).metrics})
+
+    @r.get("/events")
+    async def events(request: Request):
+        """Server-Sent Events: a telemetry tick every second plus run events, each with a schema version."""
+        who = tenant(request)
+        queue = native.events.subscribe(who)
+
+        async def stream():
+            try:
+                yield b"retry: 2000\n\n"
+                loop = asyncio.get_running_loop()
+                next_tick = loop.time()
+                while True:
+                    wait = next_tick - loop.time()
+                    if wait > 0:
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            event = await asyncio.wait_for(queue.get(), timeout=wait)
+                            yield b"event: run\ndata: " + orjson.dumps(event) + b"\n\n"
+                            continue
+                    next_tick = loop.time() + TICK_S  # ticks keep their pace however busy the runs are
+                    yield b"event: tick\ndata: " + orjson.dumps(native.tick(who)) + b"\n\n"
+                    if await request.is_disconnected():
+                        return
+            finally:
+                native.events.unsubscribe(queue)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    return r

@@ -1,0 +1,408 @@
+"""The notebook-facing operations behind ``/openrl/v1``: runs addressed by id, text in and out.
+
+A native run is an ordinary engine run (its own session, adapter, optimizer, seq-ordered lane), so
+the Tinker API's guarantees hold for it too. What this layer adds:
+
+- text prompts: the service tokenises them (through the chat template when the model has one) and
+  returns completions as text without the stop token's text;
+- a sample store: each completion gets a ``sample_id``; the service keeps it (prompt tokens,
+  completion tokens, sampler logprobs) for ``SAMPLE_TTL_S`` so a train step can name samples
+  instead of re-sending tokens;
+- one ``train_step`` = importance-sampling (or another RL loss) forward/backward over the named
+  samples with their advantages, then AdamW, returning the ratio / KL / clip statistics;
+- client-reported metrics per step, stored with the run;
+- an event bus for run events, read by the SSE stream with telemetry ticks.
+
+Sampling and training of one run share its lane, so a sample always sees the weights of every
+train step submitted before it; ``snapshot`` in replies is the run's optimizer-step count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from openrl_service.engine.service import Run, TrainingService
+from openrl_service.errors import NotFound, UserError
+from openrl_service.sampling.base import SampleJob
+from openrl_service.training.losses import LOSSES, check_loss
+from openrl_service.training.trainer import AdamParams, DatumArrays, adam_params
+
+SAMPLE_TTL_S = 1800.0
+MAX_STORED_SAMPLES = 200_000
+EVENTS_SCHEMA_VERSION = 1
+RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
+
+
+@dataclass
+class StoredSample:
+    run_id: str
+    tenant: str
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class NativeRun:
+    run: Run
+    name: str
+    seq: int = 0
+    steps: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_seq(self) -> int:
+        with self.lock:
+            self.seq += 1
+            return self.seq
+
+
+class EventBus:
+    """Run events fan out to every open SSE stream of the tenant (bounded queues; slow readers drop)."""
+
+    def __init__(self) -> None:
+        self._subs: list[tuple[str, asyncio.Queue, asyncio.AbstractEventLoop]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, tenant: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        with self._lock:
+            self._subs.append((tenant, q, asyncio.get_running_loop()))
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        with self._lock:
+            self._subs = [s for s in self._subs if s[1] is not q]
+
+    def publish(self, tenant: str, event: dict) -> None:
+        """Thread-safe: callable from the worker thread or the event loop."""
+        event = {"schema": EVENTS_SCHEMA_VERSION, "type": "run", "time": time.time(), **event}
+        with self._lock:
+            subs = [s for s in self._subs if s[0] == tenant]
+        for _, q, loop in subs:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_offer, q, event)
+
+
+def _offer(q: asyncio.Queue, event: dict) -> None:
+    if q.full():
+        q.get_nowait()  # drop the oldest: a stalled reader must not hold memory
+    q.put_nowait(event)
+
+
+class NativeRuns:
+    def __init__(self, svc: TrainingService):
+        self.svc = svc
+        self.runs: dict[str, NativeRun] = {}
+        self.samples: OrderedDict[str, StoredSample] = OrderedDict()
+        self.events = EventBus()
+        self._lock = threading.Lock()
+
+    # -- runs -----------------------------------------------------------------------------------
+    def get(self, tenant: str, run_id: str) -> NativeRun:
+        nr = self.runs.get(run_id)
+        if nr is None or nr.run.tenant != tenant or run_id not in self.svc.runs:
+            raise NotFound(f"unknown run {run_id!r}", field="run_id")
+        return nr
+
+    async def create(self, tenant: str, body: dict) -> NativeRun:
+        base = self.svc.require_ready()
+        defaults = base.defaults
+        name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
+        if not isinstance(name, str) or not 0 < len(name) <= 128:
+            raise UserError("name must be a string of 1-128 characters", field="name")
+        spec = self.svc.lora_spec(
+            body.get("rank", defaults.get("lora_rank", 8)),
+            body.get("train_attn", True),
+            body.get("train_mlp", True),
+            body.get("train_unembed", defaults.get("train_unembed", True)),
+        )
+        sess = self.svc.create_session(tenant, display_name=name, user_metadata=body.get("user_metadata"))
+        rec = self.svc.create_model(
+            tenant,
+            session_id=sess.session_id,
+            model_seq_id=0,
+            base_model=body.get("base_model"),
+            spec=spec,
+            seed=body.get("seed"),
+            user_metadata=body.get("user_metadata"),
+            idem=None,
+        )
+        await self._result(rec)
+        nr = NativeRun(self.svc.run(tenant, rec.result["model_id"]), name)
+        with self._lock:
+            self.runs[nr.run.run_id] = nr
+        self.events.publish(tenant, {"event": "created", "run_id": nr.run.run_id, "name": name})
+        return nr
+
+    def describe(self, nr: NativeRun) -> dict:
+        run = nr.run
+        return {
+            "run_id": run.run_id,
+            "name": nr.name,
+            "base_model": run.base_model,
+            "lora_rank": run.spec.rank,
+            "step": nr.steps,
+            "snapshot": nr.steps,
+            "created_at": run.created_at,
+            "metrics_count": len(nr.metrics),
+        }
+
+    def list(self, tenant: str) -> list[dict]:
+        return [
+            self.describe(nr)
+            for nr in self.runs.values()
+            if nr.run.tenant == tenant and nr.run.run_id in self.svc.runs
+        ]
+
+    def delete(self, tenant: str, run_id: str) -> None:
+        nr = self.get(tenant, run_id)
+        self.svc.finish_session(tenant, nr.run.session_id)
+        with self._lock:
+            self.runs.pop(run_id, None)
+        self.events.publish(tenant, {"event": "deleted", "run_id": run_id})
+
+    # -- sampling -------------------------------------------------------------------------------
+    def _encode(self, prompt: Any, i: int, chat: bool) -> list[int]:
+        tok = self.svc.base.tokenizer
+        if isinstance(prompt, str):
+            if chat and getattr(tok, "chat_template", None):
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+                )
+                return list(tok.encode(ids, add_special_tokens=False))
+            return list(tok.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return list(tok.encode(text, add_special_tokens=False))
+        raise UserError(
+            f"prompts[{i}] must be a string or a list of chat messages ({{role, content}})",
+            field=f"prompts[{i}]",
+        )
+
+    async def sample(self, tenant: str, run_id: str, body: dict) -> dict:
+        nr = self.get(tenant, run_id)
+        prompts = body.get("prompts")
+        if not isinstance(prompts, list) or not prompts:
+            raise UserError("prompts must be a non-empty list", field="prompts")
+        if len(prompts) > self.svc.limits.max_datums:
+            raise UserError(
+                f"prompts: at most {self.svc.limits.max_datums} per call (OPENRL_MAX_DATUMS); got {len(prompts)}",
+                field="prompts",
+            )
+        chat = body.get("chat", True)
+        encoded = [self._encode(p, i, bool(chat)) for i, p in enumerate(prompts)]
+        raw = {
+            k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in body
+        }
+        params = self.svc.sampling_params(raw)
+        num = body.get("num_samples", 1)
+        # Validate each prompt as the Tinker path does (limits, context length, vocabulary) before queueing.
+        jobs = []
+        for i, toks in enumerate(encoded):
+            if not toks:
+                raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
+            job_params = self.svc.check_sample(toks, num, params)
+            seed = None if job_params.seed is None else job_params.seed + 7_919 * i
+            jobs.append(
+                SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
+            )
+
+        def work():
+            adapter = self.svc._state(nr.run).adapter
+            return [self.svc.sampler.sample(replace(j, adapter=adapter)) for j in jobs]
+
+        rec = self.svc.run_op(
+            tenant,
+            run_id,
+            nr.next_seq(),
+            "sample",
+            lambda run: work,
+            None,
+            tokens=lambda outs: sum(o.tokens for o in outs),
+        )
+        outs = await self._result(rec)
+        tok = self.svc.base.tokenizer
+        samples = []
+        stop_ids = set(params.stop_token_ids) or set(self.svc.base.eos_token_ids)
+        for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
+            for seq in out.sequences:
+                sid = f"smp-{uuid.uuid4().hex}"
+                self._store(sid, StoredSample(run_id, tenant, job.prompt, seq.tokens, seq.logprobs))
+                text_tokens = (
+                    seq.tokens[:-1]
+                    if (seq.stop_reason == "stop" and seq.tokens and seq.tokens[-1] in stop_ids)
+                    else seq.tokens
+                )
+                text = tok.decode(text_tokens, skip_special_tokens=False)
+                for s in job.params.stop_strings:
+                    if seq.stop_reason == "stop" and s in text:
+                        text = text[: text.index(s)]
+                samples.append(
+                    {
+                        "sample_id": sid,
+                        "prompt_index": i,
+                        "text": text,
+                        "tokens": seq.tokens,
+                        "logprobs": seq.logprobs,
+                        "stop_reason": seq.stop_reason,
+                    }
+                )
+        return {"run_id": run_id, "snapshot": nr.steps, "samples": samples}
+
+    def _store(self, sid: str, sample: StoredSample) -> None:
+        with self._lock:
+            self.samples[sid] = sample
+            now = time.time()
+            while self.samples and (
+                len(self.samples) > MAX_STORED_SAMPLES
+                or now - next(iter(self.samples.values())).created_at > SAMPLE_TTL_S
+            ):
+                self.samples.popitem(last=False)
+
+    # -- training -------------------------------------------------------------------------------
+    async def train_step(self, tenant: str, run_id: str, body: dict) -> dict:
+        nr = self.get(tenant, run_id)
+        items = body.get("samples")
+        if not isinstance(items, list) or not items:
+            raise UserError("samples must be a non-empty list of {sample_id, advantage}", field="samples")
+        loss = body.get("loss", "importance_sampling")
+        if loss not in RL_LOSSES:
+            raise UserError(f"loss must be one of {', '.join(RL_LOSSES)}; got {loss!r}", field="loss")
+        config = check_loss(loss, body.get("loss_config") or {})
+        adam = _adam(body.get("optimizer") or {}, self.svc.base.defaults)
+        data = []
+        for i, item in enumerate(items):
+            where = f"samples[{i}]"
+            if not isinstance(item, dict):
+                raise UserError(f"{where} must be an object {{sample_id, advantage}}", field=where)
+            stored = self.samples.get(item.get("sample_id"))
+            if stored is None or stored.tenant != tenant or stored.run_id != run_id:
+                raise NotFound(
+                    f"{where}.sample_id {item.get('sample_id')!r} is unknown for this run "
+                    f"(samples are kept {SAMPLE_TTL_S:.0f} s)",
+                    field=f"{where}.sample_id",
+                )
+            adv = item.get("advantage")
+            if isinstance(adv, bool) or not isinstance(adv, (int, float)) or not math.isfinite(adv):
+                raise UserError(
+                    f"{where}.advantage must be a finite number; got {adv!r}", field=f"{where}.advantage"
+                )
+            if not stored.tokens:
+                continue
+            full = stored.prompt + stored.tokens
+            n_prompt = len(stored.prompt) - 1
+            data.append(
+                DatumArrays(
+                    np.asarray(full[:-1], dtype=np.int64),
+                    {
+                        "target_tokens": np.asarray(full[1:], dtype=np.int64),
+                        "logprobs": np.asarray([0.0] * n_prompt + list(stored.logprobs), dtype=np.float32),
+                        "advantages": np.asarray(
+                            [0.0] * n_prompt + [float(adv)] * len(stored.tokens), dtype=np.float32
+                        ),
+                    },
+                )
+            )
+        if not data:
+            raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
+        self.svc.validate_datums(data, loss)
+
+        def work():
+            state = self.svc._state(nr.run)
+            result = self.svc.trainer.forward_backward(state, data, loss, config, forward_only=False)
+            metrics = self.svc.trainer.optim_step(state, adam)
+            return result, metrics
+
+        rec = self.svc.run_op(
+            tenant, run_id, nr.next_seq(), "train_step", lambda run: work, None, tokens=lambda r: r[0].tokens
+        )
+        result, metrics = await self._result(rec)
+        nr.steps += 1
+        st = result.stats or {}
+        n = max(1, int(st.get("tokens", 0)))
+        reply = {
+            "run_id": run_id,
+            "step": nr.steps,
+            "loss": result.loss,
+            "tokens": result.tokens,
+            "ratio_mean": st.get("ratio_sum", 0.0) / n if st else None,
+            "ratio_min": st.get("ratio_min") if st else None,
+            "ratio_max": st.get("ratio_max") if st else None,
+            "kl": st.get("kl_sum", 0.0) / n if st else None,
+            "clip_fraction": st.get("clipped", 0) / n if st and "clipped" in st else 0.0,
+            "grad_norm": metrics["grad_norm:mean"],
+            "learning_rate": adam.learning_rate,
+            "snapshot": nr.steps,
+        }
+        self.events.publish(tenant, {"event": "step", **reply})
+        return reply
+
+    # -- metrics --------------------------------------------------------------------------------
+    def add_metrics(self, tenant: str, run_id: str, body: dict) -> dict:
+        nr = self.get(tenant, run_id)
+        step = body.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UserError(f"step must be a non-negative integer; got {step!r}", field="step")
+        row = {"step": step}
+        for k, v in body.items():
+            if k == "step":
+                continue
+            if k in ("reward_name",) and isinstance(v, str) and len(v) <= 128:
+                row[k] = v
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                row[k] = float(v) if not isinstance(v, int) else v
+            else:
+                raise UserError(
+                    f"metrics.{k} must be a finite number (or reward_name a short string); got {v!r}", field=k
+                )
+        if len(nr.metrics) >= 100_000:
+            raise UserError("a run holds at most 100000 metric rows", field="step")
+        nr.metrics.append(row)
+        self.events.publish(tenant, {"event": "metrics", "run_id": run_id, "metrics": row})
+        return row
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def tick(self, tenant: str, window_s: float = 5.0) -> dict:
+        """Device activity over the last window: NVML is not read here; this is the engine's busy
+        fraction, labelled as such, with each of the tenant's runs' share of it."""
+        now = time.time()
+        ops = self.svc.recorder.since(now - window_s)
+        busy: dict[str, float] = {}
+        for op in ops:
+            busy[op.run] = busy.get(op.run, 0.0) + max(0.0, min(op.end, now) - max(op.start, now - window_s))
+        total = sum(busy.values())
+        mine = {r: v for r, v in busy.items() if (self.runs.get(r) and self.runs[r].run.tenant == tenant)}
+        return {
+            "schema": EVENTS_SCHEMA_VERSION,
+            "type": "tick",
+            "time": now,
+            "window_s": window_s,
+            "utilisation": {"label": "engine busy", "value": min(1.0, total / window_s)},
+            "runs": {r: v / total for r, v in mine.items()} if total else {},
+            "queue_depth": self.svc.engine.queue_depth(),
+        }
+
+    async def _result(self, rec):
+        while not await self.svc.futures.wait(rec, 30.0):
+            pass
+        if rec.error is not None:
+            raise rec.error
+        return rec.result
+
+
+def _adam(raw: dict, defaults: dict) -> AdamParams:
+    """The optimizer block of a train step; lr defaults to the model's capability entry."""
+    if not isinstance(raw, dict):
+        raise UserError("optimizer must be an object of AdamW params", field="optimizer")
+    return adam_params({"adam_params": {"learning_rate": defaults.get("learning_rate", 1e-4), **raw}})

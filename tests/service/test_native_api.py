@@ -1,0 +1,174 @@
+"""The notebook API (/openrl/v1): runs by id, text in and out, one-call train steps, metrics, SSE."""
+
+import json
+import statistics
+import threading
+
+import httpx
+import pytest
+import tinker
+
+from tests.conftest import ALICE_KEY, BOB_KEY
+
+V1 = "/openrl/v1"
+
+
+@pytest.fixture
+def alice(server):
+    with server.client(ALICE_KEY) as c:
+        yield c
+
+
+@pytest.fixture
+def run_id(alice):
+    r = alice.post(f"{V1}/runs", json={"name": "native-test", "seed": 0})
+    assert r.status_code == 201, r.text
+    yield r.json()["run_id"]
+    alice.delete(f"{V1}/runs/{r.json()['run_id']}")
+
+
+def letters(text: str) -> float:
+    return sum(c.isalpha() for c in text) / max(1, len(text))
+
+
+def test_run_lifecycle_and_tenancy(server, alice, run_id):
+    run = alice.get(f"{V1}/runs/{run_id}").json()
+    assert run["name"] == "native-test" and run["base_model"] == "openrl/tiny" and run["lora_rank"] == 8
+    assert run_id in [r["run_id"] for r in alice.get(f"{V1}/runs").json()["runs"]]
+    with server.client(BOB_KEY) as bob:
+        assert bob.get(f"{V1}/runs/{run_id}").status_code == 404
+        assert bob.post(f"{V1}/runs/{run_id}/sample", json={"prompts": ["x"]}).status_code == 404
+        assert run_id not in [r["run_id"] for r in bob.get(f"{V1}/runs").json()["runs"]]
+    assert alice.delete(f"{V1}/runs/{run_id}").status_code == 200
+    assert alice.get(f"{V1}/runs/{run_id}").status_code == 404
+
+
+def test_sample_returns_text_without_the_stop_token(alice, run_id):
+    greedy = {"prompts": ["Hi"], "num_samples": 2, "temperature": 0.0, "max_tokens": 4}
+    first = alice.post(f"{V1}/runs/{run_id}/sample", json={**greedy, "stop": []}).json()["samples"][0][
+        "tokens"
+    ][0]
+    samples = alice.post(f"{V1}/runs/{run_id}/sample", json={**greedy, "stop": [first]}).json()["samples"]
+    assert len(samples) == 2 and len({s["sample_id"] for s in samples}) == 2
+    for s in samples:  # the stop token is in the tokens (last), not in the text
+        assert s["stop_reason"] == "stop" and s["tokens"] == [first] and s["text"] == ""
+    plain = alice.post(
+        f"{V1}/runs/{run_id}/sample", json={"prompts": ["Hi", "Yo"], "max_tokens": 5, "stop": []}
+    )
+    for s in plain.json()["samples"]:
+        assert s["stop_reason"] == "length" and len(s["tokens"]) == len(s["logprobs"]) == 5
+        assert s["text"] == bytes(s["tokens"]).decode("utf-8", "replace") or all(t < 260 for t in s["tokens"])
+
+
+def test_train_step_reports_on_policy_statistics_and_changes_the_weights(alice, run_id):
+    body = {"prompts": ["Name a colour"], "num_samples": 8, "max_tokens": 8, "seed": 3, "stop": []}
+    before = alice.post(f"{V1}/runs/{run_id}/sample", json=body).json()
+    items = [{"sample_id": s["sample_id"], "advantage": letters(s["text"]) - 0.25} for s in before["samples"]]
+    step = alice.post(f"{V1}/runs/{run_id}/train_step", json={"samples": items, "loss": "ppo"}).json()
+    assert step["step"] == 1 and step["snapshot"] == 1 and step["tokens"] > 0
+    assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-3)  # on-policy: trainer and sampler agree
+    assert step["ratio_min"] <= step["ratio_mean"] <= step["ratio_max"]
+    assert (
+        step["kl"] == pytest.approx(0.0, abs=1e-4) and step["clip_fraction"] == 0.0 and step["grad_norm"] > 0
+    )
+    after = alice.post(f"{V1}/runs/{run_id}/sample", json=body).json()
+    assert after["snapshot"] == 1
+    assert [s["logprobs"] for s in after["samples"]] != [s["logprobs"] for s in before["samples"]]
+
+
+def test_native_rl_loop_learns(alice, run_id):
+    prompts = ["Say hello", "Name a colour", "Write a word", "Greet me"]
+    means = []
+    for step in range(30):
+        out = alice.post(
+            f"{V1}/runs/{run_id}/sample",
+            json={"prompts": prompts, "num_samples": 8, "max_tokens": 16, "seed": step},
+        ).json()["samples"]
+        rewards = [letters(s["text"]) for s in out]
+        means.append(statistics.fmean(rewards))
+        items = []
+        for i in range(len(prompts)):
+            group = [(s, r) for s, r in zip(out, rewards, strict=True) if s["prompt_index"] == i]
+            mean = statistics.fmean(r for _, r in group)
+            items += [{"sample_id": s["sample_id"], "advantage": r - mean} for s, r in group if r != mean]
+        if items:
+            r = alice.post(f"{V1}/runs/{run_id}/train_step", json={"samples": items})
+            assert r.status_code == 200, r.text
+        alice.post(
+            f"{V1}/runs/{run_id}/metrics",
+            json={"step": step, "reward_mean": means[-1], "reward_name": "letters", "reward_version": 1},
+        )
+    assert statistics.fmean(means[-5:]) - statistics.fmean(means[:5]) >= 0.1, means
+    rows = alice.get(f"{V1}/runs/{run_id}/metrics").json()["metrics"]
+    assert [row["step"] for row in rows] == list(range(30)) and rows[0]["reward_name"] == "letters"
+
+
+def test_checkpoint_loads_with_the_tinker_sdk(server, alice, run_id):
+    path = alice.post(f"{V1}/runs/{run_id}/checkpoints", json={"name": "nb"}).json()["path"]
+    assert path == f"tinker://{run_id}/weights/nb"
+    assert [c["tinker_path"] for c in alice.get(f"{V1}/runs/{run_id}/checkpoints").json()["checkpoints"]] == [
+        path
+    ]
+    sc = tinker.ServiceClient(base_url=server.url, api_key=ALICE_KEY)
+    tc = sc.create_training_client_from_state_with_optimizer(path).result()
+    assert tc.get_info().lora_rank == 8
+    sc.close("success").result()
+
+
+def test_event_stream_carries_ticks_and_run_events(server, alice, run_id):
+    sample = alice.post(
+        f"{V1}/runs/{run_id}/sample", json={"prompts": ["a"], "num_samples": 2, "max_tokens": 4}
+    ).json()
+    items = [{"sample_id": s["sample_id"], "advantage": 1.0} for s in sample["samples"]]
+    seen = {}
+    with (
+        httpx.Client(base_url=server.url, headers={"X-API-Key": ALICE_KEY}, timeout=30) as c,
+        c.stream("GET", f"{V1}/events") as stream,
+    ):
+        threading.Thread(
+            target=lambda: alice.post(f"{V1}/runs/{run_id}/train_step", json={"samples": items})
+        ).start()
+        kind = None
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                kind = line.split(":", 1)[1].strip()
+            elif line.startswith("data:"):
+                event = json.loads(line[5:])
+                seen.setdefault(kind, event)
+                if kind == "run" and event["event"] == "step":
+                    seen["step"] = event
+                if "tick" in seen and "step" in seen:
+                    break
+    tick = seen["tick"]
+    assert tick["schema"] == 1 and tick["utilisation"]["label"] == "engine busy"
+    assert 0.0 <= tick["utilisation"]["value"] <= 1.0 and tick["queue_depth"] >= 0
+    assert seen["step"]["schema"] == 1 and seen["step"]["run_id"] == run_id and seen["step"]["step"] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("sample", {"prompts": []}, "prompts"),
+        ("sample", {"prompts": [5]}, "prompts[0]"),
+        ("sample", {"prompts": ["x"], "num_samples": 0}, "OPENRL_MAX_NUM_SAMPLES"),
+        ("train_step", {"samples": []}, "samples"),
+        ("train_step", {"samples": [{"sample_id": "smp-nope", "advantage": 1}]}, "samples[0].sample_id"),
+        ("train_step", {"samples": [{"sample_id": "x", "advantage": 1}], "loss": "cross_entropy"}, "loss"),
+        ("metrics", {"step": 1, "reward_mean": "high"}, "reward_mean"),
+        ("metrics", {"reward_mean": 1.0}, "step"),
+    ],
+)
+def test_bad_input_names_the_field(alice, run_id, path, body, field):
+    r = alice.post(f"{V1}/runs/{run_id}/{path}", json=body)
+    assert 400 <= r.status_code < 500 and field in r.json()["error"], r.text
+    assert alice.get(f"{V1}/runs/{run_id}").status_code == 200  # the run is still there
+
+
+def test_openapi_schema_lists_the_native_routes(server):
+    paths = server.client().get("/openapi.json").json()["paths"]
+    assert {
+        f"{V1}/runs",
+        f"{V1}/runs/{{run_id}}/sample",
+        f"{V1}/runs/{{run_id}}/train_step",
+        f"{V1}/events",
+    } <= set(paths)
