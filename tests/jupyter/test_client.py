@@ -1,0 +1,139 @@
+"""openrl_jupyter.client against the real service on loopback: sync, async, SSE, errors, retries."""
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import openrl_jupyter
+from openrl_jupyter import (
+    AsyncClient,
+    AuthenticationError,
+    Client,
+    NotFoundError,
+    RequestError,
+    ServiceUnavailable,
+)
+from tests.conftest import ALICE_KEY, free_port
+
+
+def test_public_names_are_pinned():
+    assert sorted(openrl_jupyter.__all__) == [
+        "AsyncClient",
+        "AuthenticationError",
+        "Client",
+        "NotFoundError",
+        "OpenRLError",
+        "RequestError",
+        "ServerError",
+        "ServiceError",
+        "ServiceUnavailable",
+        "__version__",
+    ]
+
+
+def test_imports_and_works_without_torch(server):
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from openrl_jupyter import Client\n"
+        f"c = Client({server.url!r}, token={ALICE_KEY!r})\n"
+        "print(c.capabilities()[0]['model_name'])\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "openrl/tiny"
+
+
+def test_sync_client_drives_a_run(server):
+    with Client(server.url, token=ALICE_KEY) as c:
+        assert ALICE_KEY not in repr(c)
+        run = c.create_run(name="client-test", seed=1)
+        rid = run["run_id"]
+        out = c.sample(rid, ["Say hi"], num_samples=4, max_tokens=6, seed=0)
+        assert len(out["samples"]) == 4 and all(s["sample_id"] for s in out["samples"])
+        step = c.train_step(
+            rid, [{"sample_id": s["sample_id"], "advantage": (-1) ** i} for i, s in enumerate(out["samples"])]
+        )
+        assert step["step"] == 1 and step["grad_norm"] > 0
+        c.add_metrics(rid, 1, reward_mean=0.5, reward_name="letters", reward_version=1)
+        assert c.metrics(rid) == [
+            {"step": 1, "reward_mean": 0.5, "reward_name": "letters", "reward_version": 1}
+        ]
+        path = c.save(rid, "ck")
+        assert [ck["tinker_path"] for ck in c.checkpoints(rid)] == [path]
+        assert c.get_run(rid)["step"] == 1 and rid in [r["run_id"] for r in c.list_runs()]
+        ticks = c.events()
+        first = next(ticks)
+        ticks.close()
+        assert first["schema"] == 1 and first["type"] == "tick"
+        c.delete_run(rid)
+        with pytest.raises(NotFoundError, match="unknown run"):
+            c.get_run(rid)
+
+
+def test_async_client_drives_a_run(server):
+    async def main():
+        async with AsyncClient(server.url, token=ALICE_KEY) as c:
+            run = await c.create_run(name="async-test")
+            out = await c.sample(run["run_id"], ["Hello"], num_samples=2, max_tokens=4)
+            step = await c.train_step(
+                run["run_id"], [{"sample_id": s["sample_id"], "advantage": 1.0} for s in out["samples"]]
+            )
+            events = c.events()
+            first = await events.__anext__()
+            await events.aclose()
+            await c.delete_run(run["run_id"])
+            return step, first
+
+    step, first = asyncio.run(main())
+    assert step["step"] == 1 and first["type"] == "tick"
+
+
+def test_errors_say_what_failed_and_never_show_the_key(server):
+    wrong = "tml-wrong-key-0000000000"
+    with Client(server.url, token=wrong) as c, pytest.raises(AuthenticationError) as e:
+        c.list_runs()
+    assert "check the key" in str(e.value) and wrong not in str(e.value) and server.url in str(e.value)
+    with Client(server.url, token=ALICE_KEY) as c:
+        rid = c.create_run()["run_id"]
+        with pytest.raises(RequestError) as e:
+            c.sample(rid, [], max_tokens=4)
+        assert e.value.status == 400 and e.value.field == "prompts"
+        c.delete_run(rid)
+
+
+def test_unreachable_service_is_one_clear_error():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with Client(url, retries=1, backoff_s=0.01) as c, pytest.raises(ServiceUnavailable) as e:
+        c.list_runs()
+    assert url in str(e.value) and "openrl-service serve" in str(e.value)
+
+
+def _flaky(status_first: int, times: int):
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        if len(calls) <= times:
+            return httpx.Response(status_first, json={"error": "busy"})
+        return httpx.Response(200, json={"runs": []})
+
+    return calls, httpx.MockTransport(handler)
+
+
+def test_idempotent_calls_retry_but_train_steps_never_repeat():
+    # The retry policy itself: a GET survives two 503s; a POST (a train step) is sent exactly once.
+    calls, transport = _flaky(503, 2)
+    with Client("http://svc", retries=3, backoff_s=0.0, transport=transport) as c:
+        assert c.list_runs() == []
+    assert calls == ["GET", "GET", "GET"]
+    calls, transport = _flaky(503, 2)
+    with (
+        Client("http://svc", retries=3, backoff_s=0.0, transport=transport) as c,
+        pytest.raises(ServiceUnavailable),
+    ):
+        c.train_step("r", [{"sample_id": "s", "advantage": 1.0}])
+    assert calls == ["POST"]
