@@ -1,4 +1,5 @@
-"""openrl_jupyter: the notebook side of openrl (client today; magics, widgets and background runs next).
+"""openrl_jupyter: the notebook side of openrl (client and sessions today; magics, widgets and
+background runs next).
 
 It stays light: it imports and works without torch.
 """
@@ -13,6 +14,7 @@ from openrl_jupyter._exceptions import (
     ServiceUnavailable,
 )
 from openrl_jupyter.client import AsyncClient, Client
+from openrl_jupyter.session import Session, UsageError, connect, disconnect, get_session
 
 __version__ = "0.1.0"
 
@@ -26,5 +28,10 @@ __all__ = [
     "ServerError",
     "ServiceError",
     "ServiceUnavailable",
+    "Session",
+    "UsageError",
     "__version__",
+    "connect",
+    "disconnect",
+    "get_session",
 ]

@@ -61,6 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     app = create_app(settings)
+    if args.exit_with_parent:
+        _exit_when_stdin_closes()
     uvicorn.run(
         app,
         host=host,
@@ -70,6 +72,24 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def _exit_when_stdin_closes() -> None:
+    """For embedded services: the parent (a notebook kernel) holds our stdin open; when it exits or
+    dies the pipe closes, and we shut down gracefully (SIGTERM to ourselves, as a user's Ctrl-C)."""
+    import os
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -104,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when stdin closes (an embedded service whose parent process exited)",
+    )
     s.set_defaults(func=_serve)
     t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
     t.add_argument("dir", type=Path)

@@ -30,7 +30,12 @@ def test_public_names_are_pinned():
         "ServerError",
         "ServiceError",
         "ServiceUnavailable",
+        "Session",
+        "UsageError",
         "__version__",
+        "connect",
+        "disconnect",
+        "get_session",
     ]
 
 

@@ -1,0 +1,237 @@
+"""Connections to openrl services: ``connect()``, named sessions, and the embedded local service.
+
+Where the URL and key come from (first match wins): arguments > ``OPENRL_URL`` / ``OPENRL_TOKEN``
+> configuration (``config`` mapping, e.g. IPython's ``c.OpenRLMagics.url``) > nothing, which is a
+clear error saying how to connect. ``local=True`` starts an embedded ``openrl-service`` child on a
+free loopback port with a fresh key passed through its environment (never its command line); it
+exits when this process exits or dies, because it watches a pipe this process holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+
+from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable
+from openrl_jupyter.client import Client
+
+DEFAULT_NAME = "default"
+READY_TIMEOUT_S = 300.0
+
+
+class UsageError(OpenRLError):
+    """The caller asked for something impossible (a bad flag, a missing extra, no URL)."""
+
+
+@dataclass
+class LocalService:
+    """An embedded ``openrl-service`` child process."""
+
+    process: subprocess.Popen
+    url: str
+    data_dir: str
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()  # the child's watcher stops it gracefully
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+@dataclass
+class Session:
+    """A named connection: a client plus, for ``local=True``, the service it started."""
+
+    name: str
+    url: str
+    client: Client = field(repr=False)
+    local: LocalService | None = field(default=None, repr=False)
+    model: str | None = None
+
+    def __repr__(self) -> str:  # never the key
+        kind = "embedded" if self.local else "remote"
+        return f"<openrl Session {self.name!r} {kind} {self.url} model={self.model!r}>"
+
+    def close(self) -> None:
+        self.client.close()
+        if self.local is not None:
+            self.local.stop()
+
+
+_sessions: dict[str, Session] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local(
+    model: str = "openrl/tiny",
+    *,
+    data_dir: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
+) -> tuple[LocalService, str]:
+    """Start an embedded service; returns it and its fresh key once it answers /readyz."""
+    if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
+        raise UsageError(
+            "connect(local=True) needs the service installed in this environment: "
+            "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
+        )
+    key = "tml-" + secrets.token_urlsafe(24)
+    port = _free_port()
+    tmp = None
+    if data_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
+        data_dir = tmp.name
+    env = {**os.environ, "OPENRL_API_KEYS": f"default:{key}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "openrl_service.cli",
+        "serve",
+        "--exit-with-parent",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        data_dir,
+        "--log-level",
+        "warning",
+    ]
+    if model not in ("tiny", "openrl/tiny"):
+        cmd += ["--model", model]
+    log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    local = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, tmp)
+    atexit.register(local.stop)
+    client = Client(local.url, token=key, retries=0)
+    deadline = time.monotonic() + timeout_s
+    shown = 0.0
+    try:
+        while True:
+            if proc.poll() is not None:
+                tail = _tail(os.path.join(data_dir, "service.log"))
+                raise ServiceUnavailable(
+                    f"the embedded openrl service exited with code {proc.returncode}:\n{tail}"
+                )
+            with contextlib.suppress(OpenRLError):
+                if client.ready().get("status") == "ready":
+                    break
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"the embedded openrl service was not ready after {timeout_s:.0f} s")
+            if progress is not None and time.monotonic() - shown > 2:
+                shown = time.monotonic()
+                progress(f"starting the embedded openrl service ({model}) on {local.url} ...")
+            time.sleep(0.2)
+    except BaseException:
+        local.stop()
+        raise
+    finally:
+        client.close()
+    return local, key
+
+
+def connect(
+    url: str | None = None,
+    *,
+    token: str | None = None,
+    name: str | None = None,
+    local: bool = False,
+    model: str = "openrl/tiny",
+    config: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Session:
+    """Connect to a service (or start an embedded one with ``local=True``) and remember it by name."""
+    name = name or DEFAULT_NAME
+    config = config or {}
+    local_service = None
+    if local:
+        if url:
+            raise UsageError("give either a URL or local=True, not both")
+        local_service, token = start_local(model, progress=progress)
+        url = local_service.url
+    else:
+        url = url or os.environ.get("OPENRL_URL") or config.get("url")
+        token = token or os.environ.get("OPENRL_TOKEN") or config.get("token")
+        if not url:
+            raise UsageError(
+                "no openrl service to connect to: pass a URL, set OPENRL_URL (and OPENRL_TOKEN), "
+                "or use local=True to start one here"
+            )
+    client = Client(url, token=token)
+    try:
+        models = client.capabilities()
+    except OpenRLError:
+        client.close()
+        if local_service is not None:
+            local_service.stop()
+        raise
+    old = _sessions.pop(name, None)
+    if old is not None:
+        old.close()
+    session = Session(name, url, client, local_service, models[0]["model_name"] if models else None)
+    _sessions[name] = session
+    return session
+
+
+def get_session(name: str | None = None) -> Session:
+    """The named session, or the only one; a UsageError says how to connect otherwise."""
+    if name is not None:
+        if name not in _sessions:
+            raise UsageError(f"no session named {name!r}; connected: {', '.join(_sessions) or 'none'}")
+        return _sessions[name]
+    if len(_sessions) == 1:
+        return next(iter(_sessions.values()))
+    if DEFAULT_NAME in _sessions:
+        return _sessions[DEFAULT_NAME]
+    if not _sessions:
+        raise UsageError("not connected: call openrl_jupyter.connect(URL) or connect(local=True) first")
+    raise UsageError(f"several sessions are open ({', '.join(_sessions)}); name one")
+
+
+def sessions() -> dict[str, Session]:
+    return dict(_sessions)
+
+
+def disconnect(name: str | None = None) -> None:
+    session = get_session(name)
+    _sessions.pop(session.name, None)
+    session.close()
+
+
+def _installed(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except (ValueError, ImportError):  # e.g. a module blocked with sys.modules[name] = None
+        return False
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-n:].decode("utf-8", "replace")
+    except OSError:
+        return ""
