@@ -57,7 +57,8 @@ def test_sample_returns_text_without_the_stop_token(alice, run_id):
     )
     for s in plain.json()["samples"]:
         assert s["stop_reason"] == "length" and len(s["tokens"]) == len(s["logprobs"]) == 5
-        assert s["text"] == bytes(s["tokens"]).decode("utf-8", "replace") or all(t < 260 for t in s["tokens"])
+        if all(t < 256 for t in s["tokens"]):  # openrl/tiny: byte tokens decode to exactly those bytes
+            assert s["text"] == bytes(s["tokens"]).decode("utf-8", "replace")
 
 
 def test_train_step_reports_on_policy_statistics_and_changes_the_weights(alice, run_id):
