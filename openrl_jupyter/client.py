@@ -97,6 +97,17 @@ class _Base:
             raise ServerError(f"{where}: the service failed ({message}); see the service log")
         raise RequestError(f"{where}: {message}", status=status, field=field)
 
+    def _next_attempt(
+        self, method: str, path: str, attempt: int, response: httpx.Response | None, exc: Exception | None
+    ) -> float | None:
+        """After one attempt: the delay before the next one, or None when done (errors raised here)."""
+        if self._should_retry(method, attempt, exc, response.status_code if response is not None else None):
+            return self._delay(attempt, response)
+        if exc is not None:
+            raise self._unreachable(method, path, exc) from None
+        self._raise_for(method, path, response)
+        return None
+
     def _unreachable(self, method: str, path: str, exc: Exception) -> ServiceUnavailable:
         return ServiceUnavailable(
             f"{method} {path}: cannot reach the openrl service at {self.url} ({type(exc).__name__}: {exc}); "
@@ -137,16 +148,11 @@ class Client(_Base):
                 response = self._http.request(method, path, json=json, params=params, headers=self._headers())
             except httpx.TransportError as e:
                 exc = e
-            if self._should_retry(
-                method, attempt, exc, response.status_code if response is not None else None
-            ):
-                time.sleep(self._delay(attempt, response))
-                attempt += 1
-                continue
-            if exc is not None:
-                raise self._unreachable(method, path, exc) from None
-            self._raise_for(method, path, response)
-            return response.json() if response.content else None
+            delay = self._next_attempt(method, path, attempt, response, exc)
+            if delay is None:
+                return response.json() if response.content else None
+            time.sleep(delay)
+            attempt += 1
 
     # -- the API --------------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -254,16 +260,11 @@ class AsyncClient(_Base):
                 )
             except httpx.TransportError as e:
                 exc = e
-            if self._should_retry(
-                method, attempt, exc, response.status_code if response is not None else None
-            ):
-                await asyncio.sleep(self._delay(attempt, response))
-                attempt += 1
-                continue
-            if exc is not None:
-                raise self._unreachable(method, path, exc) from None
-            self._raise_for(method, path, response)
-            return response.json() if response.content else None
+            delay = self._next_attempt(method, path, attempt, response, exc)
+            if delay is None:
+                return response.json() if response.content else None
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def create_run(self, **fields: Any) -> dict:
         return await self.request("POST", f"{API}/runs", json=fields)

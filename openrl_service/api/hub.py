@@ -30,6 +30,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from openrl_service.api.tinker import json_response
 from openrl_service.engine.service import TrainingService
 from openrl_service.models.tiny import TINY_MODEL_NAME
 
@@ -147,10 +148,6 @@ def _error(status: int, code: str, message: str) -> Response:
     )
 
 
-def _json(data) -> Response:
-    return Response(json.dumps(data).encode(), media_type="application/json")
-
-
 def build_hub_router(svc: TrainingService) -> APIRouter:
     r = APIRouter(tags=["hub mirror"])
     lock = threading.Lock()
@@ -176,7 +173,7 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
         snap = lookup(repo, revision)
         if isinstance(snap, Response):
             return snap
-        return _json(
+        return json_response(
             {
                 "_id": snap.sha[:24],
                 "id": snap.repo,
@@ -218,7 +215,7 @@ def build_hub_router(svc: TrainingService) -> APIRouter:
             {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
             for d in sorted(dirs)
         ]
-        return _json(folders + entries)
+        return json_response(folders + entries)
 
     def resolve(repo: str, revision: str, filename: str) -> Response:
         snap = lookup(repo, revision)

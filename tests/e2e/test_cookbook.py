@@ -11,6 +11,14 @@ from tests.clientenv import client_env, cookbook_python, run_client
 from tests.conftest import ALICE_KEY, TINY
 
 
+def _run_recipe(server, args: list[str], tmp_path: Path, log_path: Path) -> list[dict]:
+    """Run a cookbook recipe in the cookbook venv against ``server``; its metrics.jsonl rows."""
+    env = client_env(server.url, ALICE_KEY, tmp_path / "hf-home")
+    proc = run_client(cookbook_python(), args, env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _rows(log_path / "metrics.jsonl")
+
+
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -44,10 +52,7 @@ def test_math_rl_arithmetic_two_steps(make_server, tmp_path):
         f"base_url={server.url}",
         f"log_path={log_path}",
     ]
-    env = client_env(server.url, ALICE_KEY, tmp_path / "hf-home")
-    proc = run_client(cookbook_python(), args, env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _rows(log_path / "metrics.jsonl")
+    rows = _run_recipe(server, args, tmp_path, log_path)
     assert len(rows) == 2, rows
     assert [r["progress/batch"] for r in rows] == [0, 1]
     for r in rows:
@@ -86,10 +91,7 @@ def test_supervised_chat_sl_from_a_local_jsonl(make_server, tmp_path):
         f"base_url={server.url}",
         f"log_path={log_path}",
     ]
-    env = client_env(server.url, ALICE_KEY, tmp_path / "hf-home")
-    proc = run_client(cookbook_python(), args, env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _rows(log_path / "metrics.jsonl")
+    rows = _run_recipe(server, args, tmp_path, log_path)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["num_sequences"] == 4 and r["train_mean_nll"] > 0 for r in rows)
     _final_checkpoints_exist(server, log_path)
