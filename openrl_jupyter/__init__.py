@@ -1,7 +1,10 @@
-"""openrl_jupyter: the notebook side of openrl (client and sessions today; magics, widgets and
-background runs next).
+"""openrl_jupyter: RL post-training of LLMs from a notebook.
 
-It stays light: it imports and works without torch.
+    %load_ext openrl_jupyter
+    %openrl connect --local
+
+or, in plain Python, ``openrl_jupyter.connect(...)``, ``@openrl_jupyter.reward("name")`` and
+``session.train(...)``. It stays light: it imports and works without torch.
 """
 
 from openrl_jupyter._exceptions import (
@@ -14,6 +17,8 @@ from openrl_jupyter._exceptions import (
     ServiceUnavailable,
 )
 from openrl_jupyter.client import AsyncClient, Client
+from openrl_jupyter.rewards import reward
+from openrl_jupyter.run import Run, RunState
 from openrl_jupyter.session import Session, UsageError, connect, disconnect, get_session
 
 __version__ = "0.1.0"
@@ -25,6 +30,8 @@ __all__ = [
     "NotFoundError",
     "OpenRLError",
     "RequestError",
+    "Run",
+    "RunState",
     "ServerError",
     "ServiceError",
     "ServiceUnavailable",
@@ -34,4 +41,20 @@ __all__ = [
     "connect",
     "disconnect",
     "get_session",
+    "reward",
 ]
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext openrl_jupyter``: register the ``%openrl`` / ``%%openrl`` magics."""
+    from openrl_jupyter.magics import OpenRLMagics
+
+    ipython.register_magics(OpenRLMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext openrl_jupyter``: close the sessions (embedded services stop)."""
+    from openrl_jupyter import session
+
+    for name in list(session.sessions()):
+        session.disconnect(name)

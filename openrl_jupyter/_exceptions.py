@@ -18,6 +18,10 @@ from __future__ import annotations
 class OpenRLError(Exception):
     """Base of every error raised by openrl_jupyter."""
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows an expected failure as one red line, not a traceback."""
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
 
 class RequestError(OpenRLError):
     """The service refused the request; nothing was changed."""

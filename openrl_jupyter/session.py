@@ -21,9 +21,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable
-from openrl_jupyter.client import Client
+from openrl_jupyter.client import AsyncClient, Client
+
+if TYPE_CHECKING:
+    from openrl_jupyter.feed import EventFeed
+    from openrl_jupyter.run import Run
 
 DEFAULT_NAME = "default"
 READY_TIMEOUT_S = 300.0
@@ -58,19 +63,87 @@ class LocalService:
 
 @dataclass
 class Session:
-    """A named connection: a client plus, for ``local=True``, the service it started."""
+    """A named connection: a client plus, for ``local=True``, the service it started.
+
+    ``train(...)`` starts a background RL run on it; ``runs`` holds this kernel's runs by name.
+    """
 
     name: str
     url: str
     client: Client = field(repr=False)
     local: LocalService | None = field(default=None, repr=False)
     model: str | None = None
+    defaults: dict = field(default_factory=dict, repr=False)
+    runs: dict[str, Run] = field(default_factory=dict, repr=False)
+    _token: str | None = field(default=None, repr=False)
+    _aclient: AsyncClient | None = field(default=None, repr=False)
+    _feed: EventFeed | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
         return f"<openrl Session {self.name!r} {kind} {self.url} model={self.model!r}>"
 
+    def train(self, *, reward: Any, prompts: Any, **options: Any) -> Run:
+        """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
+
+        Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
+        normalize_std, seed; unset ones come from the model's capability entry.
+        """
+        from openrl_jupyter.run import Run, make_config
+
+        model = options.get("model")
+        if model is not None and self.model is not None and model not in (self.model, "tiny"):
+            raise UsageError(f"model {model!r} is not served by {self.url} (it serves {self.model!r})")
+        config = make_config(self.defaults, reward=reward, prompts=prompts, **options)
+        config.model = self.model
+        name = config.name
+        if name is not None:
+            old = self.runs.get(name)
+            if old is not None and not old.done:
+                raise UsageError(f"a run named {name!r} is still {old.state}; stop it or pick another --name")
+        run = Run(self, config)
+        self.runs[run.name] = run
+        return run
+
+    def get_run(self, name: str | None = None) -> Run:
+        """This kernel's run by name, or the only (or latest) one."""
+        if not self.runs:
+            raise UsageError("no runs yet in this session: start one with %openrl train (or session.train)")
+        if name is None:
+            return list(self.runs.values())[-1]
+        if name not in self.runs:
+            raise UsageError(f"no run named {name!r}; runs: {', '.join(self.runs)}")
+        return self.runs[name]
+
+    def async_client(self) -> AsyncClient:
+        """The session's AsyncClient, bound to the runner loop (use it only there)."""
+        if self._aclient is None:
+            self._aclient = AsyncClient(self.url, token=self._token, retries=self.client.retries)
+        return self._aclient
+
+    def feed(self) -> EventFeed:
+        """The service's event stream (ticks and run events) shared by this session's dashboards."""
+        if self._feed is None:
+            from openrl_jupyter.feed import EventFeed
+
+            self._feed = EventFeed(self.async_client)
+        return self._feed
+
     def close(self) -> None:
+        for run in self.runs.values():
+            if not run.done:
+                run.stop()
+        for run in self.runs.values():
+            with contextlib.suppress(TimeoutError):
+                run.wait(timeout=30)
+        if self._feed is not None:
+            self._feed.close()
+        if self._aclient is not None:
+            from openrl_jupyter.runner import get_runner
+
+            with contextlib.suppress(Exception):
+                get_runner().submit(self._aclient.aclose()).result(5)
+            self._aclient = None
         self.client.close()
         if self.local is not None:
             self.local.stop()
@@ -192,7 +265,15 @@ def connect(
     old = _sessions.pop(name, None)
     if old is not None:
         old.close()
-    session = Session(name, url, client, local_service, models[0]["model_name"] if models else None)
+    session = Session(
+        name,
+        url,
+        client,
+        local_service,
+        models[0]["model_name"] if models else None,
+        dict(models[0].get("defaults") or {}) if models else {},
+        _token=token,
+    )
     _sessions[name] = session
     return session
 

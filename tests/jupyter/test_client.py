@@ -27,6 +27,8 @@ def test_public_names_are_pinned():
         "NotFoundError",
         "OpenRLError",
         "RequestError",
+        "Run",
+        "RunState",
         "ServerError",
         "ServiceError",
         "ServiceUnavailable",
@@ -36,6 +38,7 @@ def test_public_names_are_pinned():
         "connect",
         "disconnect",
         "get_session",
+        "reward",
     ]
 
 

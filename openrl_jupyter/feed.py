@@ -1,0 +1,79 @@
+"""The service's event stream (``GET /openrl/v1/events``) as a feed that dashboards subscribe to.
+
+One SSE connection per session, read on the runner loop, fans each event (telemetry ticks and run
+events) out to its subscribers. It starts with the first subscriber, reconnects with backoff when
+the connection drops, and stops when the session closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+from collections.abc import Callable
+
+from openrl_jupyter._exceptions import AuthenticationError, OpenRLError
+from openrl_jupyter.runner import get_runner
+
+
+class EventFeed:
+    def __init__(self, client_factory: Callable, *, max_backoff_s: float = 10.0):
+        self._client_factory = client_factory
+        self._subscribers: list[Callable[[dict], None]] = []
+        self._lock = threading.Lock()
+        self._task_future = None
+        self._closed = False
+        self.max_backoff_s = max_backoff_s
+        self.last_error: str | None = None
+        self.last_tick: dict | None = None
+
+    def subscribe(self, fn: Callable[[dict], None]) -> Callable[[], None]:
+        """Deliver every event to ``fn`` (called on the runner thread); returns the unsubscribe."""
+        with self._lock:
+            self._subscribers.append(fn)
+            if self._task_future is None and not self._closed:
+                self._task_future = get_runner().submit(self._pump())
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._subscribers:
+                    self._subscribers.remove(fn)
+
+        return unsubscribe
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            fut, self._task_future = self._task_future, None
+        if fut is not None:
+            fut.cancel()
+
+    def _deliver(self, event: dict) -> None:
+        if event.get("type") == "tick":
+            self.last_tick = event
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for fn in subscribers:
+            try:
+                fn(event)
+            except Exception:  # noqa: BLE001 - one broken subscriber must not starve the others
+                traceback.print_exc()
+
+    async def _pump(self) -> None:
+        backoff = 0.5
+        while not self._closed:
+            try:
+                async for event in self._client_factory().events():
+                    backoff = 0.5
+                    self._deliver(event)
+                    if self._closed:
+                        return
+            except asyncio.CancelledError:
+                raise
+            except AuthenticationError as exc:
+                self.last_error = str(exc)
+                return
+            except (OpenRLError, Exception) as exc:  # noqa: BLE001 - reconnect
+                self.last_error = str(exc)
+            await asyncio.sleep(backoff)
+            backoff = min(self.max_backoff_s, backoff * 2)

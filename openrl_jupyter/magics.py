@@ -1,0 +1,386 @@
+"""IPython magics: ``%openrl`` (verbs) and ``%%openrl reward NAME`` (a reward from the cell).
+
+The magics only parse arguments, find the session and call the Python API (``connect``,
+``Session.train``, ``Run``); everything they do works from plain Python too. A user mistake is an
+IPython ``UsageError`` (one line, no traceback); a failure of the service is one line naming the
+service and the remedy (``OpenRLError._render_traceback_``). Keys never come from the magic line.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shlex
+from collections.abc import Callable
+
+from IPython.core.error import UsageError as IPythonUsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+from traitlets import Float, Unicode
+
+import openrl_jupyter.session as sessions
+from openrl_jupyter.rewards import registry
+from openrl_jupyter.run import LOSSES
+from openrl_jupyter.session import UsageError
+
+HELP = """Train LLMs with RL from this notebook against an openrl service.
+
+Subcommands (``%openrl VERB --help`` shows each one's options):
+
+  %openrl connect [URL] [--local] [--model M] [--name N]
+        connect this kernel to a service (URL, else $OPENRL_URL and $OPENRL_TOKEN, else
+        c.OpenRLMagics.url), or start an embedded one here with --local
+  %%openrl reward NAME
+        run the cell and register its reward(prompt, completion, **info) -> float (or
+        reward_group(prompts, completions, infos) -> list) as the next version of NAME
+  run = %openrl train --reward NAME --prompts SRC [--steps N] [--group G] [--batch B] [--lr LR]
+        [--rank R] [--max-tokens T] [--temperature X] [--loss importance_sampling|ppo] [--name N]
+        start a background RL run (SRC: a notebook variable or a .txt/.jsonl path); returns at once
+  %openrl runs                     this session's runs (and the service's)
+  %openrl status [RUN]             the service (or one run) in a few lines
+  %openrl pause|resume|stop RUN    control a run (it finishes its current step first)
+  %openrl save RUN [CHECKPOINT]    save a run's weights; prints the tinker:// path
+  %openrl dashboard                every run of this service with its device utilisation
+  %openrl sessions                 the open connections
+  %openrl disconnect [NAME]        close a connection (an embedded service stops)
+  %openrl help                     this text
+
+Options that pick a connection: --session NAME (the only open one is the default).
+"""
+
+
+def _parser(prog: str, description: str) -> MagicArgumentParser:
+    return MagicArgumentParser(prog=f"%openrl {prog}", description=description, add_help=True)
+
+
+def _parsers() -> dict[str, MagicArgumentParser]:
+    p: dict[str, MagicArgumentParser] = {}
+    c = p["connect"] = _parser("connect", "Connect to a service, or start an embedded one with --local.")
+    c.add_argument("url", nargs="?", help="service URL (default: $OPENRL_URL, then c.OpenRLMagics.url)")
+    c.add_argument("--local", action="store_true", help="start an embedded service in a child process")
+    c.add_argument("--model", default="openrl/tiny", help="model for --local (openrl/tiny, HF dir, GGUF)")
+    c.add_argument("--name", default=None, help="session name (several sessions can be open)")
+    t = p["train"] = _parser("train", "Start a background RL run; returns the Run at once.")
+    t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
+    t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
+    t.add_argument("--model", default=None, help="must be the session's model")
+    t.add_argument("--steps", type=int, default=60)
+    t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
+    t.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
+    t.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the model's)")
+    t.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
+    t.add_argument("--temperature", type=float, default=None)
+    t.add_argument("--loss", default="importance_sampling", choices=LOSSES)
+    t.add_argument("--normalize-std", action="store_true", dest="normalize_std", help="divide by group std")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--name", default=None, help="run name (default: generated)")
+    t.add_argument("--session", default=None)
+    for verb, what in (("pause", "Pause"), ("resume", "Resume"), ("stop", "Stop")):
+        v = p[verb] = _parser(verb, f"{what} a run (it finishes its current step first).")
+        v.add_argument("run", nargs="?", default=None, help="run name (default: the latest)")
+        v.add_argument("--session", default=None)
+        if verb != "resume":
+            v.add_argument("--wait", action="store_true", help="return once no step is in flight")
+    s = p["save"] = _parser("save", "Save a run's weights and optimizer; prints the tinker:// path.")
+    s.add_argument("run", nargs="?", default=None)
+    s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name")
+    s.add_argument("--session", default=None)
+    for verb, desc in (
+        ("runs", "This session's runs, and the other runs the service has for this key."),
+        ("dashboard", "The service-wide dashboard: every run of this key plus device utilisation."),
+        ("sessions", "The open connections."),
+    ):
+        v = p[verb] = _parser(verb, desc)
+        v.add_argument("--session", default=None)
+    st = p["status"] = _parser("status", "The service, or one run, in a few lines.")
+    st.add_argument("run", nargs="?", default=None)
+    st.add_argument("--session", default=None)
+    d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
+    d.add_argument("name", nargs="?", default=None)
+    p["help"] = _parser("help", "Show the help.")
+    return p
+
+
+class Table:
+    """A small result table with text and HTML reprs (what ``%openrl runs`` returns)."""
+
+    def __init__(self, columns: list[str], rows: list[list], title: str = ""):
+        self.columns, self.rows, self.title = columns, rows, title
+
+    def __repr__(self) -> str:
+        widths = [max(len(str(c)), *(len(str(r[i])) for r in self.rows)) for i, c in enumerate(self.columns)]
+        line = "  ".join(str(c).ljust(w) for c, w in zip(self.columns, widths, strict=True))
+        body = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in self.rows]
+        return "\n".join(([self.title] if self.title else []) + [line, *body])
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in self.rows
+        )
+        title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
+        return f"{title}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+@magics_class
+class OpenRLMagics(Magics):
+    url = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="Service URL used by %openrl connect when no URL is given and $OPENRL_URL is unset.",
+    )
+    token_file = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="A file holding the service key (used when $OPENRL_TOKEN is unset); keys never go on the "
+        "magic line.",
+    )
+    dashboard_interval = Float(0.5, config=True, help="Seconds between dashboard refreshes (≤ 2 per second).")
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self._parsers = _parsers()
+        self._verbs: dict[str, Callable] = {
+            "connect": self._connect,
+            "train": self._train,
+            "pause": self._pause,
+            "resume": self._resume,
+            "stop": self._stop,
+            "save": self._save,
+            "runs": self._runs,
+            "status": self._status,
+            "dashboard": self._dashboard,
+            "sessions": self._sessions,
+            "disconnect": self._disconnect,
+            "help": self._help,
+        }
+
+    @line_cell_magic
+    def openrl(self, line: str, cell: str | None = None):
+        try:
+            if cell is not None:
+                return self._cell(line, cell)
+            words = _split(line)
+            if not words:
+                return self._help(None)
+            verb, rest = words[0], line.strip()[len(words[0]) :]
+            if verb not in self._verbs:
+                raise UsageError(
+                    f"unknown subcommand {verb!r}; one of: {', '.join(self._verbs)} (see %openrl help)"
+                )
+            args = self._parsers[verb].parse_argstring(rest)
+            return self._verbs[verb](args)
+        except UsageError as exc:
+            raise IPythonUsageError(str(exc)) from None
+        except SystemExit:  # argparse after printing --help
+            return None
+
+    openrl.__doc__ = HELP
+
+    # -- verbs ----------------------------------------------------------------------------------------
+    def _connect(self, a):
+        token = None
+        if self.token_file and not os.environ.get("OPENRL_TOKEN"):
+            try:
+                with open(os.path.expanduser(self.token_file), encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as e:
+                raise UsageError(
+                    f"c.OpenRLMagics.token_file: cannot read {self.token_file!r} ({e.strerror})"
+                ) from None
+        session = sessions.connect(
+            a.url,
+            token=token,
+            name=a.name,
+            local=a.local,
+            model=a.model,
+            config={"url": self.url} if self.url else None,
+            progress=lambda msg: print(msg, flush=True),
+        )
+        kind = "an embedded service" if session.local else "the service"
+        print(
+            f"openrl: session {session.name!r} connected to {kind} at {session.url} (model {session.model})"
+        )
+
+    def _session(self, name: str | None):
+        return sessions.get_session(name)
+
+    def _train(self, a):
+        session = self._session(a.session)
+        prompts = self._resolve_prompts(a.prompts)
+        return session.train(
+            reward=a.reward,
+            prompts=prompts,
+            model=a.model,
+            steps=a.steps,
+            group=a.group,
+            batch=a.batch,
+            lr=a.lr,
+            rank=a.rank,
+            max_tokens=a.max_tokens,
+            temperature=a.temperature,
+            loss=a.loss,
+            name=a.name,
+            normalize_std=a.normalize_std,
+            seed=a.seed,
+        )
+
+    def _resolve_prompts(self, src: str):
+        ns = self.shell.user_ns
+        if src.isidentifier():
+            if src in ns:
+                return ns[src]
+            raise UsageError(
+                f"--prompts {src}: no variable {src!r} in this notebook (define it, or give a .txt/.jsonl path)"
+            )
+        if src.endswith((".txt", ".jsonl")):
+            return src
+        raise UsageError(f"--prompts {src!r}: give a notebook variable name or a .txt/.jsonl path")
+
+    def _pause(self, a):
+        run = self._session(a.session).get_run(a.run)
+        run.pause(wait=a.wait)
+        print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")
+
+    def _resume(self, a):
+        run = self._session(a.session).get_run(a.run)
+        run.resume()
+        print(f"openrl: run {run.name!r} is {run.state} from step {run.step}/{run.total_steps}")
+
+    def _stop(self, a):
+        run = self._session(a.session).get_run(a.run)
+        run.stop(wait=a.wait)
+        print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")
+
+    def _save(self, a):
+        run = self._session(a.session).get_run(a.run)
+        path = run.save(a.checkpoint)
+        print(f"openrl: saved run {run.name!r} at step {run.step}: {path}")
+        return path
+
+    def _runs(self, a):
+        session = self._session(a.session)
+        rows = []
+        mine = set()
+        for run in session.runs.values():
+            mine.add(run.run_id)
+            last = run.history[-1] if run.step else {}
+            mean = last.get("reward_mean")
+            rows.append(
+                [
+                    run.name,
+                    run.run_id or "-",
+                    str(run.state),
+                    f"{run.step}/{run.total_steps}",
+                    f"{run.reward_name} v{run.reward_version or '-'}",
+                    f"{mean:.3f}" if mean is not None else "-",
+                ]
+            )
+        for r in session.client.list_runs():
+            if r["run_id"] not in mine:
+                rows.append([r["name"], r["run_id"], "on service", str(r["step"]), "-", "-"])
+        return Table(
+            ["name", "run_id", "state", "step", "reward", "reward mean"], rows, f"runs on {session.url}"
+        )
+
+    def _status(self, a):
+        session = self._session(a.session)
+        if a.run is not None:
+            run = session.get_run(a.run)
+            return Table(
+                ["field", "value"],
+                [
+                    ["run", run.name],
+                    ["state", str(run.state)],
+                    ["step", f"{run.step}/{run.total_steps}"],
+                    ["reward", f"{run.reward_name} v{run.reward_version or '-'}"],
+                    ["last error", run.last_error or "-"],
+                ],
+            )
+        ready = session.client.ready()
+        tick = session.feed().last_tick if session._feed is not None else None
+        util = tick["utilisation"] if tick else None
+        active = sum(1 for r in session.runs.values() if not r.done)
+        return Table(
+            ["field", "value"],
+            [
+                ["session", session.name],
+                ["service", session.url + (" (embedded)" if session.local else "")],
+                ["status", ready.get("status", "?")],
+                ["model", session.model or "-"],
+                ["runs here", f"{len(session.runs)} ({active} active)"],
+                ["rewards", ", ".join(f"{n} v{registry.latest(n).version}" for n in registry.names()) or "-"],
+                ["utilisation", f"{util['value']:.0%} ({util['label']})" if util else "-"],
+            ],
+        )
+
+    def _dashboard(self, a):
+        from openrl_jupyter.dashboard import ServiceDashboard
+
+        session = self._session(a.session)
+        return ServiceDashboard(
+            session.feed(), runs=session.client.list_runs(), interval_s=self.dashboard_interval
+        )
+
+    def _sessions(self, a):
+        rows = [
+            [s.name, s.url, "embedded" if s.local else "remote", s.model or "-", len(s.runs)]
+            for s in sessions.sessions().values()
+        ]
+        return Table(["name", "url", "kind", "model", "runs"], rows)
+
+    def _disconnect(self, a):
+        session = self._session(a.name)
+        sessions.disconnect(session.name)
+        print(f"openrl: session {session.name!r} disconnected")
+
+    def _help(self, a):
+        print(HELP)
+
+    # -- %%openrl reward NAME -------------------------------------------------------------------------
+    def _cell(self, line: str, cell: str):
+        words = _split(line)
+        if len(words) != 2 or words[0] != "reward":
+            raise UsageError("the cell form is %%openrl reward NAME, with a cell that defines reward(...)")
+        name = words[1]
+        if not name.isidentifier():
+            raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")
+        ns = self.shell.user_ns
+        before = {k: ns.get(k) for k in ("reward", "reward_group")}
+        filename = self.shell.compile.cache(cell)
+        exec(compile(cell, filename, "exec"), ns)  # noqa: S102 - the user's own cell, in the user's kernel
+        defined = [
+            k for k in ("reward_group", "reward") if ns.get(k) is not before[k] and callable(ns.get(k))
+        ]
+        if not defined:
+            raise UsageError(
+                f"the cell defines no reward: write def reward(prompt, completion, **info) -> float "
+                f"(or def reward_group(prompts, completions, infos) -> list) in the %%openrl reward {name} cell"
+            )
+        kind = defined[0]
+        v = registry.register(name, ns[kind], per_group=kind == "reward_group")
+        form = "per group" if v.per_group else "per sample"
+        live = [
+            r.name
+            for s in sessions.sessions().values()
+            for r in s.runs.values()
+            if r.reward_name == name and not r.done
+        ]
+        note = (
+            f"; running {', '.join(live)} pick{'s' if len(live) == 1 else ''} it up at the next step"
+            if live
+            else ""
+        )
+        print(
+            f"openrl: reward {name} v{v.version} registered ({form}{', async' if v.is_async else ''}){note}"
+        )
+
+
+def _split(line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"cannot parse {line!r}: {e}") from None

@@ -1,0 +1,624 @@
+"""Background RL runs: ``session.train(...)`` / ``%openrl train`` return a :class:`Run` at once.
+
+    run = session.train(reward="letters", prompts=PROMPTS, steps=60, group=8)
+    run.pause(); run.resume(); run.save("half-way"); run.stop(); run.wait()
+    run.history[-1]     # {"step": 60, "reward_mean": ..., "reward_version": 2, "loss": ..., ...}
+
+Each step, on the shared runner thread (see ``runner.py``):
+
+1. picks the newest version of the reward (so a re-defined reward applies from the next step);
+2. samples ``group`` completions for each of ``batch`` prompts from the run's current weights;
+3. scores them in the runner's thread pool (``async def`` rewards on the runner loop);
+4. turns rewards into group-relative advantages (reward − group mean, optionally ÷ group std),
+   leaving failed samples out; a group whose rewards are all equal teaches nothing and is skipped;
+5. sends one train step naming the samples; the service computes the importance-sampling loss
+   with the sampler's logprobs, so the ratio/KL statistics it returns are honest;
+6. stores the step's reward statistics with the run on the service and notifies listeners
+   (the dashboard).
+
+A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
+trained is lost and ``resume()`` retries the step (with the newest reward version). Pausing and
+stopping take effect between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import os
+import random
+import statistics
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from openrl_jupyter._exceptions import NotFoundError, OpenRLError
+from openrl_jupyter.rewards import RewardVersion, registry, score
+from openrl_jupyter.runner import get_runner
+from openrl_jupyter.session import UsageError
+
+if TYPE_CHECKING:
+    from openrl_jupyter.session import Session
+
+LOSSES = ("importance_sampling", "ppo")
+MAX_KEPT_SAMPLES = 512
+
+
+class RunState(str, enum.Enum):
+    STARTING = "starting"  # creating the run on the service
+    RUNNING = "running"  # stepping
+    PAUSING = "pausing"  # pause asked; the current step finishes first
+    PAUSED = "paused"  # between steps, waiting for resume() (or stop())
+    STOPPING = "stopping"  # stop asked; the current step finishes first
+    STOPPED = "stopped"  # stopped before its last step
+    FINISHED = "finished"  # every step done
+    FAILED = "failed"  # cannot continue (the service lost the run, or it could not be created)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
+
+
+@dataclass
+class TrainConfig:
+    """What ``train`` was asked for, after defaults from the model's capability entry."""
+
+    reward: str
+    prompts: list[dict]
+    steps: int
+    group: int
+    batch: int
+    lr: float | None
+    rank: int
+    max_tokens: int
+    temperature: float
+    loss: str = "importance_sampling"
+    name: str | None = None
+    model: str | None = None
+    normalize_std: bool = False
+    seed: int | None = 0
+    extra: dict = field(default_factory=dict)
+
+
+# -- prompt sources --------------------------------------------------------------------------------
+def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
+    """A list of strings, or of dicts with "prompt" (other fields go to the reward as ``info``),
+    or a path to a .txt (one prompt per line) or .jsonl file."""
+    if isinstance(src, (str, os.PathLike)) and str(src).endswith((".txt", ".jsonl")):
+        path = os.fspath(src)
+        if not os.path.isfile(path):
+            raise UsageError(f"{where}: no such file {path!r}")
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".txt"):
+                items: list = [line.rstrip("\n") for line in f if line.strip()]
+            else:
+                items = []
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            items.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise UsageError(f"{where}: {path} line {n} is not JSON ({e.msg})") from None
+    elif isinstance(src, str):
+        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got the string {src!r}")
+    elif isinstance(src, Sequence) or hasattr(src, "__iter__"):
+        items = list(src)
+    else:
+        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got {type(src).__name__}")
+    if not items:
+        raise UsageError(f"{where} is empty: give at least one prompt")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item.strip():
+                raise UsageError(f"{where}[{i}] is an empty prompt")
+            out.append({"prompt": item, "info": {}})
+        elif isinstance(item, dict):
+            p = item.get("prompt")
+            if not isinstance(p, str) or not p.strip():
+                raise UsageError(f'{where}[{i}] needs a non-empty "prompt" string; got keys {sorted(item)}')
+            out.append({"prompt": p, "info": {k: v for k, v in item.items() if k != "prompt"}})
+        else:
+            raise UsageError(
+                f"{where}[{i}] must be a string or a dict with a prompt; got {type(item).__name__}"
+            )
+    return out
+
+
+def _positive_int(name: str, value: Any, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise UsageError(f"{name} must be an integer from 1 to {limit}; got {value!r}")
+    return value
+
+
+def make_config(
+    defaults: dict,
+    *,
+    reward: str | Callable,
+    prompts: Any,
+    model: str | None = None,
+    steps: int = 60,
+    group: int | None = None,
+    batch: int | None = None,
+    lr: float | None = None,
+    rank: int | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    loss: str = "importance_sampling",
+    name: str | None = None,
+    normalize_std: bool = False,
+    seed: int | None = 0,
+) -> TrainConfig:
+    """Check the arguments of ``train`` (each error names the argument and its limit)."""
+    if callable(reward):
+        fn = reward
+        reward = getattr(fn, "__name__", "reward")
+        if reward in ("reward", "reward_group", "<lambda>"):
+            reward = "reward"
+        registry.register(reward, fn)
+    if not isinstance(reward, str):
+        raise UsageError(f"reward must be a registered reward's name or a function; got {reward!r}")
+    registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
+    loaded = load_prompts(prompts)
+    steps = _positive_int("steps", steps, 1_000_000)
+    group = _positive_int("group", group if group is not None else defaults.get("group_size", 8), 256)
+    batch = _positive_int("batch", batch if batch is not None else defaults.get("batch_size", 8), 1024)
+    rank = _positive_int("rank", rank if rank is not None else defaults.get("lora_rank", 8), 512)
+    max_tokens = _positive_int(
+        "max_tokens", max_tokens if max_tokens is not None else defaults.get("max_tokens", 64), 1_000_000
+    )
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= 1):
+        raise UsageError(f"lr must be a number in (0, 1]; got {lr!r}")
+    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature <= 10
+    ):
+        raise UsageError(f"temperature must be a number from 0 to 10; got {temperature!r}")
+    if loss not in LOSSES:
+        raise UsageError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
+    if group < 2:
+        raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
+    return TrainConfig(
+        reward=reward,
+        prompts=loaded,
+        steps=steps,
+        group=group,
+        batch=batch,
+        lr=float(lr) if lr is not None else None,
+        rank=rank,
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        loss=loss,
+        name=name,
+        model=model,
+        normalize_std=normalize_std,
+        seed=seed,
+    )
+
+
+# -- advantages ------------------------------------------------------------------------------------
+def group_advantages(rewards: Sequence[float | None], *, normalize_std: bool = False) -> list[float]:
+    """reward − mean of the group's successful samples (÷ their std if asked); 0 for failed ones."""
+    valid = [r for r in rewards if r is not None]
+    if len(valid) < 2:
+        return [0.0] * len(rewards)
+    mean = statistics.fmean(valid)
+    std = statistics.pstdev(valid)
+    out = []
+    for r in rewards:
+        if r is None:
+            out.append(0.0)
+            continue
+        a = r - mean
+        if normalize_std:
+            a = a / (std + 1e-6) if std > 0 else 0.0
+        out.append(a)
+    return out
+
+
+class _StepPaused(Exception):
+    """Internal: the step cannot complete; pause with this message."""
+
+
+class Run:
+    """A background RL run; its methods are safe to call from any cell (any thread)."""
+
+    def __init__(self, session: Session, config: TrainConfig):
+        self.session = session
+        self.config = config
+        self.name = config.name or f"run-{int(time.time()) % 100000:05d}"
+        self.model = config.model or session.model or "?"
+        self.total_steps = config.steps
+        self.run_id: str | None = None
+        self.reward_name = config.reward
+        self.reward_version: int | None = None
+        self.last_error: str | None = None
+        self.started_at = time.time()
+        self._state = RunState.STARTING
+        self._step = 0
+        self._history: list[dict] = []
+        self._samples: deque[dict] = deque(maxlen=MAX_KEPT_SAMPLES)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._listeners: list[Callable[[dict], None]] = []
+        self._feed_unsubscribe: Callable[[], None] | None = None
+        self._want_pause = False
+        self._want_stop = False
+        self._wake: asyncio.Event | None = None
+        self._dashboard = None
+        self._rng = random.Random(config.seed)
+        self._order: list[int] = []
+        self._runner = get_runner()
+        self._future = self._runner.submit(self._main())
+
+    # -- what a cell reads --------------------------------------------------------------------------
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @property
+    def step(self) -> int:
+        """The last completed step (0 before the first)."""
+        return self._step
+
+    @property
+    def history(self) -> list[dict]:
+        """One dict per completed step (a copy): step, reward stats and version, loss, ratio, KL..."""
+        with self._lock:
+            return [dict(r) for r in self._history]
+
+    @property
+    def done(self) -> bool:
+        return self._state not in ACTIVE
+
+    def samples(self, k: int = 8) -> list[dict]:
+        """The latest ``k`` completions with their prompt, reward (None if failed), error and step."""
+        with self._lock:
+            return [dict(s) for s in list(self._samples)[-k:]]
+
+    def to_pandas(self):
+        """``history`` as a pandas DataFrame indexed by step (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError("to_pandas() needs pandas: pip install pandas") from None
+        frame = pd.DataFrame(self.history)
+        return frame.set_index("step") if "step" in frame else frame
+
+    # -- control --------------------------------------------------------------------------------
+    def pause(self, *, wait: bool = False, timeout: float | None = None) -> Run:
+        """Pause after the current step; with ``wait=True`` return once no step is in flight."""
+        with self._lock:
+            if self._state in ACTIVE and not self._want_stop:
+                self._want_pause = True
+                if self._state in (RunState.RUNNING, RunState.STARTING):
+                    self._set_state(RunState.PAUSING)
+        if wait:
+            self._wait_for(lambda: self._state in (RunState.PAUSED,) or self.done, timeout, "pause")
+        return self
+
+    def resume(self) -> Run:
+        """Continue a paused run (a step that paused on an error is retried)."""
+        with self._lock:
+            if self.done:
+                raise UsageError(f"run {self.name!r} is {self._state}; it cannot resume")
+            self._want_pause = False
+            if self._state in (RunState.PAUSED, RunState.PAUSING):
+                self._set_state(RunState.RUNNING)
+        self._poke()
+        return self
+
+    def stop(self, *, wait: bool = False, timeout: float | None = None) -> Run:
+        """Stop after the current step (the weights stay on the service; ``save`` still works)."""
+        with self._lock:
+            if not self.done:
+                self._want_stop = True
+                self._set_state(RunState.STOPPING)
+        self._poke()
+        if wait:
+            self.wait(timeout)
+        return self
+
+    def wait(self, timeout: float | None = None) -> Run:
+        """Block until the run finishes, stops or fails (TimeoutError after ``timeout`` seconds)."""
+        self._wait_for(lambda: self.done, timeout, "finish")
+        return self
+
+    def save(self, name: str | None = None, *, timeout: float | None = 600.0) -> str:
+        """Save the current weights (with optimizer state) as a checkpoint; returns its tinker:// path,
+        which the Tinker SDK can load (``create_training_client_from_state``)."""
+        name = name or f"{self.name}-step{self._step}"
+        self._wait_for(lambda: self.run_id is not None or self.done, timeout, "be created")
+        if self.run_id is None:
+            raise UsageError(f"run {self.name!r} was never created on the service: {self.last_error}")
+        client = self.session.async_client()
+        return self._runner.submit(client.save(self.run_id, name)).result(timeout)
+
+    def subscribe(self, fn: Callable[[dict], None]) -> Callable[[], None]:
+        """Call ``fn(event)`` (on the runner thread) for every step, state, log, samples and
+        telemetry event; returns the function that unsubscribes."""
+        with self._lock:
+            self._listeners.append(fn)
+            if self._feed_unsubscribe is None:
+                self._feed_unsubscribe = self.session.feed().subscribe(self._on_feed)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._listeners:
+                    self._listeners.remove(fn)
+                if not self._listeners and self._feed_unsubscribe is not None:
+                    self._feed_unsubscribe()
+                    self._feed_unsubscribe = None
+
+        return unsubscribe
+
+    def dashboard(self, **options: Any):
+        """The run's live dashboard widget (created once; displaying the run shows it)."""
+        from openrl_jupyter.dashboard import RunDashboard
+
+        if self._dashboard is None or options:
+            self._dashboard = RunDashboard(self, **options)
+        return self._dashboard
+
+    # -- reprs (never the key) ----------------------------------------------------------------------
+    def __repr__(self) -> str:
+        last = self._history[-1] if self._history else {}
+        mean = last.get("reward_mean")
+        reward = f" reward={mean:.3f}" if isinstance(mean, float) else ""
+        version = f" v{self.reward_version}" if self.reward_version else ""
+        return (
+            f"<openrl Run {self.name!r} {self._state} step {self._step}/{self.total_steps}"
+            f" reward {self.reward_name}{version}{reward}>"
+        )
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        from openrl_jupyter.dashboard import summary_html
+
+        bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
+        if _widgets_frontend():
+            try:
+                bundle = {**bundle, **self.dashboard()._repr_mimebundle_()}
+            except Exception as exc:  # noqa: BLE001 - the fallback repr still shows the run
+                self._log(f"dashboard unavailable: {type(exc).__name__}: {exc}")
+        return bundle
+
+    # -- internals ------------------------------------------------------------------------------
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None, what: str) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while not predicate():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"run {self.name!r} did not {what} within {timeout} s "
+                        f"(state {self._state}, step {self._step}/{self.total_steps})"
+                    )
+                self._changed.wait(0.25 if left is None else min(0.25, left))
+
+    def _poke(self) -> None:
+        if self._wake is not None and self._runner.alive:
+            self._runner.call_soon(self._wake.set)
+
+    def _emit(self, event: dict) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn(event)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the run
+                traceback.print_exc()
+
+    def _on_feed(self, event: dict) -> None:
+        if event.get("type") == "tick":
+            self._emit({"kind": "tick", "tick": event})
+
+    def _set_state(self, state: RunState, error: str | None = None) -> None:
+        with self._lock:
+            self._state = state
+            if error is not None:
+                self.last_error = error
+            self._changed.notify_all()
+        self._emit({"kind": "state", "state": str(state), "error": error})
+
+    def _log(self, text: str) -> None:
+        self._emit({"kind": "log", "step": self._step, "text": text})
+
+    def _next_prompts(self) -> list[dict]:
+        prompts = self.config.prompts
+        out = []
+        for _ in range(self.config.batch):
+            if not self._order:
+                self._order = list(range(len(prompts)))
+                self._rng.shuffle(self._order)
+            out.append(prompts[self._order.pop()])
+        return out
+
+    async def _gate(self) -> bool:
+        """Between steps: wait while paused; False when the run should stop."""
+        while True:
+            with self._lock:
+                if self._want_stop:
+                    return False
+                if not self._want_pause:
+                    if self._state != RunState.RUNNING:
+                        self._set_state(RunState.RUNNING)
+                    return True
+                if self._state != RunState.PAUSED:
+                    self._set_state(RunState.PAUSED)
+                self._wake.clear()
+            await self._wake.wait()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        client = self.session.async_client()
+        cfg = self.config
+        try:
+            created = await client.create_run(
+                name=self.name, rank=cfg.rank, base_model=cfg.model, seed=cfg.seed, **cfg.extra
+            )
+        except Exception as exc:  # noqa: BLE001 - shown on the run and raised by wait()/save()
+            self._set_state(RunState.FAILED, _one_line(exc))
+            return
+        self.run_id = created["run_id"]
+        self._log(f"created run {self.run_id} on {self.session.url}")
+        with self._lock:
+            if self._state == RunState.STARTING:
+                self._set_state(RunState.RUNNING)
+        prompts: list[dict] | None = None
+        while self._step < cfg.steps:
+            if not await self._gate():
+                self._set_state(RunState.STOPPED)
+                return
+            if prompts is None:
+                prompts = self._next_prompts()
+            try:
+                await self._one_step(client, self._step + 1, prompts)
+                prompts = None
+            except _StepPaused as exc:
+                self._pause_with(str(exc))
+            except NotFoundError as exc:
+                self._set_state(RunState.FAILED, _one_line(exc))
+                return
+            except OpenRLError as exc:
+                self._pause_with(f"step {self._step + 1}: {_one_line(exc)}")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug shows as an error on a paused run
+                self._pause_with(
+                    f"step {self._step + 1}: {traceback.format_exc(limit=6)}{type(exc).__name__}"
+                )
+        self._set_state(RunState.FINISHED)
+
+    def _pause_with(self, error: str) -> None:
+        with self._lock:
+            self._want_pause = True
+        self._log(error)
+        self._set_state(RunState.PAUSED, error)
+
+    async def _one_step(self, client, step: int, prompts: list[dict]) -> None:
+        cfg = self.config
+        t0 = time.time()
+        version: RewardVersion = registry.latest(cfg.reward)
+        params: dict[str, Any] = {
+            "num_samples": cfg.group,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+        }
+        if cfg.seed is not None:
+            params["seed"] = (cfg.seed * 100_003 + step * 1_009) % 2**31
+        out = await client.sample(self.run_id, [p["prompt"] for p in prompts], **params)
+        t_sampled = time.time()
+        samples = out["samples"]
+        texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
+        infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
+        completions = [s["text"] for s in samples]
+        scored = await score(version, texts, completions, infos, pool=self._runner.pool)
+        t_scored = time.time()
+        if scored.stdout:
+            self._log(scored.stdout.rstrip("\n"))
+        kept = [
+            {"step": step, "prompt": p, "completion": c, "reward": r, "error": e}
+            for p, c, r, e in zip(texts, completions, scored.rewards, scored.errors, strict=True)
+        ]
+        with self._lock:
+            self._samples.extend(kept)
+        self._emit({"kind": "samples", "step": step, "samples": kept[-16:]})
+        failures = [e for e in scored.errors if e is not None]
+        if scored.all_failed:
+            raise _StepPaused(
+                f"step {step}: every sample failed in reward {version.name} v{version.version}: {failures[0]}"
+            )
+        if failures:
+            self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
+        advantages: list[float] = [0.0] * len(samples)
+        by_prompt: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            by_prompt.setdefault(s["prompt_index"], []).append(i)
+        for idx in by_prompt.values():
+            for i, a in zip(
+                idx,
+                group_advantages([scored.rewards[i] for i in idx], normalize_std=cfg.normalize_std),
+                strict=True,
+            ):
+                advantages[i] = a
+        chosen = [
+            {"sample_id": s["sample_id"], "advantage": a}
+            for s, a in zip(samples, advantages, strict=True)
+            if a != 0.0 and s["tokens"]
+        ]
+        optimizer = {"learning_rate": cfg.lr} if cfg.lr is not None else {}
+        trained: dict = {}
+        if chosen:
+            trained = await client.train_step(self.run_id, chosen, loss=cfg.loss, optimizer=optimizer)
+        t_trained = time.time()
+        valid = [r for r in scored.rewards if r is not None]
+        row = {
+            "step": step,
+            "reward_mean": statistics.fmean(valid),
+            "reward_std": statistics.pstdev(valid) if len(valid) > 1 else 0.0,
+            "reward_min": min(valid),
+            "reward_max": max(valid),
+            "reward_name": version.name,
+            "reward_version": version.version,
+            "failed": len(failures),
+            "n": len(samples),
+            "trained": len(chosen),
+            "loss": trained.get("loss"),
+            "ratio_mean": trained.get("ratio_mean"),
+            "ratio_min": trained.get("ratio_min"),
+            "ratio_max": trained.get("ratio_max"),
+            "kl": trained.get("kl"),
+            "clip_fraction": trained.get("clip_fraction"),
+            "grad_norm": trained.get("grad_norm"),
+            "tokens": trained.get("tokens", 0),
+            "sample_s": t_sampled - t0,
+            "score_s": t_scored - t_sampled,
+            "train_s": t_trained - t_scored,
+            "time": t_trained,
+            "elapsed_s": t_trained - self.started_at,
+        }
+        reported = {
+            k: v
+            for k, v in row.items()
+            if k in ("reward_mean", "reward_std", "reward_min", "reward_max", "reward_version", "failed")
+            or k == "reward_name"
+        }
+        await client.add_metrics(self.run_id, step, **reported)
+        with self._lock:
+            self._history.append(row)
+            self._step = step
+            self.reward_version = version.version
+            self._changed.notify_all()
+        self._emit({"kind": "step", "row": dict(row)})
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, OpenRLError) else f"{type(exc).__name__}: {text}"
+
+
+def _widgets_frontend() -> bool:
+    """True inside a Jupyter kernel (where a widget can be drawn) with ipywidgets importable."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        return False
+    if shell is None or not hasattr(shell, "kernel"):
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError:
+        return False
+    return True

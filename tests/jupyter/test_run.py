@@ -1,0 +1,240 @@
+"""Background runs through the Python API against the real service on loopback: hot swap, pause,
+save, stop, several runs at once, reward failures, and bad arguments."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from openrl_jupyter import session as sess
+from openrl_jupyter.rewards import registry
+from openrl_jupyter.run import RunState, group_advantages, load_prompts
+from tests.conftest import ALICE_KEY
+
+PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
+SMALL = {"batch": 2, "group": 4, "max_tokens": 8}
+
+
+def letters(prompt, completion, **info):
+    return sum(c.isalpha() for c in completion) / max(1, len(completion))
+
+
+@pytest.fixture
+def session(server):
+    s = sess.connect(server.url, token=ALICE_KEY, name="runs")
+    yield s
+    for run in s.runs.values():
+        run.stop()
+    sess.disconnect("runs")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{time.monotonic_ns()}"
+
+
+def wait_until(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_run_trains_in_the_background_and_reports_every_step(session):
+    name = unique("letters")
+    registry.register(name, letters)
+    t0 = time.monotonic()
+    run = session.train(reward=name, prompts=PROMPTS, steps=4, **SMALL)
+    assert time.monotonic() - t0 < 1.0, "train() must return at once"
+    assert run.state in (RunState.STARTING, RunState.RUNNING)
+    run.wait(120)
+    assert run.state == RunState.FINISHED and run.step == 4
+    rows = run.history
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert 0.0 <= r["reward_min"] <= r["reward_mean"] <= r["reward_max"] <= 1.0
+        assert r["reward_name"] == name and r["reward_version"] == 1 and r["n"] == 8
+        if r["trained"]:
+            assert r["loss"] is not None and r["ratio_mean"] == pytest.approx(1.0, abs=0.05)
+            assert r["tokens"] > 0 and r["grad_norm"] >= 0
+    # the step statistics are stored with the run on the service too
+    stored = session.client.metrics(run.run_id)
+    assert [m["step"] for m in stored] == [1, 2, 3, 4]
+    assert stored[-1]["reward_mean"] == pytest.approx(rows[-1]["reward_mean"])
+    assert stored[-1]["reward_name"] == name
+    latest = run.samples(3)
+    assert len(latest) == 3 and all(s["step"] == 4 and s["reward"] is not None for s in latest)
+    frame = run.to_pandas()
+    assert list(frame.index) == [1, 2, 3, 4] and "reward_mean" in frame
+
+
+def test_hot_swap_applies_from_the_next_step_with_no_step_lost_or_repeated(session):
+    name = unique("swap")
+    at_step_3 = threading.Event()
+    release = threading.Event()
+    calls = []
+
+    def reward_group(prompts, completions, infos):  # v1: gates inside step 3
+        calls.append(len(calls) + 1)
+        if len(calls) == 3:
+            at_step_3.set()
+            assert release.wait(60)
+        return [letters(p, c) for p, c in zip(prompts, completions, strict=True)]
+
+    registry.register(name, reward_group)
+    run = session.train(reward=name, prompts=PROMPTS, steps=6, **SMALL)
+    assert at_step_3.wait(60)
+    v2 = registry.register(name, lambda prompt, completion, **info: 0.5 + 0.5 * letters(prompt, completion))
+    assert v2.version == 2
+    release.set()
+    run.wait(120)
+    rows = run.history
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["reward_version"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    assert all(r["reward_min"] >= 0.5 for r in rows[3:])
+    assert len(calls) == 3
+
+
+def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(session, service_client):
+    name = unique("pause")
+    registry.register(name, letters)
+    run = session.train(reward=name, prompts=PROMPTS, steps=200, **SMALL)
+    wait_until(lambda: run.step >= 1, what="the first step")
+    run.pause(wait=True, timeout=60)
+    assert run.state == RunState.PAUSED
+    held = run.step
+    time.sleep(1.5)
+    assert run.step == held and run.state == RunState.PAUSED
+    path = run.save("paused")
+    assert path.startswith("tinker://") and path.endswith("/weights/paused")
+    run.resume()
+    wait_until(lambda: run.step >= held + 2, what="two steps after resume")
+    run.stop(wait=True, timeout=60)
+    assert run.state == RunState.STOPPED and run.step < 200
+    assert [r["step"] for r in run.history] == list(range(1, run.step + 1))
+    tc = service_client.create_training_client_from_state(path)  # the Tinker SDK loads it
+    info = tc.get_info()
+    assert info.model_data.model_name == "openrl/tiny" and info.lora_rank == 8
+    with pytest.raises(sess.UsageError, match="cannot resume"):
+        run.resume()
+
+
+def test_two_runs_in_one_process_progress_together(session):
+    name = unique("two")
+    registry.register(name, letters)
+    a = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("a"), **SMALL)
+    b = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("b"), **SMALL)
+    a.wait(180)
+    b.wait(180)
+    assert a.state == b.state == RunState.FINISHED
+    ta = [r["time"] for r in a.history]
+    tb = [r["time"] for r in b.history]
+    # interleaved, not one after the other: each run finished a step while the other was mid-way
+    assert ta[0] < tb[-1] and tb[0] < ta[-1]
+    assert a.run_id != b.run_id
+
+
+def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(session):
+    name = unique("flaky")
+
+    def flaky(prompt, completion, **info):
+        if prompt.startswith("Say"):
+            raise ValueError("no greetings")
+        if prompt.startswith("Write"):
+            return float("nan")
+        return letters(prompt, completion)
+
+    registry.register(name, flaky)
+    run = session.train(reward=name, prompts=PROMPTS, steps=3, batch=4, group=4, max_tokens=8)
+    run.wait(120)
+    assert run.state == RunState.FINISHED
+    assert all(r["failed"] == 8 and r["n"] == 16 for r in run.history)
+    errors = {s["error"] for s in run.samples(16) if s["error"]}
+    assert "ValueError: no greetings" in errors and any("not a finite number" in e for e in errors)
+    assert all(s["reward"] is None for s in run.samples(16) if s["error"])
+
+    broken = unique("broken")
+
+    def always_fails(prompt, completion, **info):
+        raise RuntimeError("bug in my reward")
+
+    registry.register(broken, always_fails)
+    run = session.train(reward=broken, prompts=PROMPTS, steps=2, **SMALL)
+    wait_until(lambda: run.state == RunState.PAUSED, what="the run to pause")
+    assert run.step == 0 and "RuntimeError: bug in my reward" in run.last_error
+    registry.register(broken, letters)  # the fix
+    run.resume()
+    run.wait(120)
+    assert [r["step"] for r in run.history] == [1, 2]
+    assert [r["reward_version"] for r in run.history] == [2, 2]
+
+
+def test_async_rewards_are_awaited(session):
+    name = unique("async")
+
+    async def reward(prompt, completion, **info):
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        return letters(prompt, completion)
+
+    registry.register(name, reward)
+    run = session.train(reward=name, prompts=[{"prompt": "Say hi:", "want": 1}], steps=2, **SMALL)
+    run.wait(120)
+    assert run.state == RunState.FINISHED and run.history[-1]["failed"] == 0
+
+
+def test_info_fields_reach_the_reward(session, tmp_path):
+    name = unique("info")
+    seen = []
+
+    def reward(prompt, completion, **info):
+        seen.append(info)
+        return 1.0 if info.get("answer") == "x" else 0.0
+
+    registry.register(name, reward)
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "Pick x:", "answer": "x"}\n{"prompt": "Pick y:", "answer": "y"}\n')
+    run = session.train(reward=name, prompts=str(src), steps=1, **SMALL)
+    run.wait(120)
+    assert {s["answer"] for s in seen} == {"x", "y"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"reward": "no_such_reward"}, "unknown reward 'no_such_reward'"),
+        ({"prompts": []}, "prompts is empty"),
+        ({"prompts": ["ok", ""]}, r"prompts\[1\] is an empty prompt"),
+        ({"prompts": [{"text": "x"}]}, r'prompts\[0\] needs a non-empty "prompt"'),
+        ({"prompts": "missing.txt"}, "no such file"),
+        ({"steps": 0}, "steps must be an integer from 1"),
+        ({"group": 1}, "group must be at least 2"),
+        ({"lr": -1.0}, r"lr must be a number in \(0, 1\]"),
+        ({"loss": "sft"}, "loss must be one of importance_sampling, ppo"),
+        ({"temperature": 99}, "temperature must be a number from 0 to 10"),
+    ],
+)
+def test_bad_arguments_are_one_clear_usage_error(session, kwargs, message):
+    name = unique("ok")
+    registry.register(name, letters)
+    args = {"reward": name, "prompts": PROMPTS, "steps": 2, **kwargs}
+    with pytest.raises(sess.UsageError, match=message):
+        session.train(**args)
+    assert not session.runs
+
+
+def test_group_advantages():
+    assert group_advantages([1.0, 0.0, None, 0.5]) == [0.5, -0.5, 0.0, 0.0]
+    assert group_advantages([0.2, 0.2]) == [0.0, 0.0]
+    assert group_advantages([1.0, None]) == [0.0, 0.0]
+    norm = group_advantages([1.0, 0.0], normalize_std=True)
+    assert norm[0] == pytest.approx(1.0, abs=1e-5) and norm[1] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_load_prompts_from_text_file(tmp_path):
+    src = tmp_path / "p.txt"
+    src.write_text("one\n\ntwo\n")
+    assert [p["prompt"] for p in load_prompts(str(src))] == ["one", "two"]
