@@ -191,6 +191,11 @@ class OpenRLMagics(Magics):
                 raise UsageError(
                     f"c.OpenRLMagics.token_file: cannot read {self.token_file!r} ({e.strerror})"
                 ) from None
+        if not (a.url or a.local or os.environ.get("OPENRL_URL") or self.url):
+            raise UsageError(
+                "no openrl service to connect to: %openrl connect URL (key in $OPENRL_TOKEN), set "
+                "$OPENRL_URL, set c.OpenRLMagics.url, or start one here with %openrl connect --local"
+            )
         session = sessions.connect(
             a.url,
             token=token,

@@ -1,0 +1,206 @@
+"""%openrl and %%openrl reward through a real IPython InteractiveShell, against the real service."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+from openrl_jupyter import session as sess
+from openrl_jupyter.rewards import registry
+from openrl_jupyter.run import RunState
+from tests.conftest import ALICE_KEY, free_port
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "openrl_jupyter")
+    yield ip
+    ip.run_line_magic("unload_ext", "openrl_jupyter")
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    monkeypatch.delenv("OPENRL_URL", raising=False)
+    monkeypatch.delenv("OPENRL_TOKEN", raising=False)
+    yield
+    for name in list(sess.sessions()):
+        sess.disconnect(name)
+
+
+class Cell:
+    def __init__(self, result, captured):
+        self.result, self.out, self.err = result, captured.stdout, captured.stderr
+        self.text = self.out + self.err
+
+    @property
+    def ok(self) -> bool:
+        return self.result.success
+
+
+def run(shell, source: str) -> Cell:
+    with capture_output() as captured:
+        result = shell.run_cell(source, store_history=False)
+    cell = Cell(result, captured)
+    assert ALICE_KEY not in cell.text, "a key leaked into a cell's output"
+    return cell
+
+
+def one_error_line(cell: Cell, *needles: str) -> str:
+    assert not cell.ok
+    assert "Traceback" not in cell.text and "File " not in cell.text, cell.text
+    lines = [line for line in cell.text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, cell.text
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def connect(shell, server, monkeypatch, name="m"):
+    monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
+    cell = run(shell, f"%openrl connect {server.url} --name {name}")
+    assert cell.ok, cell.text
+    return cell
+
+
+def test_help_and_docstring(shell):
+    cell = run(shell, "%openrl help")
+    assert cell.ok and "Subcommands" in cell.out and "%%openrl reward NAME" in cell.out
+    assert "Subcommands" in shell.find_line_magic("openrl").__doc__  # what %openrl? shows
+    cell = run(shell, "%openrl train --help")
+    assert cell.ok and "--reward" in cell.out and "--max-tokens" in cell.out
+
+
+def test_connect_precedence_and_errors(shell, server, monkeypatch):
+    one_error_line(run(shell, "%openrl connect"), "UsageError", "OPENRL_URL", "--local")
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(sess, "Client", _no_retry_client(sess.Client))
+    one_error_line(run(shell, f"%openrl connect {dead}"), "ServiceUnavailable", dead, "is it running")
+    monkeypatch.setenv("OPENRL_TOKEN", "tml-wrong-key-000000")
+    one_error_line(run(shell, f"%openrl connect {server.url}"), "AuthenticationError", "check the key")
+    monkeypatch.setenv("OPENRL_URL", server.url)
+    monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
+    cell = run(shell, "%openrl connect")
+    assert cell.ok and f"connected to the service at {server.url}" in cell.out
+    # traitlets config is used when neither flag nor env gives a URL
+    monkeypatch.delenv("OPENRL_URL")
+    magics = shell.magics_manager.registry["OpenRLMagics"]
+    magics.url = server.url
+    try:
+        cell = run(shell, "%openrl connect --name fromconfig")
+        assert cell.ok and "'fromconfig'" in cell.out
+    finally:
+        magics.url = None
+
+
+def _no_retry_client(cls):
+    def make(url, **kw):
+        kw["retries"] = 0
+        return cls(url, **kw)
+
+    return make
+
+
+def test_local_without_the_service_extra_names_it(shell, monkeypatch):
+    monkeypatch.setattr(sess, "_installed", lambda module: False)
+    one_error_line(run(shell, "%openrl connect --local"), "UsageError", "openrl-jupyter[service]")
+
+
+def test_reward_cells_register_versions_and_a_failing_cell_registers_nothing(shell):
+    name = f"r{time.monotonic_ns()}"
+    cell = run(shell, f"%%openrl reward {name}\ndef reward(prompt, completion, **info):\n    return 1.0\n")
+    assert cell.ok and f"reward {name} v1 registered (per sample)" in cell.out
+    cell = run(
+        shell,
+        f"%%openrl reward {name}\ndef reward_group(prompts, completions, infos):\n    return [0.0] * len(prompts)\n",
+    )
+    assert cell.ok and f"reward {name} v2 registered (per group)" in cell.out
+    cell = run(shell, f"%%openrl reward {name}\ndef reward(prompt, completion, **info):\n    return 1 / 0\nboom()\n")
+    assert not cell.ok and "NameError" in cell.text
+    assert registry.latest(name).version == 2
+    one_error_line(run(shell, f"%%openrl reward {name}\nx = 1\n"), "UsageError", "defines no reward")
+    one_error_line(run(shell, "%%openrl reward 1bad\ndef reward(p, c): return 0\n"), "UsageError", "identifier")
+    one_error_line(run(shell, "%%openrl train\npass\n"), "UsageError", "%%openrl reward NAME")
+    assert registry.latest(name).version == 2
+
+
+def test_train_and_every_run_subcommand(shell, server, monkeypatch):
+    connect(shell, server, monkeypatch)
+    name = f"letters{time.monotonic_ns()}"
+    assert run(
+        shell,
+        f"%%openrl reward {name}\n"
+        "def reward(prompt, completion, **info):\n"
+        "    return sum(c.isalpha() for c in completion) / max(1, len(completion))\n",
+    ).ok
+    shell.user_ns["PROMPTS"] = ["Name a colour:", "Say hello:", "Write a word:"]
+    cell = run(
+        shell,
+        f"run = %openrl train --reward {name} --prompts PROMPTS --steps 40 --group 4 --batch 2 "
+        "--max-tokens 8 --name quick",
+    )
+    assert cell.ok, cell.text
+    r = shell.user_ns["run"]
+    assert r.name == "quick" and r.total_steps == 40 and r.config.group == 4 and r.config.batch == 2
+    deadline = time.monotonic() + 60
+    while r.step < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cell = run(shell, "%openrl pause quick --wait")
+    assert cell.ok and "is paused" in cell.out and r.state == RunState.PAUSED
+    cell = run(shell, "%openrl save quick mid")
+    assert cell.ok and "tinker://" in cell.out and "/weights/mid" in cell.out
+    assert run(shell, "%openrl runs").ok
+    text = repr(shell.run_line_magic("openrl", "runs"))
+    assert "quick" in text and "paused" in text and r.run_id in text
+    assert "quick" in shell.run_line_magic("openrl", "runs")._repr_html_()
+    status = repr(shell.run_line_magic("openrl", "status"))
+    assert "ready" in status and "openrl/tiny" in status and server.url in status
+    assert "paused" in repr(shell.run_line_magic("openrl", "status quick"))
+    sessions_table = repr(shell.run_line_magic("openrl", "sessions"))
+    assert sessions_table.splitlines()[1].split()[:3] == ["m", server.url, "remote"]
+    cell = run(shell, "%openrl resume quick")
+    assert cell.ok and "'quick' is running" in cell.out
+    held = r.step
+    deadline = time.monotonic() + 60
+    while r.step <= held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.step > held, "the run did not continue after %openrl resume"
+    cell = run(shell, "%openrl stop quick --wait")
+    assert cell.ok and r.state in (RunState.STOPPED, RunState.FINISHED)
+    board = shell.run_line_magic("openrl", "dashboard")
+    assert type(board).__name__ == "ServiceDashboard"
+    board.close()
+    cell = run(shell, "%openrl disconnect m")
+    assert cell.ok and "disconnected" in cell.out and not sess.sessions()
+
+
+@pytest.mark.parametrize(
+    "line, needles",
+    [
+        ("%openrl frobnicate", ["unknown subcommand 'frobnicate'"]),
+        ("run = %openrl train --reward nope_not_defined --prompts P", ["unknown reward 'nope_not_defined'"]),
+        ("run = %openrl train --reward R --prompts MISSING", ["no variable 'MISSING'"]),
+        ("run = %openrl train --reward R --prompts EMPTY", ["prompts is empty"]),
+        ("run = %openrl train --reward R --prompts P --steps abc", ["--steps", "invalid int value"]),
+        ("run = %openrl train --reward R --prompts P --loss sft", ["--loss", "invalid choice"]),
+        ("run = %openrl train --prompts P", ["--reward"]),
+        ("run = %openrl train --reward R --prompts P --group 1", ["group must be at least 2"]),
+        ("run = %openrl train --reward R --prompts P --bogus 3", ["unrecognized arguments: --bogus"]),
+        ("%openrl stop nothere", ["no runs yet"]),
+        ("%openrl disconnect other", ["no session named 'other'"]),
+    ],
+)
+def test_bad_input_is_one_clear_line(shell, server, monkeypatch, line, needles):
+    connect(shell, server, monkeypatch)
+    shell.user_ns["P"] = ["hi"]
+    shell.user_ns["EMPTY"] = []
+    registry.register("R", lambda prompt, completion, **info: 0.0)
+    one_error_line(run(shell, line), "UsageError", *needles)
+    assert not sess.get_session("m").runs
+
+
+def test_not_connected_is_a_hint(shell):
+    one_error_line(run(shell, "%openrl runs"), "UsageError", "not connected")
