@@ -1,0 +1,777 @@
+"""Live dashboards in a notebook: one run (``RunDashboard``) or every run of the service (``ServiceDashboard``).
+
+    dash = RunDashboard(run)        # what ``run.dashboard()`` returns and ending a cell with ``run`` shows
+    dash                            # header, progress, one plotly figure, samples, log, pause/resume/stop
+
+Design. Events arrive on the runner thread, often many per second, while a browser pays for every
+comm message: re-assigning one plotly trace costs 4 messages carrying the whole array, and each
+``FigureWidget`` opens with the 5 MB plotly.js bundle (jupyter-notes §2.3). So:
+
+* ``handle(event)`` never touches a widget. It appends the event to a buffer under a lock and, when
+  no flush is pending, schedules one with ``call_later`` at ``last_flush + interval_s`` (or now, if
+  that has passed): a trailing-edge throttle. Whatever arrives in between rides along, so the
+  browser sees at most one update per ``interval_s`` and the last update always carries the last
+  event. Building the dashboard counts as a flush, so a burst right after it waits one interval.
+* ``flush()`` folds the buffered events into a Python-side history (full resolution, deduplicated
+  by step, and it stays there), then redraws inside ``fig.batch_update()`` and every small widget's
+  ``hold_sync()``: one batch of messages per flush, and none for traces whose data did not change.
+* Each trace gets at most ``max_points`` points: ``downsample`` keeps the recent half at full
+  resolution and each older bucket's minimum and maximum, so spikes and the first point survive.
+* One ``FigureWidget`` per dashboard (``make_subplots``), never one per metric.
+* ``_repr_mimebundle_`` adds ``text/plain`` and ``text/html`` summaries next to the widget view,
+  so nbconvert, a saved notebook or a frontend without widgets still shows the run.
+
+Utilisation comes from the service's telemetry ticks and is plotted under the tick's own label
+("engine busy" today): the service measures its engine's busy time, not a device counter, and the
+dashboard does not pretend otherwise. Both dashboards share the throttle, the trace bookkeeping and
+the utilisation panel through ``_LiveDashboard``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import html
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+__all__ = ["RunDashboard", "ServiceDashboard", "downsample", "summary_html", "summary_text"]
+
+log = logging.getLogger(__name__)
+
+X = TypeVar("X")
+CallLater = Callable[[float, Callable[[], None]], Any]
+
+LOG_LINES = 200
+SAMPLE_ROWS = 8
+SAMPLE_CHARS = 300
+ACTIVE_STATES = ("starting", "running", "pausing", "paused")
+STATE_COLOURS = {"running": "#1a7f37", "finished": "#0969da", "failed": "#cf222e", "paused": "#9a6700"}
+BAR_STYLES = {"finished": "success", "failed": "danger", "paused": "warning", "stopped": "warning"}
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _downsample_indices(ys: Sequence[float | None], max_points: int) -> list[int]:
+    """The indices ``downsample`` keeps, in order; shared so that stacked traces keep the same x."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be ≥ 2 (the first and the last point); got {max_points}")
+    n = len(ys)
+    if n <= max_points:
+        return list(range(n))
+    recent = max_points // 2
+    split = n - recent
+    n_buckets = (max_points - recent - 1) // 2
+    older = split - 1
+    keep = [0]
+    for b in range(n_buckets):
+        lo, hi = 1 + b * older // n_buckets, 1 + (b + 1) * older // n_buckets
+        lo_i = hi_i = -1
+        for i in range(lo, hi):
+            v = ys[i]
+            if _missing(v):
+                continue
+            if lo_i < 0 or v < ys[lo_i]:
+                lo_i = i
+            if hi_i < 0 or v > ys[hi_i]:
+                hi_i = i
+        if lo_i < 0:
+            if lo < hi:
+                keep.append(lo)
+        elif lo_i == hi_i:
+            keep.append(lo_i)
+        else:
+            keep.extend((min(lo_i, hi_i), max(lo_i, hi_i)))
+    keep.extend(range(split, n))
+    return keep
+
+
+def downsample(
+    xs: Sequence[X], ys: Sequence[float | None], max_points: int
+) -> tuple[list[X], list[float | None]]:
+    """At most ``max_points`` points of a line, for the browser.
+
+    Short lines come back unchanged. Longer ones keep their last ``max_points // 2`` points as they
+    are and split the older ones into buckets of which only the minimum and the maximum survive (in
+    x order), so a spike in old history stays visible; the very first point is always kept. Missing
+    values (None, NaN) never win a bucket; a bucket with nothing else keeps one, as a gap.
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"xs and ys must have the same length; got {len(xs)} and {len(ys)}")
+    idx = _downsample_indices(ys, max_points)
+    if len(idx) == len(ys):
+        return list(xs), list(ys)
+    return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if _missing(v):
+        return "–"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _clip(text: Any, limit: int = SAMPLE_CHARS) -> str:
+    text = "" if text is None else str(text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _summary(
+    name: str, state: str, step: int, total: int | None, reward_mean: Any, reward_name: Any, version: Any
+) -> tuple[str, str]:
+    reward = f"{reward_name or 'reward'}" + (f" v{version}" if version is not None else "")
+    plain = f"openrl run {name!r}: {state}, step {step}/{total}, {reward} mean {_fmt(reward_mean)}"
+    colour = STATE_COLOURS.get(state, "#57606a")
+    rich = (
+        f"<div><b>{html.escape(name)}</b> · <span style='color:{colour}'>{html.escape(state)}</span>"
+        f" · step {step}/{html.escape(str(total))} · {html.escape(reward)}"
+        f" mean {html.escape(_fmt(reward_mean))}</div>"
+    )
+    return plain, rich
+
+
+def _run_summary(run: Any) -> tuple[str, str]:
+    history = run.history
+    last = history[-1] if history else {}
+    return _summary(
+        str(run.name),
+        str(run.state),
+        int(run.step),
+        run.total_steps,
+        last.get("reward_mean"),
+        last.get("reward_name") or run.reward_name,
+        last.get("reward_version", run.reward_version),
+    )
+
+
+def summary_text(run: Any) -> str:
+    """One line about a run: name, state, step/total, reward version and its last mean."""
+    return _run_summary(run)[0]
+
+
+def summary_html(run: Any) -> str:
+    """The same summary as a small HTML block (escaped), for frontends without widgets."""
+    return _run_summary(run)[1]
+
+
+class _Rows:
+    """Rows keyed by an increasing number (the step), in order; a repeated key replaces its row."""
+
+    def __init__(self) -> None:
+        self.keys: list[float] = []
+        self.rows: list[dict] = []
+
+    def put(self, key: float, row: dict) -> None:
+        if not self.keys or key > self.keys[-1]:
+            self.keys.append(key)
+            self.rows.append(row)
+            return
+        i = bisect.bisect_left(self.keys, key)
+        if self.keys[i] == key:
+            self.rows[i] = row
+        else:
+            self.keys.insert(i, key)
+            self.rows.insert(i, row)
+
+    def column(self, name: str) -> list[Any]:
+        return [r.get(name) for r in self.rows]
+
+    def last(self) -> dict:
+        return self.rows[-1] if self.rows else {}
+
+
+class _Utilisation:
+    """Telemetry ticks as columns: total utilisation, and each run's part of it (value × share).
+
+    A tick no newer than the last one (a replay after the feed reconnects) is ignored.
+    """
+
+    def __init__(self) -> None:
+        self.label: str | None = None
+        self.value: float | None = None
+        self.queue_depth: int | None = None
+        self.times: list[float] = []
+        self.total: list[float] = []
+        self.by_run: dict[str, list[float]] = {}
+
+    def add(self, tick: dict) -> bool:
+        t = tick.get("time")
+        if not isinstance(t, (int, float)) or (self.times and t <= self.times[-1]):
+            return False
+        util = tick.get("utilisation") or {}
+        value = float(util.get("value") or 0.0)
+        shares = tick.get("runs") or {}
+        self.label = util.get("label") or self.label
+        self.value = value
+        self.queue_depth = tick.get("queue_depth")
+        for run_id in shares:
+            self.by_run.setdefault(run_id, [0.0] * len(self.times))
+        self.times.append(float(t))
+        self.total.append(value)
+        for run_id, column in self.by_run.items():
+            column.append(value * float(shares.get(run_id) or 0.0))
+        return True
+
+
+class _LiveDashboard:
+    """The throttled flush shared by the dashboards; subclasses fold events in and draw."""
+
+    utilisation_row = 1
+
+    def __init__(
+        self,
+        *,
+        interval_s: float,
+        max_points: int,
+        clock: Callable[[], float],
+        call_later: CallLater | None,
+    ) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be ≥ 0; got {interval_s}")
+        if max_points < 2:
+            raise ValueError(f"max_points must be ≥ 2; got {max_points}")
+        self.interval_s = interval_s
+        self.max_points = max_points
+        self.flush_count = 0
+        self._clock = clock
+        self._call_later = call_later or _runner_call_later
+        self._lock = threading.Lock()
+        self._render_lock = threading.RLock()
+        self._pending: list[dict] = []
+        self._scheduled = False
+        self._closed = False
+        self._last_flush = clock()
+        self._traces: dict[str, int] = {}
+        self._util = _Utilisation()
+        self._util_dirty = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self.fig: go.FigureWidget
+        self.widget: widgets.VBox
+        self._small: list[widgets.DOMWidget] = []
+
+    def handle(self, event: dict) -> None:
+        """Take one event (from any thread); it reaches the widgets at the next flush."""
+        with self._lock:
+            if self._closed:
+                return
+            self._pending.append(event)
+            if self._scheduled:
+                return
+            self._scheduled = True
+            now = self._clock()
+            due = max(now, self._last_flush + self.interval_s)
+        self._call_later(due - now, self._on_timer)
+
+    def flush(self) -> None:
+        """Apply every pending event to the widgets in one batch (a no-op when nothing is pending)."""
+        with self._render_lock:
+            with self._lock:
+                events, self._pending = self._pending, []
+                self._scheduled = False
+                self._last_flush = self._clock()
+                if self._closed or not events:
+                    return
+            for event in events:
+                try:
+                    self._apply(event)
+                except Exception:
+                    log.exception("dashboard skipped an event it could not read: %.200r", event)
+            self._redraw()
+            self.flush_count += 1
+
+    def close(self) -> None:
+        """Stop listening and close the widgets (a closed dashboard ignores later events)."""
+        with self._lock:
+            self._closed = True
+            self._pending = []
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        with self._render_lock:
+            for w in [*self._small, self.fig, self.widget]:
+                w.close()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
+        plain, rich = self._summary()
+        bundle["text/plain"] = plain
+        bundle["text/html"] = rich
+        return bundle
+
+    def _on_timer(self) -> None:
+        try:
+            self.flush()
+        except Exception:
+            log.exception("dashboard flush failed")
+
+    def _redraw(self) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.fig.batch_update())
+            for w in self._small:
+                stack.enter_context(w.hold_sync())
+            self._draw()
+
+    def _apply(self, event: dict) -> None:
+        raise NotImplementedError
+
+    def _draw(self) -> None:
+        raise NotImplementedError
+
+    def _summary(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def _run_label(self, run_id: str) -> str:
+        return run_id
+
+    def _trace(self, key: str, row: int, *, secondary_y: bool = False, **props: Any) -> Any:
+        """The trace ``key`` of subplot ``row``, added on first use.
+
+        The fixed traces are added while ``self.fig`` is still a plain ``go.Figure``, so they reach
+        the browser inside the widget's one comm_open instead of as messages of their own.
+        """
+        i = self._traces.get(key)
+        if i is None:
+            extra = {"secondary_y": True} if secondary_y else {}
+            self.fig.add_trace(go.Scatter(meta=key, x=[], y=[], **props), row=row, col=1, **extra)
+            i = self._traces[key] = len(self.fig.data) - 1
+        return self.fig.data[i]
+
+    def _set_line(self, trace: Any, xs: Sequence[Any], ys: Sequence[Any]) -> None:
+        xs, ys = downsample(xs, ys, self.max_points)
+        trace.x, trace.y = xs, ys
+
+    def _draw_utilisation(self) -> None:
+        util, row = self._util, self.utilisation_row
+        label = util.label or "utilisation"
+        self.fig.update_yaxes(title_text=label, row=row, col=1)
+        if not self._util_dirty:
+            return
+        self._util_dirty = False
+        idx = _downsample_indices(util.total, self.max_points)
+        xs = [datetime.fromtimestamp(util.times[i]) for i in idx]
+        for run_id, column in util.by_run.items():
+            trace = self._trace(
+                f"util:{run_id}", row, mode="lines", stackgroup="utilisation", line={"width": 0.5}
+            )
+            trace.name = self._run_label(run_id)
+            trace.x, trace.y = xs, [column[i] for i in idx]
+        total = self._trace("util:total", row, name=f"{label} (all)", mode="lines", line={"dash": "dot"})
+        total.name = f"{label} (all)"
+        total.x, total.y = xs, [util.total[i] for i in idx]
+
+
+def _runner_call_later(delay_s: float, fn: Callable[[], None]) -> None:
+    from openrl_jupyter.runner import get_runner
+
+    get_runner().call_later(delay_s, fn)
+
+
+class RunDashboard(_LiveDashboard):
+    """The live view of one run: header, progress, metrics figure, latest samples, log, buttons.
+
+        dash = RunDashboard(run)      # subscribes to the run and draws its history so far
+        dash                          # display it (ending a cell with ``run`` does the same)
+        dash.close()                  # stop listening
+
+    Rows of the figure: reward mean with its min–max band and a marker where the reward version
+    changed; loss; mean importance ratio and KL estimate; utilisation stacked by run over time.
+    """
+
+    utilisation_row = 4
+
+    def __init__(
+        self,
+        run: Any,
+        *,
+        interval_s: float = 0.5,
+        max_points: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+        call_later: CallLater | None = None,
+    ) -> None:
+        super().__init__(interval_s=interval_s, max_points=max_points, clock=clock, call_later=call_later)
+        self.run = run
+        self._rows = _Rows()
+        self._state = str(run.state)
+        self._error: str | None = run.last_error
+        self._action_error: str | None = None
+        self._step = int(run.step or 0)
+        self._logs: deque[str] = deque(maxlen=LOG_LINES)
+        self._samples_step: int | None = None
+        self._samples: list[dict] = []
+        self._rows_dirty = True
+        self._markers: list[tuple[int, str]] | None = None
+
+        self.header = widgets.HTML()
+        self.progress = widgets.IntProgress(min=0, max=max(1, int(run.total_steps or 1)), value=0)
+        self.fig = self._make_figure()
+        self.samples = widgets.HTML()
+        self.log = widgets.HTML()
+        self.pause_button = widgets.Button(description="pause", icon="pause", tooltip="run.pause()")
+        self.resume_button = widgets.Button(description="resume", icon="play", tooltip="run.resume()")
+        self.stop_button = widgets.Button(
+            description="stop", icon="stop", button_style="danger", tooltip="run.stop()"
+        )
+        self.pause_button.on_click(lambda _: self._act(run.pause))
+        self.resume_button.on_click(lambda _: self._act(run.resume))
+        self.stop_button.on_click(lambda _: self._act(run.stop))
+        buttons = widgets.HBox([self.pause_button, self.resume_button, self.stop_button])
+        self._small = [
+            self.header,
+            self.progress,
+            self.samples,
+            self.log,
+            self.pause_button,
+            self.resume_button,
+            self.stop_button,
+        ]
+        self.widget = widgets.VBox([self.header, self.progress, buttons, self.fig, self.samples, self.log])
+        self._small.append(buttons)
+
+        with self._render_lock:
+            self._unsubscribe = run.subscribe(self.handle)
+            for row in run.history:
+                self._add_row(row)
+            self._redraw()
+
+    def _make_figure(self) -> go.FigureWidget:
+        fig = self.fig = make_subplots(
+            rows=4,
+            cols=1,
+            specs=[[{}], [{}], [{"secondary_y": True}], [{}]],
+            subplot_titles=("reward mean (min–max band)", "loss", "importance ratio and KL", "utilisation"),
+            vertical_spacing=0.07,
+        )
+        fig.update_layout(height=900, margin={"l": 60, "r": 20, "t": 40, "b": 40}, uirevision="run")
+        fig.update_xaxes(matches="x", row=2, col=1)
+        fig.update_xaxes(matches="x", row=3, col=1)
+        fig.update_xaxes(title_text="step", row=3, col=1)
+        fig.update_yaxes(title_text="ratio", row=3, col=1)
+        fig.update_yaxes(title_text="KL", row=3, col=1, secondary_y=True)
+        fig.update_yaxes(tickformat=".0%", range=[0, 1], row=4, col=1)
+        band = {"mode": "lines", "line": {"width": 0}, "showlegend": False, "hoverinfo": "skip"}
+        self._trace("reward_max", 1, name="reward max", legendgroup="reward", **band)
+        self._trace(
+            "reward_min",
+            1,
+            name="reward min",
+            legendgroup="reward",
+            fill="tonexty",
+            fillcolor="rgba(99,110,250,0.2)",
+            **band,
+        )
+        self._trace(
+            "reward_mean",
+            1,
+            name="reward mean",
+            legendgroup="reward",
+            mode="lines+markers",
+            marker={"size": 4},
+            line={"color": "rgb(99,110,250)"},
+        )
+        self._trace("loss", 2, name="loss", mode="lines", connectgaps=True)
+        self._trace("ratio_mean", 3, name="ratio mean", mode="lines", connectgaps=True)
+        self._trace("kl", 3, secondary_y=True, name="KL", mode="lines", connectgaps=True)
+        return go.FigureWidget(fig)
+
+    def _act(self, action: Callable[[], Any]) -> None:
+        try:
+            action()
+        except Exception as exc:
+            self.handle({"kind": "action_error", "error": f"{type(exc).__name__}: {exc}"})
+        else:
+            self.handle({"kind": "action_error", "error": None})
+
+    def _add_row(self, row: dict) -> None:
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            return
+        self._rows.put(step, row)
+        self._step = max(self._step, step)
+        self._rows_dirty = True
+
+    def _apply(self, event: dict) -> None:
+        kind = event.get("kind")
+        if kind == "step":
+            self._add_row(event.get("row") or {})
+        elif kind == "state":
+            self._state = str(event.get("state"))
+            if event.get("error") is not None:
+                self._error = str(event["error"])
+        elif kind == "log":
+            step = event.get("step")
+            for line in str(event.get("text", "")).splitlines() or [""]:
+                self._logs.append(f"[{step}] {line}" if step is not None else line)
+        elif kind == "samples":
+            self._samples_step = event.get("step")
+            self._samples = list(event.get("samples") or [])[-SAMPLE_ROWS:]
+        elif kind == "tick":
+            self._util_dirty |= self._util.add(event.get("tick") or {})
+        elif kind == "action_error":
+            self._action_error = event.get("error")
+
+    def _run_label(self, run_id: str) -> str:
+        return str(self.run.name) if run_id == self.run.run_id else run_id
+
+    def _reward(self) -> tuple[Any, Any]:
+        last = self._rows.last()
+        name = last.get("reward_name") or self.run.reward_name
+        version = last.get("reward_version") if "reward_version" in last else self.run.reward_version
+        return name, version
+
+    def _draw(self) -> None:
+        total = int(self.run.total_steps or 0)
+        name, version = self._reward()
+        colour = STATE_COLOURS.get(self._state, "#57606a")
+        run_id = f" <code>{html.escape(str(self.run.run_id))}</code>" if self.run.run_id else ""
+        reward = html.escape(f"{name}" + (f" v{version}" if version is not None else ""))
+        lines = [
+            f"<b>{html.escape(str(self.run.name))}</b>{run_id} · {html.escape(str(self.run.model))}"
+            f" · step {self._step}/{total} · <span style='color:{colour}'>{html.escape(self._state)}</span>"
+            f" · reward {reward} · mean {html.escape(_fmt(self._rows.last().get('reward_mean')))}"
+        ]
+        if self._error:
+            lines.append(f"<span style='color:#cf222e'>error: {html.escape(self._error)}</span>")
+        if self._action_error:
+            lines.append(f"<span style='color:#9a6700'>{html.escape(self._action_error)}</span>")
+        self.header.value = "<div>" + "<br>".join(lines) + "</div>"
+        self.progress.max = max(1, total)
+        self.progress.value = min(self._step, self.progress.max)
+        self.progress.bar_style = BAR_STYLES.get(self._state, "")
+        active = self._state in ACTIVE_STATES
+        self.pause_button.disabled = self._state not in ("starting", "running")
+        self.resume_button.disabled = self._state not in ("pausing", "paused")
+        self.stop_button.disabled = not active
+        self.samples.value = self._samples_html()
+        lines_html = html.escape("\n".join(self._logs))
+        self.log.value = (
+            "<div style='max-height:14em;overflow-y:auto;display:flex;flex-direction:column-reverse'>"
+            f"<pre style='margin:0;font-size:85%'>{lines_html}</pre></div>"
+        )
+        if self._rows_dirty:
+            self._rows_dirty = False
+            self._draw_rows()
+        self._draw_utilisation()
+
+    def _draw_rows(self) -> None:
+        steps = self._rows.keys
+        for key in ("reward_mean", "reward_min", "reward_max", "loss", "ratio_mean", "kl"):
+            self._set_line(self.fig.data[self._traces[key]], steps, self._rows.column(key))
+        markers = self._version_changes()
+        if markers != self._markers:
+            self._markers = markers
+            self.fig.layout.shapes = [
+                {
+                    "type": "line",
+                    "xref": "x",
+                    "yref": "y domain",
+                    "x0": step,
+                    "x1": step,
+                    "y0": 0,
+                    "y1": 1,
+                    "line": {"color": "#888", "width": 1, "dash": "dot"},
+                    "label": {"text": label, "textposition": "end", "font": {"size": 10}},
+                }
+                for step, label in markers
+            ]
+
+    def _version_changes(self) -> list[tuple[int, str]]:
+        changes: list[tuple[int, str]] = []
+        prev: tuple[Any, Any] | None = None
+        for step, row in zip(self._rows.keys, self._rows.rows, strict=True):
+            version = row.get("reward_version")
+            if version is None:
+                continue
+            name = row.get("reward_name")
+            if prev is not None and (name, version) != prev:
+                label = f"v{version}" if name == prev[0] else f"{name} v{version}"
+                changes.append((int(step), label))
+            prev = (name, version)
+        return changes
+
+    def _samples_html(self) -> str:
+        if not self._samples:
+            return ""
+        cells = []
+        for s in self._samples:
+            if s.get("error"):
+                outcome = f"<span style='color:#cf222e'>{html.escape(_clip(s['error'], 200))}</span>"
+            else:
+                outcome = html.escape(_fmt(s.get("reward")))
+            cells.append(
+                f"<tr><td style='text-align:left'>{html.escape(_clip(s.get('prompt')))}</td>"
+                f"<td style='text-align:left;white-space:pre-wrap'>{html.escape(_clip(s.get('completion')))}</td>"
+                f"<td>{outcome}</td></tr>"
+            )
+        return (
+            f"<details open><summary>samples of step {html.escape(str(self._samples_step))}</summary>"
+            "<table><tr><th>prompt</th><th>completion</th><th>reward</th></tr>"
+            + "".join(cells)
+            + "</table></details>"
+        )
+
+    def _summary(self) -> tuple[str, str]:
+        name, version = self._reward()
+        return _summary(
+            str(self.run.name),
+            self._state,
+            self._step,
+            self.run.total_steps,
+            self._rows.last().get("reward_mean"),
+            name,
+            version,
+        )
+
+
+class ServiceDashboard(_LiveDashboard):
+    """Every run of this tenant at a glance: reward mean per run, and utilisation stacked by run.
+
+        dash = ServiceDashboard(session.feed(), runs=session.client.list_runs())
+        dash                          # what ``%openrl dashboard`` shows
+
+    ``feed.subscribe(fn)`` delivers the service's events (``GET /openrl/v1/events``) and returns
+    the function that unsubscribes; ``runs`` names the runs that existed before it was opened.
+    """
+
+    utilisation_row = 2
+
+    def __init__(
+        self,
+        feed: Any,
+        *,
+        runs: Iterable[dict] | None = None,
+        interval_s: float = 0.5,
+        max_points: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+        call_later: CallLater | None = None,
+    ) -> None:
+        super().__init__(interval_s=interval_s, max_points=max_points, clock=clock, call_later=call_later)
+        self._runs: dict[str, dict] = {}
+        self._rewards: dict[str, _Rows] = {}
+        self._dirty: set[str] = set()
+        for r in runs or ():
+            if r.get("run_id"):
+                self._run(r["run_id"]).update(name=r.get("name"), step=r.get("step"))
+
+        self.header = widgets.HTML()
+        base = make_subplots(
+            rows=2,
+            cols=1,
+            subplot_titles=("reward mean per run", "utilisation by run"),
+            vertical_spacing=0.12,
+        )
+        base.update_layout(height=600, margin={"l": 60, "r": 20, "t": 40, "b": 40}, uirevision="service")
+        base.update_xaxes(title_text="step", row=1, col=1)
+        base.update_yaxes(tickformat=".0%", range=[0, 1], row=2, col=1)
+        self.fig = go.FigureWidget(base)
+        self._small = [self.header]
+        self.widget = widgets.VBox([self.header, self.fig])
+        with self._render_lock:
+            self._unsubscribe = feed.subscribe(self.handle)
+            self._redraw()
+
+    def _run(self, run_id: str) -> dict:
+        return self._runs.setdefault(
+            run_id, {"name": None, "step": None, "reward_mean": None, "deleted": False}
+        )
+
+    def _run_label(self, run_id: str) -> str:
+        run = self._runs.get(run_id) or {}
+        label = run.get("name") or run_id
+        return f"{label} (deleted)" if run.get("deleted") else label
+
+    def _apply(self, event: dict) -> None:
+        if event.get("type") == "tick":
+            self._util_dirty |= self._util.add(event)
+            return
+        run_id = event.get("run_id")
+        if event.get("type") != "run" or not run_id:
+            return
+        run = self._run(run_id)
+        kind = event.get("event")
+        if kind == "created":
+            run.update(name=event.get("name") or run["name"], deleted=False)
+        elif kind == "deleted":
+            run["deleted"] = True
+        elif kind == "step" and isinstance(event.get("step"), int):
+            run["step"] = max(run["step"] or 0, event["step"])
+        elif kind == "metrics":
+            metrics = event.get("metrics") or {}
+            step = metrics.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                rows = self._rewards.setdefault(run_id, _Rows())
+                rows.put(step, metrics)
+                run["reward_mean"] = rows.last().get("reward_mean")
+                self._dirty.add(run_id)
+        self._dirty.add(f"name:{run_id}")
+
+    def _live_runs(self) -> list[str]:
+        return [run_id for run_id, r in self._runs.items() if not r["deleted"]]
+
+    def _draw(self) -> None:
+        live = self._live_runs()
+        util = self._util
+        parts = [f"<b>{_count(len(live), 'run')}</b>"]
+        if util.value is not None:
+            parts.append(f"{html.escape(util.label or 'utilisation')} {util.value:.0%}")
+        if util.queue_depth is not None:
+            parts.append(f"queue {html.escape(str(util.queue_depth))}")
+        table = "".join(
+            f"<tr><td>{html.escape(self._run_label(run_id))}</td><td><code>{html.escape(run_id)}</code></td>"
+            f"<td>{html.escape(_fmt(self._runs[run_id]['step']))}</td>"
+            f"<td>{html.escape(_fmt(self._runs[run_id]['reward_mean']))}</td></tr>"
+            for run_id in live
+        )
+        self.header.value = (
+            "<div>"
+            + " · ".join(parts)
+            + "</div>"
+            + (
+                "<table><tr><th>run</th><th>id</th><th>step</th><th>reward mean</th></tr>"
+                + table
+                + "</table>"
+                if table
+                else ""
+            )
+        )
+        for run_id, rows in self._rewards.items():
+            if run_id not in self._dirty and f"name:{run_id}" not in self._dirty:
+                continue
+            trace = self._trace(f"reward:{run_id}", 1, mode="lines+markers", marker={"size": 3})
+            trace.name = self._run_label(run_id)
+            if run_id in self._dirty:
+                self._set_line(trace, rows.keys, rows.column("reward_mean"))
+        for key in [k for k in self._dirty if k.startswith("name:")]:
+            run_id = key[5:]
+            if f"util:{run_id}" in self._traces:
+                self.fig.data[self._traces[f"util:{run_id}"]].name = self._run_label(run_id)
+        self._dirty.clear()
+        self._draw_utilisation()
+
+    def _summary(self) -> tuple[str, str]:
+        live = self._live_runs()
+        util = self._util
+        usage = (
+            f"{util.label or 'utilisation'} {util.value:.0%}"
+            if util.value is not None
+            else "no telemetry yet"
+        )
+        names = ", ".join(self._run_label(r) for r in live)
+        plain = f"openrl service: {_count(len(live), 'run')} ({names}); {usage}"
+        return plain, f"<div>{html.escape(plain)}</div>"
