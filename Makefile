@@ -12,7 +12,7 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test lint format pytest test-real bench conformance serve clean
+.PHONY: help venv demo demo-sdk test lint format pytest test-real bench conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -34,7 +34,10 @@ $(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
 .PHONY: cookbook-venv
 cookbook-venv: $(COOKBOOK_STAMP) ## create .venv-cookbook: tinker 0.38.0 + tinker-cookbook 0.5.8 (the e2e tests use it)
 
-demo: $(STAMP) ## start the tiny model on loopback, run RL through the Tinker SDK, print the reward change
+demo: $(STAMP) ## execute notebooks/01-quickstart.ipynb headless (embedded tiny model), print the reward change
+	$(BIN)/python examples/notebook_demo.py --out build/demo
+
+demo-sdk: $(STAMP) ## the same task through the unmodified Tinker SDK against a served tiny model
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP) $(COOKBOOK_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)

@@ -328,9 +328,13 @@ class Run:
             self.wait(timeout)
         return self
 
-    def wait(self, timeout: float | None = None) -> Run:
-        """Block until the run finishes, stops or fails (TimeoutError after ``timeout`` seconds)."""
-        self._wait_for(lambda: self.done, timeout, "finish")
+    def wait(self, timeout: float | None = None, *, step: int | None = None) -> Run:
+        """Block until the run finishes, stops or fails, or, with ``step``, until that step is done
+        (TimeoutError after ``timeout`` seconds). A paused run does not count as done."""
+        if step is None:
+            self._wait_for(lambda: self.done, timeout, "finish")
+        else:
+            self._wait_for(lambda: self._step >= step or self.done, timeout, f"reach step {step}")
         return self
 
     def save(self, name: str | None = None, *, timeout: float | None = 600.0) -> str:
