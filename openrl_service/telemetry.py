@@ -49,3 +49,54 @@ class OpRecorder:
 
     def as_dicts(self, t: float = 0.0) -> list[dict]:
         return [asdict(op) for op in self.since(t)]
+
+
+class NvmlReader:
+    """GPU utilisation and memory from NVML (``nvidia-ml-py``) when a GPU and the library exist.
+
+    ``read()`` returns None elsewhere, so callers fall back to the engine's busy fraction, which is
+    labelled "engine busy" and never called GPU utilisation.
+    """
+
+    def __init__(self, device_index: int | None = 0):
+        """``device_index=None``: a reader that is always absent (the model is not on a GPU)."""
+        self._handle = None
+        self._nvml = None
+        if device_index is None:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._nvml = pynvml
+            self.name = pynvml.nvmlDeviceGetName(self._handle)
+        except Exception:  # noqa: BLE001 - no library, no driver or no GPU: NVML is simply absent
+            self._handle = None
+
+    @classmethod
+    def for_device(cls, device: str) -> NvmlReader:
+        """The reader for a torch device string ("cuda", "cuda:1", "cpu", "mps")."""
+        if not device.startswith("cuda"):
+            return cls(None)
+        return cls(int(device.split(":")[1]) if ":" in device else 0)
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def read(self) -> dict | None:
+        if self._handle is None:
+            return None
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except Exception:  # noqa: BLE001 - a transient NVML error: report nothing this tick
+            return None
+        return {
+            "label": "GPU utilisation (NVML)",
+            "value": util.gpu / 100.0,
+            "memory_used_bytes": int(mem.used),
+            "memory_total_bytes": int(mem.total),
+            "device": str(self.name),
+        }

@@ -33,6 +33,7 @@ import numpy as np
 from openrl_service.engine.service import Run, TrainingService
 from openrl_service.errors import NotFound, UserError
 from openrl_service.sampling.base import SampleJob
+from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
 from openrl_service.training.trainer import AdamParams, DatumArrays, adam_params
 
@@ -107,6 +108,7 @@ class NativeRuns:
         self.samples: OrderedDict[str, StoredSample] = OrderedDict()
         self.events = EventBus()
         self._lock = threading.Lock()
+        self._nvml: NvmlReader | None = None
 
     # -- runs -----------------------------------------------------------------------------------
     def get(self, tenant: str, run_id: str) -> NativeRun:
@@ -374,8 +376,11 @@ class NativeRuns:
 
     # -- telemetry ------------------------------------------------------------------------------
     def tick(self, tenant: str, window_s: float = 5.0) -> dict:
-        """Device activity over the last window: NVML is not read here; this is the engine's busy
-        fraction, labelled as such, with each of the tenant's runs' share of it."""
+        """Device activity over the last window: NVML utilisation where a GPU and nvidia-ml-py exist,
+        else the engine's busy fraction labelled "engine busy"; each of the tenant's runs' share of
+        the engine's busy time; the queue depth."""
+        if self._nvml is None:
+            self._nvml = NvmlReader.for_device(str(getattr(self.svc.base, "device", "cpu")))
         now = time.time()
         ops = self.svc.recorder.since(now - window_s)
         busy: dict[str, float] = {}
@@ -383,12 +388,14 @@ class NativeRuns:
             busy[op.run] = busy.get(op.run, 0.0) + max(0.0, min(op.end, now) - max(op.start, now - window_s))
         total = sum(busy.values())
         mine = {r: v for r, v in busy.items() if (self.runs.get(r) and self.runs[r].run.tenant == tenant)}
+        engine_busy = {"label": "engine busy", "value": min(1.0, total / window_s)}
         return {
             "schema": EVENTS_SCHEMA_VERSION,
             "type": "tick",
             "time": now,
             "window_s": window_s,
-            "utilisation": {"label": "engine busy", "value": min(1.0, total / window_s)},
+            "utilisation": self._nvml.read() or engine_busy,
+            "engine_busy": engine_busy["value"],
             "runs": {r: v / total for r, v in mine.items()} if total else {},
             "queue_depth": self.svc.engine.queue_depth(),
         }
