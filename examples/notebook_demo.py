@@ -57,7 +57,9 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out).resolve()
     env = {"OPENRL_DEMO_STEPS": str(args.steps), "OPENRL_DEMO_OUT": str(out)}
-    print(f"demo: executing {NOTEBOOK.relative_to(ROOT)} ({args.steps} steps) in a fresh kernel ...", flush=True)
+    print(
+        f"demo: executing {NOTEBOOK.relative_to(ROOT)} ({args.steps} steps) in a fresh kernel ...", flush=True
+    )
     t0 = time.monotonic()
     try:
         execute(NOTEBOOK, out, env)

@@ -118,11 +118,15 @@ def test_reward_cells_register_versions_and_a_failing_cell_registers_nothing(she
         f"%%openrl reward {name}\ndef reward_group(prompts, completions, infos):\n    return [0.0] * len(prompts)\n",
     )
     assert cell.ok and f"reward {name} v2 registered (per group)" in cell.out
-    cell = run(shell, f"%%openrl reward {name}\ndef reward(prompt, completion, **info):\n    return 1 / 0\nboom()\n")
+    cell = run(
+        shell, f"%%openrl reward {name}\ndef reward(prompt, completion, **info):\n    return 1 / 0\nboom()\n"
+    )
     assert not cell.ok and "NameError" in cell.text
     assert registry.latest(name).version == 2
     one_error_line(run(shell, f"%%openrl reward {name}\nx = 1\n"), "UsageError", "defines no reward")
-    one_error_line(run(shell, "%%openrl reward 1bad\ndef reward(p, c): return 0\n"), "UsageError", "identifier")
+    one_error_line(
+        run(shell, "%%openrl reward 1bad\ndef reward(p, c): return 0\n"), "UsageError", "identifier"
+    )
     one_error_line(run(shell, "%%openrl train\npass\n"), "UsageError", "%%openrl reward NAME")
     assert registry.latest(name).version == 2
 

@@ -188,7 +188,9 @@ def test_nvml_utilisation_is_reported_where_a_gpu_exists_else_engine_busy(monkey
     fake.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
     fake.nvmlDeviceGetName = lambda h: "FakeGPU"
     fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=73, memory=10)
-    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3 << 30, total=80 << 30, free=77 << 30)
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        used=3 << 30, total=80 << 30, free=77 << 30
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert NvmlReader.for_device("cpu").read() is None  # the model is not on a GPU: never "GPU"
     reading = NvmlReader.for_device("cuda:1").read()
