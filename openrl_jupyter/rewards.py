@@ -102,8 +102,9 @@ def reward(name: str, *, per_group: bool | None = None) -> Callable[[Callable], 
 
 
 # -- stdout capture that works across threads ---------------------------------------------------------
-class _ThreadStdout(io.TextIOBase):
-    """Routes writes of threads that asked for a capture into their buffer; others pass through."""
+class _ThreadStdout:
+    """Routes writes of threads that asked for a capture into their buffer; everything else, and
+    every other attribute (a kernel's ``set_parent``, ``fileno``...), goes to the original stream."""
 
     def __init__(self, original) -> None:
         self.original = original
@@ -115,6 +116,9 @@ class _ThreadStdout(io.TextIOBase):
 
     def flush(self) -> None:
         self.original.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.original, name)
 
 
 _stdout_lock = threading.Lock()

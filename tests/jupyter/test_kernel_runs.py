@@ -1,0 +1,52 @@
+"""A run in a real ipykernel: the kernel stays free while a reward blocks, and the dashboard
+updates arrive while no cell executes."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import ALICE_KEY
+from tests.kernel import Kernel, of_type
+
+REWARD_V1 = """%%openrl reward gated
+def reward(prompt, completion, **info):
+    assert gate.wait(120), "the gate was never opened"
+    return sum(c.isalpha() for c in completion) / max(1, len(completion))
+"""
+
+
+def test_the_kernel_is_free_while_a_reward_blocks_and_widgets_update_between_cells(server):
+    with Kernel(env={"OPENRL_URL": server.url, "OPENRL_TOKEN": ALICE_KEY}) as k:
+        out = k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60).stdout
+        assert "connected to the service at" in out and ALICE_KEY not in out
+        k.execute("import threading\ngate = threading.Event()\nP = ['Say hi:', 'Name a colour:']")
+        assert "reward gated v1 registered" in k.execute(REWARD_V1).stdout
+        k.execute(
+            "run = %openrl train --reward gated --prompts P --steps 3 --batch 2 --group 4 --max-tokens 8 --name k1",
+            timeout=30,
+        )
+        shown = k.execute("run", timeout=60)
+        assert shown.comm_opens, "displaying the run opened no widget"
+        bundle = shown.outputs[-1]
+        assert "application/vnd.jupyter.widget-view+json" in bundle and "k1" in bundle["text/plain"]
+
+        # the reward of step 1 is blocked on the gate; the kernel still runs cells at once
+        state = k.execute("print(run.step, run.state)", timeout=10).stdout.split()
+        assert state == ["0", "running"]
+        k.execute("gate.set()", timeout=10)  # the hang guard: a busy kernel would time out here
+
+        def finished(msgs) -> bool:
+            return any("3/3" in json.dumps(m["content"]) for m in of_type(msgs, "comm_msg"))
+
+        idle = k.drain(120, until=finished)
+        updates = of_type(idle, "comm_msg")
+        assert finished(idle), f"the dashboard never showed step 3/3 ({len(updates)} widget updates)"
+        assert len(updates) >= 3, "expected several widget updates while no cell ran"
+
+        rows = k.execute(
+            "run.wait(60)\nprint([(h['step'], h['reward_version']) for h in run.history], run.state)",
+            timeout=90,
+        ).stdout
+        assert rows.strip() == "[(1, 1), (2, 1), (3, 1)] finished"
+        out = k.execute("%openrl disconnect", timeout=60).stdout
+        assert "disconnected" in out
