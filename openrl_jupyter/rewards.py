@@ -47,6 +47,7 @@ class Scored:
     rewards: list[float | None]
     errors: list[str | None]
     stdout: str = ""
+    traceback: str | None = None  # the first failure's traceback, shown when a whole step fails
     version: RewardVersion | None = field(default=None, repr=False)
 
     @property
@@ -150,9 +151,17 @@ def _error(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
+def _traceback(exc: BaseException) -> str:
+    """The traceback without this module's frames: only the user's reward code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in frames if f.filename != __file__]
+    return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + _error(exc)
+
+
 def _score_sync(v: RewardVersion, prompts, completions, infos) -> Scored:
     """Runs in a pool thread: the whole step's calls, with stdout captured."""
     rewards: list[float | None] = []
+    first_tb: str | None = None
     errors: list[str | None] = []
     with _capture() as out:
         if v.per_group:
@@ -166,19 +175,22 @@ def _score_sync(v: RewardVersion, prompts, completions, infos) -> Scored:
                     errors.append(e)
             except Exception as exc:  # noqa: BLE001 - the user's code: every sample fails with its error
                 rewards, errors = [None] * len(prompts), [_error(exc)] * len(prompts)
+                first_tb = _traceback(exc)
         else:
             for p, c, info in zip(prompts, completions, infos, strict=True):
                 try:
                     r, e = _check(v.fn(p, c, **info))
                 except Exception as exc:  # noqa: BLE001
                     r, e = None, _error(exc)
+                    first_tb = first_tb or _traceback(exc)
                 rewards.append(r)
                 errors.append(e)
-    return Scored(rewards, errors, out.getvalue(), v)
+    return Scored(rewards, errors, out.getvalue(), version=v, traceback=first_tb)
 
 
 async def _score_async(v: RewardVersion, prompts, completions, infos) -> Scored:
     rewards: list[float | None] = []
+    first_tb: str | None = None
     errors: list[str | None] = []
     if v.per_group:
         try:
@@ -188,16 +200,18 @@ async def _score_async(v: RewardVersion, prompts, completions, infos) -> Scored:
             checked = [_check(x) for x in values]
         except Exception as exc:  # noqa: BLE001
             checked = [(None, _error(exc))] * len(prompts)
+            first_tb = _traceback(exc)
     else:
         results = await asyncio.gather(
             *(v.fn(p, c, **info) for p, c, info in zip(prompts, completions, infos, strict=True)),
             return_exceptions=True,
         )
         checked = [(None, _error(x)) if isinstance(x, BaseException) else _check(x) for x in results]
+        first_tb = next((_traceback(x) for x in results if isinstance(x, BaseException)), None)
     for r, e in checked:
         rewards.append(r)
         errors.append(e)
-    return Scored(rewards, errors, "", v)
+    return Scored(rewards, errors, "", version=v, traceback=first_tb)
 
 
 async def score(

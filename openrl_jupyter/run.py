@@ -538,8 +538,10 @@ class Run:
         self._emit({"kind": "samples", "step": step, "samples": kept[-16:]})
         failures = [e for e in scored.errors if e is not None]
         if scored.all_failed:
+            detail = scored.traceback or failures[0]
             raise _StepPaused(
-                f"step {step}: every sample failed in reward {version.name} v{version.version}: {failures[0]}"
+                f"step {step}: every sample failed in reward {version.name} v{version.version}; "
+                f"the run is paused (fix the reward, then resume()):\n{detail}"
             )
         if failures:
             self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")

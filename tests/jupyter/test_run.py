@@ -164,6 +164,8 @@ def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(sessi
     run = session.train(reward=broken, prompts=PROMPTS, steps=2, **SMALL)
     wait_until(lambda: run.state == RunState.PAUSED, what="the run to pause")
     assert run.step == 0 and "RuntimeError: bug in my reward" in run.last_error
+    assert "Traceback" in run.last_error and 'raise RuntimeError("bug in my reward")' in run.last_error
+    assert "rewards.py" not in run.last_error  # only the user's frames
     registry.register(broken, letters)  # the fix
     run.resume()
     run.wait(120)
