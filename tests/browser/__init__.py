@@ -1,0 +1,1 @@
+"""Browser tests: a headless JupyterLab driven by Debian chromium through Playwright."""

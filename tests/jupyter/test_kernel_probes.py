@@ -1,0 +1,143 @@
+"""The three kernel probes of jupyter-notes §2.2 against the pinned ipykernel, with a real kernel.
+
+The dashboard and runner depend on them: widget trait updates from a thread reach the front end after the
+cell finished; a runner thread with its own asyncio loop keeps working while the kernel is idle; a thread
+that routes its output with ``set_thread_parent`` (``set_parent`` before ipykernel 7.4) prints under the
+cell that started it. A kernel upgrade that breaks one of them fails here, not in a user's notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+
+from tests.kernel import Kernel, of_type, parent_id
+
+
+@pytest.fixture
+def kernel():
+    with Kernel() as k:
+        yield k
+
+
+def test_widget_updates_from_a_thread_arrive_while_idle(kernel):
+    cell = kernel.execute(
+        textwrap.dedent(
+            """
+            import threading, time
+            import ipywidgets as w
+
+            bar = w.IntProgress(min=0, max=10)
+
+            def work():
+                time.sleep(0.5)  # well after the cell has finished
+                for i in range(1, 11):
+                    bar.value = i
+                    time.sleep(0.02)
+
+            threading.Thread(target=work, daemon=True).start()
+            bar
+            """
+        )
+    )
+    (opened,) = [
+        m for m in cell.comm_opens if m["content"]["data"]["state"].get("_model_name") == "IntProgressModel"
+    ]
+    comm_id = opened["content"]["comm_id"]
+    assert "application/vnd.jupyter.widget-view+json" in cell.outputs[-1]
+    assert not [m for m in cell.comm_msgs if m["content"]["comm_id"] == comm_id], "updates came before idle"
+
+    def updates(msgs):
+        return [
+            m["content"]["data"]["state"]["value"]
+            for m in of_type(msgs, "comm_msg")
+            if m["content"]["comm_id"] == comm_id
+            and m["content"]["data"].get("method") == "update"
+            and "value" in m["content"]["data"].get("state", {})
+        ]
+
+    idle = kernel.drain(10, until=lambda msgs: len(updates(msgs)) >= 10)
+    assert updates(idle) == list(range(1, 11)), [m["msg_type"] for m in idle]
+
+
+def test_runner_thread_loop_keeps_running_between_cells(kernel):
+    kernel.execute(
+        textwrap.dedent(
+            """
+            import asyncio, threading, time
+
+            stamps = []
+            loop = asyncio.new_event_loop()
+
+            def run():
+                asyncio.set_event_loop(loop)
+                loop.run_forever()
+
+            runner = threading.Thread(target=run, name="probe-runner", daemon=True)
+            runner.start()
+
+            async def tick():
+                while True:
+                    stamps.append(time.time())
+                    await asyncio.sleep(0.1)
+
+            fut = asyncio.run_coroutine_threadsafe(tick(), loop)
+            """
+        )
+    )
+    idle_from = time.time()
+    assert kernel.drain(1.0) == []  # the kernel is idle and silent meanwhile
+    out = kernel.execute(
+        textwrap.dedent(
+            """
+            import json
+            t_cell = time.time()
+            fut.cancel()
+            loop.call_soon_threadsafe(loop.stop)
+            runner.join(5)
+            print(json.dumps({"t_cell": t_cell, "stamps": stamps, "alive": runner.is_alive()}))
+            """
+        )
+    )
+    got = json.loads(out.stdout)
+    idle = [t for t in got["stamps"] if idle_from <= t <= got["t_cell"]]
+    window = got["t_cell"] - idle_from
+    assert window >= 1.0
+    assert len(idle) >= 0.6 * window / 0.1, f"{len(idle)} ticks in {window:.2f} s idle: {got['stamps']}"
+    gaps = [b - a for a, b in zip(idle, idle[1:], strict=False)]
+    assert max(gaps) < 0.5, f"the loop stalled while idle: gaps {gaps}"
+    assert not got["alive"], "the runner thread did not stop"
+
+
+def test_thread_print_routed_to_the_cell_that_started_it(kernel):
+    start = kernel.execute(
+        textwrap.dedent(
+            """
+            import threading, time
+
+            parent = get_ipython().get_parent()
+
+            def work():
+                shell = get_ipython()
+                route = getattr(shell, "set_thread_parent", None) or shell.set_parent
+                time.sleep(0.3)  # print while the next cell is running
+                route(parent)
+                print("from-the-thread", flush=True)
+
+            threading.Thread(target=work, daemon=True).start()
+            """
+        )
+    )
+    busy = kernel.execute("import time\ntime.sleep(1.0)\nprint('cell-two')")
+    assert busy.stdout == "cell-two\n", "the thread's output landed in the running cell"
+
+    def marked(msgs):
+        return [m for m in of_type(msgs, "stream") if "from-the-thread" in m["content"]["text"]]
+
+    later = kernel.drain(5, until=lambda msgs: bool(marked(msgs)))
+    (msg,) = marked(later)
+    assert msg["content"]["name"] == "stdout"
+    assert parent_id(msg) == start.msg_id, "the thread's print is not attached to the cell that started it"
