@@ -21,9 +21,9 @@ comm message: re-assigning one plotly trace costs 4 messages carrying the whole 
 * ``_repr_mimebundle_`` adds ``text/plain`` and ``text/html`` summaries next to the widget view,
   so nbconvert, a saved notebook or a frontend without widgets still shows the run.
 
-Utilisation comes from the service's telemetry ticks and is plotted under the tick's own label
-("engine busy" today): the service measures its engine's busy time, not a device counter, and the
-dashboard does not pretend otherwise. Both dashboards share the throttle, the trace bookkeeping and
+Utilisation comes from the service's telemetry ticks and is plotted under the tick's own label:
+NVML GPU utilisation where the service has a GPU, else "engine busy" (the engine's busy time, not a
+device counter); the dashboard does not pretend otherwise. Both dashboards share the throttle, the trace bookkeeping and
 the utilisation panel through ``_LiveDashboard``.
 """
 
@@ -456,7 +456,7 @@ class RunDashboard(_LiveDashboard):
             cols=1,
             specs=[[{}], [{}], [{"secondary_y": True}], [{}]],
             subplot_titles=("reward mean (min–max band)", "loss", "importance ratio and KL", "utilisation"),
-            vertical_spacing=0.07,
+            vertical_spacing=0.09,
         )
         fig.update_layout(height=900, margin={"l": 60, "r": 20, "t": 40, "b": 40}, uirevision="run")
         fig.update_xaxes(matches="x", row=2, col=1)
