@@ -117,3 +117,12 @@ def service_client(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=ALICE_KEY)
     yield sc
     sc.close("success").result()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Close the widgets tests created while ipywidgets still works (not in __del__ at exit)."""
+    import sys
+
+    widgets = sys.modules.get("ipywidgets")
+    if widgets is not None:
+        widgets.Widget.close_all()

@@ -3,6 +3,9 @@
 Without chromium or Playwright the tests skip with the reason; under OPENRL_CI_STRICT=1 (CI) that skip is a
 failure (tests/strict_skips.py allows only ``gpu`` tests to skip), so CI must install chromium
 (``.ci/run`` does). A failing test leaves ``tests/artifacts/<test>-failed.png``.
+
+The fixtures are package-scoped: Playwright's sync API keeps an asyncio loop running on the main
+thread while it is started, so it must stop before the rest of the suite (which calls asyncio.run).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 from tests.browser.lab import VIEWPORT, launch_chromium, missing, screenshot, start_lab
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lab(tmp_path_factory):
     """JupyterLab on loopback: ``lab.url``, ``lab.token``, ``lab.root_dir`` (write notebooks there)."""
     reason = missing()
@@ -25,7 +28,7 @@ def lab(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     reason = missing()
     if reason:
@@ -41,7 +44,7 @@ def browser():
         pw.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def page(browser, lab):
     """One Playwright page for the session (tests navigate with ``open_notebook``)."""
     context = browser.new_context(viewport=VIEWPORT)
