@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -235,7 +236,7 @@ class Run:
     def __init__(self, session: Session, config: TrainConfig):
         self.session = session
         self.config = config
-        self.name = config.name or f"run-{int(time.time()) % 100000:05d}"
+        self.name = config.name or f"run-{uuid.uuid4().hex[:6]}"
         self.model = config.model or session.model or "?"
         self.total_steps = config.steps
         self.run_id: str | None = None
