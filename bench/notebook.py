@@ -1,5 +1,7 @@
-"""What three streaming runs cost a notebook: the added latency of a trivial cell, and the rate of
-frontend messages each live dashboard sends.
+"""What three streaming runs cost a notebook: trivial-cell latency and dashboard message rates.
+
+Measured: the latency a trivial cell gains while three runs train, and the rate of frontend
+messages each run's live dashboard sends.
 
 Method. Start ``openrl-service`` as a child (``openrl_jupyter.session.start_local``: a free loopback
 port, a fresh key passed through the environment) and a real ipykernel (``tests/kernel.py``) with
