@@ -35,6 +35,13 @@ from openrl_jupyter._exceptions import (
 API = "/openrl/v1"
 RETRY_STATUS = {429, 500, 502, 503, 504}
 IDEMPOTENT = {"GET", "HEAD", "DELETE", "PUT"}
+SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this long means a dead stream
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """One short line of a reply body (an HTML error page must not fill the screen)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 class _Base:
@@ -74,15 +81,22 @@ class _Base:
         return min(8.0, self.backoff_s * 2**attempt)
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
-        if response.status_code < 400:
+        status = response.status_code
+        if 300 <= status < 400:
+            raise RequestError(
+                f"{method} {path} on {self.url}: HTTP {status} redirect to "
+                f"{response.headers.get('location', '?')}; this does not look like an openrl service "
+                "(a login page or a proxy?)",
+                status=status,
+            )
+        if status < 400:
             return
         try:
             body = response.json()
             message, field = body.get("error") or body.get("detail") or response.text, body.get("field")
-        except ValueError:
-            message, field = response.text or response.reason_phrase, None
+        except (ValueError, AttributeError):
+            message, field = _short(response.text) or response.reason_phrase, None
         where = f"{method} {path} on {self.url}"
-        status = response.status_code
         if status == 401:
             raise AuthenticationError(
                 f"{where}: {message} (check the key: OPENRL_TOKEN or connect(token=...))",
@@ -107,6 +121,18 @@ class _Base:
             raise self._unreachable(method, path, exc) from None
         self._raise_for(method, path, response)
         return None
+
+    def _decode(self, method: str, path: str, response: httpx.Response) -> Any:
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise RequestError(
+                f"{method} {path} on {self.url}: the reply is not JSON ({_short(response.text)!r}); "
+                "this does not look like an openrl service",
+                status=response.status_code,
+            ) from None
 
     def _unreachable(self, method: str, path: str, exc: Exception) -> ServiceUnavailable:
         return ServiceUnavailable(
@@ -150,7 +176,7 @@ class Client(_Base):
                 exc = e
             delay = self._next_attempt(method, path, attempt, response, exc)
             if delay is None:
-                return response.json() if response.content else None
+                return self._decode(method, path, response)
             time.sleep(delay)
             attempt += 1
 
@@ -215,7 +241,7 @@ class Client(_Base):
                 "GET",
                 f"{API}/events",
                 headers=self._headers(),
-                timeout=httpx.Timeout(self.timeout_s, read=None),
+                timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
                 self._raise_for("GET", f"{API}/events", source.response)
                 for sse in source.iter_sse():
@@ -262,7 +288,7 @@ class AsyncClient(_Base):
                 exc = e
             delay = self._next_attempt(method, path, attempt, response, exc)
             if delay is None:
-                return response.json() if response.content else None
+                return self._decode(method, path, response)
             await asyncio.sleep(delay)
             attempt += 1
 
@@ -319,7 +345,7 @@ class AsyncClient(_Base):
                 "GET",
                 f"{API}/events",
                 headers=self._headers(),
-                timeout=httpx.Timeout(self.timeout_s, read=None),
+                timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
                 self._raise_for("GET", f"{API}/events", source.response)
                 async for sse in source.aiter_sse():

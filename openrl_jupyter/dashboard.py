@@ -53,6 +53,7 @@ X = TypeVar("X")
 CallLater = Callable[[float, Callable[[], None]], Any]
 
 LOG_LINES = 200
+UTIL_WINDOW = 900  # ticks (one a second): the utilisation panel shows the last 15 to 30 minutes
 SAMPLE_ROWS = 8
 SAMPLE_CHARS = 300
 ACTIVE_STATES = ("starting", "running", "pausing", "paused")
@@ -227,6 +228,10 @@ class _Utilisation:
         self.total.append(value)
         for run_id, column in self.by_run.items():
             column.append(value * float(shares.get(run_id) or 0.0))
+        if len(self.times) > 2 * UTIL_WINDOW:  # keep a recent window, trimmed in batches
+            del self.times[:-UTIL_WINDOW], self.total[:-UTIL_WINDOW]
+            for column in self.by_run.values():
+                del column[:-UTIL_WINDOW]
         return True
 
 
@@ -514,6 +519,8 @@ class RunDashboard(_LiveDashboard):
             self._state = str(event.get("state"))
             if event.get("error") is not None:
                 self._error = str(event["error"])
+            elif self._state == "running":
+                self._error = None  # resumed: the error it paused on is in the log
         elif kind == "log":
             step = event.get("step")
             for line in str(event.get("text", "")).splitlines() or [""]:

@@ -85,6 +85,7 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     s = p["save"] = _parser("save", "Save a run's weights and optimizer; prints the tinker:// path.")
     s.add_argument("run", nargs="?", default=None)
     s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name")
+    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
     for verb, desc in (
         ("runs", "This session's runs, and the other runs the service has for this key."),
@@ -109,7 +110,9 @@ class Table:
         self.columns, self.rows, self.title = columns, rows, title
 
     def __repr__(self) -> str:
-        widths = [max(len(str(c)), *(len(str(r[i])) for r in self.rows)) for i, c in enumerate(self.columns)]
+        widths = [
+            max([len(str(c)), *(len(str(r[i])) for r in self.rows)]) for i, c in enumerate(self.columns)
+        ]
         line = "  ".join(str(c).ljust(w) for c, w in zip(self.columns, widths, strict=True))
         body = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in self.rows]
         return "\n".join(([self.title] if self.title else []) + [line, *body])
@@ -143,6 +146,7 @@ class OpenRLMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self._parsers = _parsers()
+        self._service_dashboard = None
         self._verbs: dict[str, Callable] = {
             "connect": self._connect,
             "train": self._train,
@@ -166,12 +170,12 @@ class OpenRLMagics(Magics):
             words = _split(line)
             if not words:
                 return self._help(None)
-            verb, rest = words[0], line.strip()[len(words[0]) :]
+            verb = words[0]
             if verb not in self._verbs:
                 raise UsageError(
                     f"unknown subcommand {verb!r}; one of: {', '.join(self._verbs)} (see %openrl help)"
                 )
-            args = self._parsers[verb].parse_argstring(rest)
+            args = self._parsers[verb].parse_args(words[1:])
             return self._verbs[verb](args)
         except UsageError as exc:
             raise IPythonUsageError(str(exc)) from None
@@ -186,7 +190,7 @@ class OpenRLMagics(Magics):
         if self.token_file and not os.environ.get("OPENRL_TOKEN"):
             try:
                 with open(os.path.expanduser(self.token_file), encoding="utf-8") as f:
-                    token = f.read().strip()
+                    token = sessions.Secret(f.read().strip())
             except OSError as e:
                 raise UsageError(
                     f"c.OpenRLMagics.token_file: cannot read {self.token_file!r} ({e.strerror})"
@@ -211,6 +215,8 @@ class OpenRLMagics(Magics):
         )
 
     def _session(self, name: str | None):
+        if not sessions.sessions():
+            raise UsageError("not connected: run %openrl connect URL (or %openrl connect --local) first")
         return sessions.get_session(name)
 
     def _train(self, a):
@@ -262,9 +268,8 @@ class OpenRLMagics(Magics):
 
     def _save(self, a):
         run = self._session(a.session).get_run(a.run)
-        path = run.save(a.checkpoint)
+        path = run.save(a.checkpoint, overwrite=a.overwrite)
         print(f"openrl: saved run {run.name!r} at step {run.step}: {path}")
-        return path
 
     def _runs(self, a):
         session = self._session(a.session)
@@ -326,9 +331,16 @@ class OpenRLMagics(Magics):
         from openrl_jupyter.dashboard import ServiceDashboard
 
         session = self._session(a.session)
-        return ServiceDashboard(
-            session.feed(), runs=session.client.list_runs(), interval_s=self.dashboard_interval
-        )
+        if self._service_dashboard is not None:
+            self._service_dashboard.close()
+        runs = session.client.list_runs()
+        board = ServiceDashboard(session.feed(), runs=runs, interval_s=max(0.5, self.dashboard_interval))
+        for r in runs:  # the curves so far, then live events
+            if r.get("metrics_count"):
+                for row in session.client.metrics(r["run_id"]):
+                    board.handle({"type": "run", "event": "metrics", "run_id": r["run_id"], "metrics": row})
+        self._service_dashboard = board
+        return board
 
     def _sessions(self, a):
         rows = [
@@ -339,8 +351,9 @@ class OpenRLMagics(Magics):
 
     def _disconnect(self, a):
         session = self._session(a.name)
-        sessions.disconnect(session.name)
-        print(f"openrl: session {session.name!r} disconnected")
+        stopped = sessions.disconnect(session.name)
+        note = f"; stopped its active runs: {', '.join(stopped)}" if stopped else ""
+        print(f"openrl: session {session.name!r} disconnected{note}")
 
     def _help(self, a):
         print(HELP)
@@ -355,6 +368,7 @@ class OpenRLMagics(Magics):
             raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")
         ns = self.shell.user_ns
         before = {k: ns.get(k) for k in ("reward", "reward_group")}
+        cell = self.shell.transform_cell(cell)  # %magics and !commands work in a reward cell too
         filename = self.shell.compile.cache(cell)
         exec(compile(cell, filename, "exec"), ns)  # noqa: S102 - the user's own cell, in the user's kernel
         defined = [

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import io
 import math
+import numbers
 import sys
 import threading
 import traceback
@@ -67,6 +69,7 @@ class RewardRegistry:
             raise UsageError(f"reward {name!r} must be a function; got {type(fn).__name__}")
         if per_group is None:
             per_group = getattr(fn, "__name__", "") == "reward_group"
+        _check_signature(name, fn, per_group)
         is_async = inspect.iscoroutinefunction(fn)
         with self._lock:
             versions = self._versions.setdefault(name, [])
@@ -92,6 +95,26 @@ class RewardRegistry:
 registry = RewardRegistry()
 
 
+def _check_signature(name: str, fn: Callable[..., Any], per_group: bool) -> None:
+    """A reward that cannot take the arguments it will get is refused now, not at a run's next step."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and some callables have no signature: trust them
+    try:
+        if per_group:
+            sig.bind([], [], [])
+        else:
+            sig.bind("prompt", "completion")
+    except TypeError as e:
+        want = (
+            "reward_group(prompts, completions, infos) -> list[float]"
+            if per_group
+            else "reward(prompt, completion, **info) -> float"
+        )
+        raise UsageError(f"reward {name!r} has the signature {name}{sig} ({e}); it must be {want}") from None
+
+
 def reward(name: str, *, per_group: bool | None = None) -> Callable[[Callable], Callable]:
     """Decorator: register the function as the next version of reward ``name``."""
 
@@ -102,17 +125,23 @@ def reward(name: str, *, per_group: bool | None = None) -> Callable[[Callable], 
     return register
 
 
-# -- stdout capture that works across threads ---------------------------------------------------------
+# -- stdout capture that works across threads and tasks ----------------------------------------------
+_task_buffer: contextvars.ContextVar[io.StringIO | None] = contextvars.ContextVar(
+    "openrl_reward_out", default=None
+)
+
+
 class _ThreadStdout:
-    """Routes writes of threads that asked for a capture into their buffer; everything else, and
-    every other attribute (a kernel's ``set_parent``, ``fileno``...), goes to the original stream."""
+    """Routes writes of threads (and asyncio tasks) that asked for a capture into their buffer;
+    everything else, and every other attribute (a kernel's ``set_parent``, ``fileno``...), goes to
+    the original stream."""
 
     def __init__(self, original) -> None:
         self.original = original
         self.buffers: dict[int, io.StringIO] = {}
 
     def write(self, s: str) -> int:
-        buf = self.buffers.get(threading.get_ident())
+        buf = _task_buffer.get() or self.buffers.get(threading.get_ident())
         return buf.write(s) if buf is not None else self.original.write(s)
 
     def flush(self) -> None:
@@ -125,12 +154,16 @@ class _ThreadStdout:
 _stdout_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def _capture() -> Any:
+def _router() -> _ThreadStdout:
     with _stdout_lock:
         if not isinstance(sys.stdout, _ThreadStdout):
             sys.stdout = _ThreadStdout(sys.stdout)
-        router = sys.stdout
+        return sys.stdout
+
+
+@contextlib.contextmanager
+def _capture() -> Any:
+    router = _router()
     buf = io.StringIO()
     router.buffers[threading.get_ident()] = buf
     try:
@@ -140,11 +173,13 @@ def _capture() -> Any:
 
 
 def _check(value: Any) -> tuple[float | None, str | None]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """Any real number counts (numpy scalars too; a bool is 0 or 1); the value must be finite."""
+    if not isinstance(value, numbers.Real):
         return None, f"returned {value!r}, not a number"
+    value = float(value)
     if not math.isfinite(value):
         return None, f"returned {value!r}, not a finite number"
-    return float(value), None
+    return value, None
 
 
 def _error(exc: BaseException) -> str:
@@ -158,60 +193,80 @@ def _traceback(exc: BaseException) -> str:
     return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) + _error(exc)
 
 
-def _score_sync(v: RewardVersion, prompts, completions, infos) -> Scored:
+class _Collector:
+    """Fills ``rewards``/``errors`` slot by slot and keeps the first failure's traceback."""
+
+    def __init__(self, n: int) -> None:
+        self.rewards: list[float | None] = [None] * n
+        self.errors: list[str | None] = ["not scored"] * n
+        self.traceback: str | None = None
+
+    def value(self, i: int, value: Any) -> None:
+        self.rewards[i], self.errors[i] = _check(value)
+
+    def failed(self, idx: Sequence[int], exc: BaseException) -> None:
+        for i in idx:
+            self.rewards[i], self.errors[i] = None, _error(exc)
+        self.traceback = self.traceback or _traceback(exc)
+
+    def group(self, idx: Sequence[int], values: Any) -> None:
+        values = list(values)
+        if len(values) != len(idx):
+            self.failed(idx, ValueError(f"reward_group returned {len(values)} values for {len(idx)} samples"))
+            return
+        for i, value in zip(idx, values, strict=True):
+            self.value(i, value)
+
+
+def _pick(seq: Sequence, idx: Sequence[int]) -> list:
+    return [seq[i] for i in idx]
+
+
+def _score_sync(v: RewardVersion, prompts, completions, infos, groups) -> Scored:
     """Runs in a pool thread: the whole step's calls, with stdout captured."""
-    rewards: list[float | None] = []
-    first_tb: str | None = None
-    errors: list[str | None] = []
-    with _capture() as out:
+    out = _Collector(len(prompts))
+    with _capture() as buf:
         if v.per_group:
-            try:
-                values = list(v.fn(list(prompts), list(completions), list(infos)))
-                if len(values) != len(prompts):
-                    raise ValueError(f"reward_group returned {len(values)} values for {len(prompts)} samples")
-                for value in values:
-                    r, e = _check(value)
-                    rewards.append(r)
-                    errors.append(e)
-            except Exception as exc:  # noqa: BLE001 - the user's code: every sample fails with its error
-                rewards, errors = [None] * len(prompts), [_error(exc)] * len(prompts)
-                first_tb = _traceback(exc)
-        else:
-            for p, c, info in zip(prompts, completions, infos, strict=True):
+            for idx in groups:
                 try:
-                    r, e = _check(v.fn(p, c, **info))
+                    out.group(idx, v.fn(_pick(prompts, idx), _pick(completions, idx), _pick(infos, idx)))
+                except Exception as exc:  # noqa: BLE001 - the user's code: the group fails with its error
+                    out.failed(idx, exc)
+        else:
+            for i, (p, c, info) in enumerate(zip(prompts, completions, infos, strict=True)):
+                try:
+                    out.value(i, v.fn(p, c, **info))
                 except Exception as exc:  # noqa: BLE001
-                    r, e = None, _error(exc)
-                    first_tb = first_tb or _traceback(exc)
-                rewards.append(r)
-                errors.append(e)
-    return Scored(rewards, errors, out.getvalue(), version=v, traceback=first_tb)
+                    out.failed([i], exc)
+    return Scored(out.rewards, out.errors, buf.getvalue(), version=v, traceback=out.traceback)
 
 
-async def _score_async(v: RewardVersion, prompts, completions, infos) -> Scored:
-    rewards: list[float | None] = []
-    first_tb: str | None = None
-    errors: list[str | None] = []
+async def _score_async(v: RewardVersion, prompts, completions, infos, groups) -> Scored:
+    out = _Collector(len(prompts))
+    buf = io.StringIO()
+    _router()
+
+    async def call(*args, **kwargs):
+        _task_buffer.set(buf)  # this task's own context: its prints go to the step's buffer
+        return await v.fn(*args, **kwargs)
+
     if v.per_group:
-        try:
-            values = list(await v.fn(list(prompts), list(completions), list(infos)))
-            if len(values) != len(prompts):
-                raise ValueError(f"reward_group returned {len(values)} values for {len(prompts)} samples")
-            checked = [_check(x) for x in values]
-        except Exception as exc:  # noqa: BLE001
-            checked = [(None, _error(exc))] * len(prompts)
-            first_tb = _traceback(exc)
+        calls = [call(_pick(prompts, idx), _pick(completions, idx), _pick(infos, idx)) for idx in groups]
+        units = list(groups)
     else:
-        results = await asyncio.gather(
-            *(v.fn(p, c, **info) for p, c, info in zip(prompts, completions, infos, strict=True)),
-            return_exceptions=True,
-        )
-        checked = [(None, _error(x)) if isinstance(x, BaseException) else _check(x) for x in results]
-        first_tb = next((_traceback(x) for x in results if isinstance(x, BaseException)), None)
-    for r, e in checked:
-        rewards.append(r)
-        errors.append(e)
-    return Scored(rewards, errors, "", version=v, traceback=first_tb)
+        calls = [call(p, c, **info) for p, c, info in zip(prompts, completions, infos, strict=True)]
+        units = [[i] for i in range(len(prompts))]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for idx, result in zip(units, results, strict=True):
+        if isinstance(result, Exception):
+            out.failed(idx, result)
+        elif isinstance(result, BaseException):
+            raise result
+        elif v.per_group:
+            out.group(idx, result)
+        else:
+            out.value(idx[0], result)
+    return Scored(out.rewards, out.errors, buf.getvalue(), version=v, traceback=out.traceback)
 
 
 async def score(
@@ -220,11 +275,17 @@ async def score(
     completions: Sequence[str],
     infos: Sequence[dict] | None = None,
     *,
+    groups: Sequence[Sequence[int]] | None = None,
     pool: ThreadPoolExecutor | None = None,
 ) -> Scored:
-    """Score one step's samples with reward version ``v``; never blocks the calling loop."""
+    """Score one step's samples with reward version ``v``; never blocks the calling loop.
+
+    ``groups`` lists the sample indices of each prompt's group: a ``reward_group`` is called once
+    per group (default: the whole step is one group).
+    """
     infos = list(infos) if infos is not None else [{} for _ in prompts]
+    groups = [list(g) for g in groups] if groups is not None else [list(range(len(prompts)))]
     if v.is_async:
-        return await _score_async(v, prompts, completions, infos)
+        return await _score_async(v, prompts, completions, infos, groups)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(pool, _score_sync, v, prompts, completions, infos)
+    return await loop.run_in_executor(pool, _score_sync, v, prompts, completions, infos, groups)

@@ -24,6 +24,7 @@ stopping take effect between steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import os
@@ -34,7 +35,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,14 @@ def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
                             raise UsageError(f"{where}: {path} line {n} is not JSON ({e.msg})") from None
     elif isinstance(src, str):
         raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got the string {src!r}")
+    elif hasattr(src, "to_dict") and hasattr(src, "columns"):  # a pandas DataFrame
+        if "prompt" not in src.columns:
+            raise UsageError(f'{where}: a DataFrame needs a "prompt" column; it has {list(src.columns)}')
+        items = src.to_dict("records")
+    elif isinstance(src, Mapping):
+        raise UsageError(
+            f"{where} must be a list of prompts, not a {type(src).__name__} (its keys are not prompts)"
+        )
     elif isinstance(src, Sequence) or hasattr(src, "__iter__"):
         items = list(src)
     else:
@@ -230,6 +239,18 @@ class _StepPaused(Exception):
     """Internal: the step cannot complete; pause with this message."""
 
 
+class RunPaused(OpenRLError):
+    """``wait()`` on a run that paused on an error (its message is the error); fix, then resume()."""
+
+
+class RunFailed(OpenRLError):
+    """``wait()`` on a run that cannot continue (e.g. the service lost it)."""
+
+
+class RunTimeout(OpenRLError, TimeoutError):
+    """``wait()``/``pause(wait=True)`` gave up after its timeout; the run goes on."""
+
+
 class Run:
     """A background RL run; its methods are safe to call from any cell (any thread)."""
 
@@ -254,12 +275,24 @@ class Run:
         self._feed_unsubscribe: Callable[[], None] | None = None
         self._want_pause = False
         self._want_stop = False
+        self._paused_on_error = False
         self._wake: asyncio.Event | None = None
         self._dashboard = None
         self._rng = random.Random(config.seed)
         self._order: list[int] = []
         self._runner = get_runner()
+        self._future = None
+
+    def start(self, timeout: float = 120.0) -> Run:
+        """Create the run on the service (errors raise here, in the cell), then train in the background."""
+        try:
+            created = self._runner.submit(self._create()).result(timeout)
+        except Exception as exc:
+            self._set_state(RunState.FAILED, _one_line(exc))
+            raise
+        self.run_id = created["run_id"]
         self._future = self._runner.submit(self._main())
+        return self
 
     # -- what a cell reads --------------------------------------------------------------------------
     @property
@@ -284,7 +317,7 @@ class Run:
     def samples(self, k: int = 8) -> list[dict]:
         """The latest ``k`` completions with their prompt, reward (None if failed), error and step."""
         with self._lock:
-            return [dict(s) for s in list(self._samples)[-k:]]
+            return [dict(s) for s in list(self._samples)[-k:]] if k > 0 else []
 
     def to_pandas(self):
         """``history`` as a pandas DataFrame indexed by step (needs pandas)."""
@@ -305,6 +338,7 @@ class Run:
                     self._set_state(RunState.PAUSING)
         if wait:
             self._wait_for(lambda: self._state in (RunState.PAUSED,) or self.done, timeout, "pause")
+            self._sync_dashboard()
         return self
 
     def resume(self) -> Run:
@@ -313,6 +347,7 @@ class Run:
             if self.done:
                 raise UsageError(f"run {self.name!r} is {self._state}; it cannot resume")
             self._want_pause = False
+            self._paused_on_error = False
             if self._state in (RunState.PAUSED, RunState.PAUSING):
                 self._set_state(RunState.RUNNING)
         self._poke()
@@ -330,30 +365,38 @@ class Run:
         return self
 
     def wait(self, timeout: float | None = None, *, step: int | None = None) -> Run:
-        """Block until the run finishes, stops or fails, or, with ``step``, until that step is done
-        (TimeoutError after ``timeout`` seconds). A paused run does not count as done."""
+        """Block until the run finishes or stops, or, with ``step``, until that step is done.
+
+        Raises RunPaused when the run pauses on an error (a user's pause keeps waiting), RunFailed
+        when it failed, and RunTimeout after ``timeout`` seconds (the run goes on)."""
+        what = "finish" if step is None else f"reach step {step}"
+        target = self.total_steps if step is None else step
+        self._wait_for(lambda: self._step >= target or self.done or self._paused_on_error, timeout, what)
         if step is None:
-            self._wait_for(lambda: self.done, timeout, "finish")
-        else:
-            self._wait_for(lambda: self._step >= step or self.done, timeout, f"reach step {step}")
+            self._wait_for(lambda: self.done or self._paused_on_error, timeout, what)
+        self._sync_dashboard()
+        if self._state == RunState.FAILED:
+            raise RunFailed(f"run {self.name!r} failed at step {self._step}: {self.last_error}")
+        if self._paused_on_error and (step is None or self._step < step):
+            raise RunPaused(f"run {self.name!r} paused at step {self._step}: {self.last_error}")
         return self
 
-    def save(self, name: str | None = None, *, timeout: float | None = 600.0) -> str:
+    def save(self, name: str | None = None, *, overwrite: bool = False, timeout: float | None = 600.0) -> str:
         """Save the current weights (with optimizer state) as a checkpoint; returns its tinker:// path,
         which the Tinker SDK can load (``create_training_client_from_state``)."""
         name = name or f"{self.name}-step{self._step}"
-        self._wait_for(lambda: self.run_id is not None or self.done, timeout, "be created")
         if self.run_id is None:
             raise UsageError(f"run {self.name!r} was never created on the service: {self.last_error}")
         client = self.session.async_client()
-        return self._runner.submit(client.save(self.run_id, name)).result(timeout)
+        extra = {"overwrite": True} if overwrite else {}
+        return self._runner.submit(client.save(self.run_id, name, **extra)).result(timeout)
 
     def subscribe(self, fn: Callable[[dict], None]) -> Callable[[], None]:
         """Call ``fn(event)`` (on the runner thread) for every step, state, log, samples and
         telemetry event; returns the function that unsubscribes."""
         with self._lock:
             self._listeners.append(fn)
-            if self._feed_unsubscribe is None:
+            if self._feed_unsubscribe is None and not self.done:
                 self._feed_unsubscribe = self.session.feed().subscribe(self._on_feed)
 
         def unsubscribe() -> None:
@@ -371,8 +414,17 @@ class Run:
         from openrl_jupyter.dashboard import RunDashboard
 
         if self._dashboard is None or options:
+            if self._dashboard is not None:
+                self._dashboard.close()
             self._dashboard = RunDashboard(self, **options)
         return self._dashboard
+
+    def _sync_dashboard(self) -> None:
+        """Called on the kernel thread after a wait: the dashboard's last update then belongs to the
+        current cell, so nbclient and saved notebooks keep the final state."""
+        if self._dashboard is not None:
+            with contextlib.suppress(Exception):
+                self._dashboard.flush()
 
     # -- reprs (never the key) ----------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -391,7 +443,7 @@ class Run:
         bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
         if _widgets_frontend():
             try:
-                bundle = {**bundle, **self.dashboard()._repr_mimebundle_()}
+                bundle = {**self.dashboard()._repr_mimebundle_(), **bundle}
             except Exception as exc:  # noqa: BLE001 - the fallback repr still shows the run
                 self._log(f"dashboard unavailable: {type(exc).__name__}: {exc}")
         return bundle
@@ -403,7 +455,7 @@ class Run:
             while not predicate():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(
+                    raise RunTimeout(
                         f"run {self.name!r} did not {what} within {timeout} s "
                         f"(state {self._state}, step {self._step}/{self.total_steps})"
                     )
@@ -462,18 +514,16 @@ class Run:
                 self._wake.clear()
             await self._wake.wait()
 
-    async def _main(self) -> None:
+    async def _create(self) -> dict:
         self._wake = asyncio.Event()
+        cfg = self.config
+        return await self.session.async_client().create_run(
+            name=self.name, rank=cfg.rank, base_model=cfg.model, seed=cfg.seed, **cfg.extra
+        )
+
+    async def _main(self) -> None:
         client = self.session.async_client()
         cfg = self.config
-        try:
-            created = await client.create_run(
-                name=self.name, rank=cfg.rank, base_model=cfg.model, seed=cfg.seed, **cfg.extra
-            )
-        except Exception as exc:  # noqa: BLE001 - shown on the run and raised by wait()/save()
-            self._set_state(RunState.FAILED, _one_line(exc))
-            return
-        self.run_id = created["run_id"]
         self._log(f"created run {self.run_id} on {self.session.url}")
         with self._lock:
             if self._state == RunState.STARTING:
@@ -482,6 +532,7 @@ class Run:
         while self._step < cfg.steps:
             if not await self._gate():
                 self._set_state(RunState.STOPPED)
+                self._stop_ticks()
                 return
             if prompts is None:
                 prompts = self._next_prompts()
@@ -492,6 +543,7 @@ class Run:
                 self._pause_with(str(exc))
             except NotFoundError as exc:
                 self._set_state(RunState.FAILED, _one_line(exc))
+                self._stop_ticks()
                 return
             except OpenRLError as exc:
                 self._pause_with(f"step {self._step + 1}: {_one_line(exc)}")
@@ -502,10 +554,19 @@ class Run:
                     f"step {self._step + 1}: {traceback.format_exc(limit=6)}{type(exc).__name__}"
                 )
         self._set_state(RunState.FINISHED)
+        self._stop_ticks()
+
+    def _stop_ticks(self) -> None:
+        """A finished run's dashboard stops following the service's telemetry (its last view stays)."""
+        with self._lock:
+            unsubscribe, self._feed_unsubscribe = self._feed_unsubscribe, None
+        if unsubscribe is not None:
+            unsubscribe()
 
     def _pause_with(self, error: str) -> None:
         with self._lock:
             self._want_pause = True
+            self._paused_on_error = True
         self._log(error)
         self._set_state(RunState.PAUSED, error)
 
@@ -526,7 +587,12 @@ class Run:
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
         infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
         completions = [s["text"] for s in samples]
-        scored = await score(version, texts, completions, infos, pool=self._runner.pool)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s["prompt_index"], []).append(i)
+        scored = await score(
+            version, texts, completions, infos, groups=list(groups.values()), pool=self._runner.pool
+        )
         t_scored = time.time()
         if scored.stdout:
             self._log(scored.stdout.rstrip("\n"))
@@ -547,10 +613,7 @@ class Run:
         if failures:
             self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
         advantages: list[float] = [0.0] * len(samples)
-        by_prompt: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            by_prompt.setdefault(s["prompt_index"], []).append(i)
-        for idx in by_prompt.values():
+        for idx in groups.values():
             for i, a in zip(
                 idx,
                 group_advantages([scored.rewards[i] for i in idx], normalize_std=cfg.normalize_std),
@@ -599,7 +662,10 @@ class Run:
             if k in ("reward_mean", "reward_std", "reward_min", "reward_max", "reward_version", "failed")
             or k == "reward_name"
         }
-        await client.add_metrics(self.run_id, step, **reported)
+        try:
+            await client.add_metrics(self.run_id, step, **reported)
+        except OpenRLError as exc:  # the step is trained: never retry it for its statistics
+            self._log(f"step {step}: the service did not store its metrics ({_one_line(exc)})")
         with self._lock:
             self._history.append(row)
             self._step = step

@@ -101,9 +101,12 @@ class Session:
             old = self.runs.get(name)
             if old is not None and not old.done:
                 raise UsageError(f"a run named {name!r} is still {old.state}; stop it or pick another --name")
-        run = Run(self, config)
+        run = Run(self, config).start()
         self.runs[run.name] = run
         return run
+
+    def active_runs(self) -> list[Run]:
+        return [r for r in self.runs.values() if not r.done]
 
     def get_run(self, name: str | None = None) -> Run:
         """This kernel's run by name, or the only (or latest) one."""
@@ -152,6 +155,13 @@ class Session:
 _sessions: dict[str, Session] = {}
 
 
+class Secret(str):
+    """A key: a str everywhere it is used, masked wherever it is shown (reprs, verbose tracebacks)."""
+
+    def __repr__(self) -> str:
+        return "'tml-…(hidden)'"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,13 +181,13 @@ def start_local(
             "connect(local=True) needs the service installed in this environment: "
             "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
         )
-    key = "tml-" + secrets.token_urlsafe(24)
+    key = Secret("tml-" + secrets.token_urlsafe(24))
     port = _free_port()
     tmp = None
     if data_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
         data_dir = tmp.name
-    env = {**os.environ, "OPENRL_API_KEYS": f"default:{key}"}
+    env = {**os.environ, "OPENRL_API_KEYS": Secret(f"default:{key}")}
     cmd = [
         sys.executable,
         "-m",
@@ -201,8 +211,9 @@ def start_local(
     local = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, tmp)
     atexit.register(local.stop)
     client = Client(local.url, token=key, retries=0)
-    deadline = time.monotonic() + timeout_s
-    shown = 0.0
+    started = time.monotonic()
+    deadline = started + timeout_s
+    shown = False
     try:
         while True:
             if proc.poll() is not None:
@@ -215,8 +226,8 @@ def start_local(
                     break
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(f"the embedded openrl service was not ready after {timeout_s:.0f} s")
-            if progress is not None and time.monotonic() - shown > 2:
-                shown = time.monotonic()
+            if progress is not None and not shown and time.monotonic() - started > 1:
+                shown = True
                 progress(f"starting the embedded openrl service ({model}) on {local.url} ...")
             time.sleep(0.2)
     except BaseException:
@@ -240,6 +251,12 @@ def connect(
     """Connect to a service (or start an embedded one with ``local=True``) and remember it by name."""
     name = name or DEFAULT_NAME
     config = config or {}
+    old = _sessions.get(name)
+    if old is not None and old.active_runs():
+        busy = ", ".join(r.name for r in old.active_runs())
+        raise UsageError(
+            f"session {name!r} has active runs ({busy}); stop them (run.stop()) or connect with another name"
+        )
     local_service = None
     if local:
         if url:
@@ -249,11 +266,14 @@ def connect(
     else:
         url = url or os.environ.get("OPENRL_URL") or config.get("url")
         token = token or os.environ.get("OPENRL_TOKEN") or config.get("token")
+        if url and not url.startswith(("http://", "https://")):
+            raise UsageError(f"the service URL must start with http:// or https://; got {url!r}")
         if not url:
             raise UsageError(
                 "no openrl service to connect to: pass a URL, set OPENRL_URL (and OPENRL_TOKEN), "
                 "or use local=True to start one here"
             )
+    token = Secret(token) if token else None
     client = Client(url, token=token)
     try:
         models = client.capabilities()
@@ -297,10 +317,14 @@ def sessions() -> dict[str, Session]:
     return dict(_sessions)
 
 
-def disconnect(name: str | None = None) -> None:
+def disconnect(name: str | None = None) -> list[str]:
+    """Close a session: its active runs stop after their current step (returns their names) and an
+    embedded service stops."""
     session = get_session(name)
+    stopped = [r.name for r in session.active_runs()]
     _sessions.pop(session.name, None)
     session.close()
+    return stopped
 
 
 def _installed(module: str) -> bool:

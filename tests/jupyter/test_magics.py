@@ -208,3 +208,79 @@ def test_bad_input_is_one_clear_line(shell, server, monkeypatch, line, needles):
 
 def test_not_connected_is_a_hint(shell):
     one_error_line(run(shell, "%openrl runs"), "UsageError", "not connected")
+
+
+def test_quoted_arguments_lose_their_quotes(shell, server, monkeypatch):
+    connect(shell, server, monkeypatch)
+    registry.register("Q", lambda prompt, completion, **info: 0.5)
+    shell.user_ns["P"] = ["hi"]
+    cell = run(
+        shell, 'r = %openrl train --reward Q --prompts "P" --steps 1 --group 2 --batch 1 --name "my run"'
+    )
+    assert cell.ok, cell.text
+    r = shell.user_ns["r"]
+    assert r.name == "my run"
+    r.wait(120)
+    cell = run(shell, '%openrl save "my run" "ckpt-one"')
+    assert cell.ok and "/weights/ckpt-one" in cell.out, cell.text
+
+
+def test_a_server_that_is_not_openrl_is_one_line(shell, monkeypatch):
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "/hub/login")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        one_error_line(
+            run(shell, f"%openrl connect {url}"), "RequestError", "302", "/hub/login", "openrl service"
+        )
+    finally:
+        httpd.shutdown()
+    one_error_line(run(shell, "%openrl connect 127.0.0.1:8000"), "UsageError", "http://")
+
+
+def test_keys_stay_hidden_even_in_verbose_tracebacks(shell, monkeypatch):
+    monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
+    monkeypatch.setattr(sess, "Client", _no_retry_client(sess.Client))
+    shell.run_line_magic("xmode", "Verbose")
+    try:
+        with capture_output() as captured:
+            shell.run_cell(f"import openrl_jupyter as oj\noj.connect('http://127.0.0.1:{free_port()}')")
+        text = captured.stdout + captured.stderr
+    finally:
+        shell.run_line_magic("xmode", "Context")
+    assert "ServiceUnavailable" in text and ALICE_KEY not in text
+
+
+def test_reward_cells_accept_ipython_syntax_and_empty_tables_print(shell):
+    name = f"ipy{time.monotonic_ns()}"
+    cell = run(
+        shell,
+        f"%%openrl reward {name}\nx = !echo 3\ndef reward(prompt, completion, **info):\n    return 1.0\n",
+    )
+    assert cell.ok and "v1 registered" in cell.out, cell.text
+    text = repr(shell.run_line_magic("openrl", "sessions"))
+    assert text.split() == ["name", "url", "kind", "model", "runs"]
+
+
+def test_disconnect_names_the_runs_it_stopped(shell, server, monkeypatch):
+    connect(shell, server, monkeypatch)
+    registry.register("D", lambda prompt, completion, **info: 0.5)
+    shell.user_ns["P"] = ["hi"]
+    assert run(
+        shell, "r = %openrl train --reward D --prompts P --steps 500 --group 2 --batch 1 --name long"
+    ).ok
+    cell = run(shell, "%openrl disconnect")
+    assert cell.ok and "stopped its active runs: long" in cell.out
+    assert shell.user_ns["r"].done

@@ -99,3 +99,40 @@ def test_a_slow_reward_does_not_stall_another_runs_scoring():
 
     fast, slow_out = asyncio.run(main())
     assert fast.rewards == [1.0] and slow_out.rewards == [0.0]
+
+
+def test_numpy_scalars_and_bools_are_numbers_and_signatures_are_checked_when_registering():
+    import numpy as np
+
+    values = {"a": np.float32(0.25), "b": np.int64(2), "c": True, "d": np.float64(0.5)}
+    v = RewardRegistry().register("np", lambda prompt, completion, **info: values[completion])
+    out = asyncio.run(score(v, ["p"] * 4, list(values)))
+    assert out.rewards == [0.25, 2.0, 1.0, 0.5] and out.errors == [None] * 4
+    with pytest.raises(UsageError, match=r"reward\(prompt, completion, \*\*info\) -> float"):
+        RewardRegistry().register("bad", lambda completion: 1.0)
+    with pytest.raises(UsageError, match=r"reward_group\(prompts, completions, infos\)"):
+        RewardRegistry().register("badg", lambda prompts: [1.0], per_group=True)
+
+
+def test_reward_group_is_called_once_per_prompt_group():
+    calls = []
+
+    def reward_group(prompts, completions, infos):
+        calls.append(list(prompts))
+        best = max(len(c) for c in completions)
+        return [float(len(c) == best) for c in completions]
+
+    v = RewardRegistry().register("rank", reward_group)
+    out = asyncio.run(score(v, ["a", "a", "b", "b"], ["x", "xx", "yyy", "y"], groups=[[0, 1], [2, 3]]))
+    assert calls == [["a", "a"], ["b", "b"]] and out.rewards == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_async_reward_prints_are_captured_per_step():
+    async def reward(prompt, completion, **info):
+        print(f"scored {completion}")
+        await asyncio.sleep(0)
+        return 1.0
+
+    v = RewardRegistry().register("aprint", reward)
+    out = asyncio.run(score(v, ["p", "p"], ["one", "two"]))
+    assert sorted(out.stdout.splitlines()) == ["scored one", "scored two"]

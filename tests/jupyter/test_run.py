@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from openrl_jupyter import OpenRLError
 from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.run import RunState, group_advantages, load_prompts
+from openrl_jupyter.run import RunPaused, RunState, group_advantages, load_prompts
 from tests.conftest import ALICE_KEY
 
 PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
@@ -76,9 +77,9 @@ def test_hot_swap_applies_from_the_next_step_with_no_step_lost_or_repeated(sessi
     release = threading.Event()
     calls = []
 
-    def reward_group(prompts, completions, infos):  # v1: gates inside step 3
-        calls.append(len(calls) + 1)
-        if len(calls) == 3:
+    def reward_group(prompts, completions, infos):  # v1: once per prompt's group; gates inside step 3
+        calls.append(prompts)
+        if len(calls) == 2 * 2 + 1:  # batch 2: the first group of step 3
             at_step_3.set()
             assert release.wait(60)
         return [letters(p, c) for p, c in zip(prompts, completions, strict=True)]
@@ -94,7 +95,7 @@ def test_hot_swap_applies_from_the_next_step_with_no_step_lost_or_repeated(sessi
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["reward_version"] for r in rows] == [1, 1, 1, 2, 2, 2]
     assert all(r["reward_min"] >= 0.5 for r in rows[3:])
-    assert len(calls) == 3
+    assert len(calls) == 3 * 2 and all(len(p) == 4 and len(set(p)) == 1 for p in calls)  # one prompt each
 
 
 def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(session, service_client):
@@ -162,7 +163,9 @@ def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(sessi
 
     registry.register(broken, always_fails)
     run = session.train(reward=broken, prompts=PROMPTS, steps=2, **SMALL)
-    wait_until(lambda: run.state == RunState.PAUSED, what="the run to pause")
+    with pytest.raises(RunPaused, match="bug in my reward"):  # wait() does not hang on a paused run
+        run.wait(120)
+    assert run.state == RunState.PAUSED
     assert run.step == 0 and "RuntimeError: bug in my reward" in run.last_error
     assert "Traceback" in run.last_error and 'raise RuntimeError("bug in my reward")' in run.last_error
     assert "rewards.py" not in run.last_error  # only the user's frames
@@ -226,6 +229,49 @@ def test_bad_arguments_are_one_clear_usage_error(session, kwargs, message):
     with pytest.raises(sess.UsageError, match=message):
         session.train(**args)
     assert not session.runs
+
+
+def test_prompt_sources_dataframe_and_dict(session):
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": ["Pick x:", "Pick y:"], "answer": ["x", "y"]})
+    assert load_prompts(frame) == [
+        {"prompt": "Pick x:", "info": {"answer": "x"}},
+        {"prompt": "Pick y:", "info": {"answer": "y"}},
+    ]
+    with pytest.raises(sess.UsageError, match='needs a "prompt" column'):
+        load_prompts(pd.DataFrame({"text": ["a"]}))
+    with pytest.raises(sess.UsageError, match="not a dict"):
+        load_prompts({"x": 1, "y": 2})
+
+
+def test_service_refusals_at_creation_raise_in_the_cell(session):
+    name = unique("rank")
+    registry.register(name, letters)
+    with pytest.raises(OpenRLError, match="rank"):
+        session.train(reward=name, prompts=PROMPTS, steps=2, rank=512, **SMALL)
+    assert not session.runs
+
+
+def test_save_twice_needs_overwrite_and_samples_zero_is_empty(session):
+    name = unique("save")
+    registry.register(name, letters)
+    run = session.train(reward=name, prompts=PROMPTS, steps=1, **SMALL).wait(120)
+    first = run.save("same")
+    with pytest.raises(OpenRLError, match="overwrite"):
+        run.save("same")
+    assert run.save("same", overwrite=True) == first
+    assert run.samples(0) == [] and len(run.samples(3)) == 3
+
+
+def test_reconnecting_a_session_with_active_runs_is_refused(session, server):
+    name = unique("busy")
+    registry.register(name, letters)
+    run = session.train(reward=name, prompts=PROMPTS, steps=500, name=unique("busy"), **SMALL)
+    with pytest.raises(sess.UsageError, match="has active runs"):
+        sess.connect(server.url, token=ALICE_KEY, name="runs")
+    assert not run.done
+    run.stop(wait=True, timeout=60)
 
 
 def test_group_advantages():
