@@ -34,8 +34,8 @@ Subcommands (``%openrl VERB --help`` shows each one's options):
         run the cell and register its reward(prompt, completion, **info) -> float (or
         reward_group(prompts, completions, infos) -> list) as the next version of NAME
   run = %openrl train --reward NAME --prompts SRC [--steps N] [--group G] [--batch B] [--lr LR]
-        [--rank R] [--max-tokens T] [--temperature X] [--loss importance_sampling|ppo] [--name N]
-        start a background RL run (SRC: a notebook variable or a .txt/.jsonl path); returns at once
+        [--rank R] [--max-tokens T] [--temperature X] [--loss importance_sampling|ppo] [--overlap 0|1]
+        [--name N]  start a background RL run (SRC: a notebook variable or a .txt/.jsonl path); returns at once
   %openrl runs                     this session's runs (and the service's)
   %openrl status [RUN]             the service (or one run) in a few lines
   %openrl pause|resume|stop RUN    control a run (it finishes its current step first)
@@ -74,6 +74,13 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     t.add_argument("--loss", default="importance_sampling", choices=LOSSES)
     t.add_argument("--normalize-std", action="store_true", dest="normalize_std", help="divide by group std")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--overlap",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="1: sample step k+1 while step k is scored (one step off-policy, corrected by the ratio)",
+    )
     t.add_argument("--name", default=None, help="run name (default: generated)")
     t.add_argument("--session", default=None)
     for verb, what in (("pause", "Pause"), ("resume", "Resume"), ("stop", "Stop")):
@@ -237,6 +244,7 @@ class OpenRLMagics(Magics):
             name=a.name,
             normalize_std=a.normalize_std,
             seed=a.seed,
+            overlap=a.overlap,
         )
 
     def _resolve_prompts(self, src: str):

@@ -86,6 +86,7 @@ class TrainConfig:
     model: str | None = None
     normalize_std: bool = False
     seed: int | None = 0
+    overlap: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -165,6 +166,7 @@ def make_config(
     name: str | None = None,
     normalize_std: bool = False,
     seed: int | None = 0,
+    overlap: int = 0,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     if callable(reward):
@@ -195,6 +197,10 @@ def make_config(
         raise UsageError(f"temperature must be a number from 0 to 10; got {temperature!r}")
     if loss not in LOSSES:
         raise UsageError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
+    if overlap not in (0, 1) or isinstance(overlap, bool):
+        raise UsageError(
+            f"overlap must be 0 (on-policy) or 1 (sample the next step while scoring); got {overlap!r}"
+        )
     if group < 2:
         raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
     return TrainConfig(
@@ -212,6 +218,7 @@ def make_config(
         model=model,
         normalize_std=normalize_std,
         seed=seed,
+        overlap=overlap,
     )
 
 
@@ -276,6 +283,9 @@ class Run:
         self._want_pause = False
         self._want_stop = False
         self._paused_on_error = False
+        self._prefetch: tuple[int, asyncio.Task, list[dict]] | None = (
+            None  # --overlap 1: (step, sampling, prompts)
+        )
         self._wake: asyncio.Event | None = None
         self._dashboard = None
         self._rng = random.Random(config.seed)
@@ -531,14 +541,14 @@ class Run:
         prompts: list[dict] | None = None
         while self._step < cfg.steps:
             if not await self._gate():
+                self._drop_prefetch()
                 self._set_state(RunState.STOPPED)
                 self._stop_ticks()
                 return
             if prompts is None:
                 prompts = self._next_prompts()
             try:
-                await self._one_step(client, self._step + 1, prompts)
-                prompts = None
+                prompts = await self._one_step(client, self._step + 1, prompts)
             except _StepPaused as exc:
                 self._pause_with(str(exc))
             except NotFoundError as exc:
@@ -556,6 +566,11 @@ class Run:
         self._set_state(RunState.FINISHED)
         self._stop_ticks()
 
+    def _drop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+            self._prefetch = None
+
     def _stop_ticks(self) -> None:
         """A finished run's dashboard stops following the service's telemetry (its last view stays)."""
         with self._lock:
@@ -570,10 +585,8 @@ class Run:
         self._log(error)
         self._set_state(RunState.PAUSED, error)
 
-    async def _one_step(self, client, step: int, prompts: list[dict]) -> None:
+    def _sample(self, client, step: int, prompts: list[dict]):
         cfg = self.config
-        t0 = time.time()
-        version: RewardVersion = registry.latest(cfg.reward)
         params: dict[str, Any] = {
             "num_samples": cfg.group,
             "max_tokens": cfg.max_tokens,
@@ -581,7 +594,33 @@ class Run:
         }
         if cfg.seed is not None:
             params["seed"] = (cfg.seed * 100_003 + step * 1_009) % 2**31
-        out = await client.sample(self.run_id, [p["prompt"] for p in prompts], **params)
+        return client.sample(self.run_id, [p["prompt"] for p in prompts], **params)
+
+    async def _one_step(self, client, step: int, prompts: list[dict]) -> list[dict] | None:
+        """One step; returns the prompts of the next step when they are already being sampled
+        (``overlap``), else None."""
+        cfg = self.config
+        t0 = time.time()
+        version: RewardVersion = registry.latest(cfg.reward)
+        off_policy = 0
+        if self._prefetch is not None and self._prefetch[0] == step:
+            _, task, prompts = self._prefetch
+            self._prefetch = None
+            try:
+                out = await task
+            except OpenRLError:  # the early sample failed: draw this step's samples now instead
+                out = await self._sample(client, step, prompts)
+            else:
+                off_policy = 1  # drawn before the previous step's update; the ratio corrects for it
+        else:
+            self._drop_prefetch()
+            out = await self._sample(client, step, prompts)
+        next_prompts = None
+        if cfg.overlap and step < cfg.steps:
+            # Sample step k+1 now, from the weights before step k's update, while step k is scored.
+            next_prompts = self._next_prompts()
+            task = asyncio.ensure_future(self._sample(client, step + 1, next_prompts))
+            self._prefetch = (step + 1, task, next_prompts)
         t_sampled = time.time()
         samples = out["samples"]
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
@@ -641,6 +680,7 @@ class Run:
             "reward_version": version.version,
             "failed": len(failures),
             "n": len(samples),
+            "off_policy": off_policy,
             "trained": len(chosen),
             "loss": trained.get("loss"),
             "ratio_mean": trained.get("ratio_mean"),
@@ -672,6 +712,7 @@ class Run:
             self.reward_version = version.version
             self._changed.notify_all()
         self._emit({"kind": "step", "row": dict(row)})
+        return next_prompts
 
 
 def _one_line(exc: BaseException) -> str:

@@ -87,7 +87,8 @@ class Session:
         """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
 
         Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
-        normalize_std, seed; unset ones come from the model's capability entry.
+        normalize_std, seed, overlap (1: sample step k+1 while step k is scored); unset ones come
+        from the model's capability entry.
         """
         from openrl_jupyter.run import Run, make_config
 

@@ -274,6 +274,23 @@ def test_reconnecting_a_session_with_active_runs_is_refused(session, server):
     run.stop(wait=True, timeout=60)
 
 
+def test_overlap_samples_one_step_ahead_and_still_learns(session):
+    name = unique("overlap")
+    registry.register(name, letters)
+    on = session.train(reward=name, prompts=PROMPTS, steps=4, **SMALL).wait(180)
+    off = session.train(reward=name, prompts=PROMPTS, steps=4, overlap=1, **SMALL).wait(180)
+    assert [r["step"] for r in off.history] == [1, 2, 3, 4]
+    assert [r["off_policy"] for r in off.history] == [0, 1, 1, 1]
+    assert [r["off_policy"] for r in on.history] == [0, 0, 0, 0]
+    # on-policy the sampler's logprobs are the trainer's; one step behind, the ratio moves off 1
+    trained_on = [r for r in on.history if r["trained"]]
+    trained_off = [r for r in off.history[1:] if r["trained"]]
+    assert all(abs(r["ratio_mean"] - 1) < 1e-3 for r in trained_on)
+    assert trained_off and any(abs(r["ratio_max"] - 1) > 1e-3 for r in trained_off)
+    with pytest.raises(sess.UsageError, match="overlap must be 0"):
+        session.train(reward=name, prompts=PROMPTS, steps=2, overlap=2)
+
+
 def test_group_advantages():
     assert group_advantages([1.0, 0.0, None, 0.5]) == [0.5, -0.5, 0.0, 0.0]
     assert group_advantages([0.2, 0.2]) == [0.0, 0.0]
