@@ -32,6 +32,10 @@ class Limits:
     max_target_k: int = 64  # OPENRL_MAX_TARGET_K: K of [N, K] targets
     max_request_tokens: int = 4 * 1024 * 1024  # OPENRL_MAX_REQUEST_TOKENS: Σ N·K over a call's datums
     max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
+    # Queue limits (backpressure). Per lane: one training run, or one sampler. Sampling over a limit is
+    # refused with 429 + Retry-After; training is queued and reported as try_again/paused_capacity.
+    max_queued_per_run: int = 64  # OPENRL_MAX_QUEUED_PER_RUN: queued requests per run or sampler
+    max_queued_total: int = 1024  # OPENRL_MAX_QUEUED_TOTAL: queued requests in the whole service
 
 
 @dataclass
@@ -52,7 +56,10 @@ class Settings:
     long_poll_s: float = 25.0  # OPENRL_LONG_POLL_S: how long retrieve_future holds before try_again
     future_ttl_s: float = 3600.0  # OPENRL_FUTURE_TTL_S: completed results stay fetchable this long
     seq_gap_timeout_s: float = 120.0  # OPENRL_SEQ_GAP_TIMEOUT_S: a missing seq_id fails waiters after this
-    microbatch_tokens: int = 16384  # padded tokens per forward/backward micro-batch
+    # OPENRL_MICROBATCH_TOKENS: padded tokens per forward/backward micro-batch; also the slice of a
+    # big call between which other runs' ops are served
+    microbatch_tokens: int = 16384
+    backpressure_retry_after_s: float = 1.0  # OPENRL_BACKPRESSURE_RETRY_AFTER_S: Retry-After of a 429
     max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
     min_ttl_s: float = 3600.0  # OPENRL_MIN_TTL_S: shortest checkpoint TTL accepted (Tinker: 1 hour)
@@ -80,6 +87,7 @@ _ENV_FIELDS = {
     "OPENRL_FUTURE_TTL_S": ("future_ttl_s", float),
     "OPENRL_SEQ_GAP_TIMEOUT_S": ("seq_gap_timeout_s", float),
     "OPENRL_MICROBATCH_TOKENS": ("microbatch_tokens", int),
+    "OPENRL_BACKPRESSURE_RETRY_AFTER_S": ("backpressure_retry_after_s", float),
     "OPENRL_MAX_SAMPLER_SNAPSHOTS": ("max_sampler_snapshots", int),
     "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),

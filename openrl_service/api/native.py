@@ -24,7 +24,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from openrl_service.api.tinker import field, json_response, read_json
+from openrl_service.api.tinker import BackpressureRoute, field, json_response, read_json
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
@@ -33,7 +33,7 @@ TICK_S = 1.0
 
 
 def build_native_router(svc: TrainingService) -> APIRouter:
-    r = APIRouter(prefix="/openrl/v1", tags=["native"])
+    r = APIRouter(prefix="/openrl/v1", tags=["native"], route_class=BackpressureRoute)
     native = NativeRuns(svc)
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes

@@ -4,7 +4,12 @@ Conventions the SDK depends on (see docs/architecture.md):
 - permanent errors at submit time are 400/404 with a JSON body naming the field;
 - failures *of the work* come back from ``retrieve_future`` as ``{"error", "category"}``;
 - forward/backward and sample results are protobuf when the client accepts it;
-- ``retrieve_future`` holds the request up to ``long_poll_s`` before answering ``try_again``.
+- ``retrieve_future`` holds the request up to ``long_poll_s`` before answering ``try_again``, whose
+  ``queue_state`` is ``paused_capacity`` (with a ``queue_state_reason`` naming the limit) while the
+  request waits behind more than its run's queue limit, else ``active``: the SDK logs the pause and
+  keeps polling, and the request runs once, in order;
+- a sample request over a queue limit is refused with 429, ``Retry-After`` (and ``retry-after-ms``)
+  and a JSON error naming the limit; nothing was queued, so the SDK's resubmission is safe.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import orjson
 import zstandard
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from google.protobuf.message import DecodeError
 
 from openrl_service.api import proto
+from openrl_service.engine.scheduler import QueueFull
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
 from openrl_service.sampling.base import SampleOutput
@@ -44,6 +51,30 @@ def json_response(data: Any, status: int = 200) -> Response:
         status_code=status,
         media_type="application/json",
     )
+
+
+def backpressure_response(e: QueueFull) -> Response:
+    """429 with the JSON error (naming the limit) and when to retry, in seconds and milliseconds."""
+    resp = json_response(e.to_json(), status=429)
+    resp.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+    resp.headers["retry-after-ms"] = str(max(1, round(e.retry_after_s * 1000)))
+    return resp
+
+
+class BackpressureRoute(APIRoute):
+    """A route whose :class:`QueueFull` becomes :func:`backpressure_response` (the app-wide error
+    handler knows no Retry-After for 429)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except QueueFull as e:
+                return backpressure_response(e)
+
+        return route
 
 
 def _too_large(max_bytes: int) -> PayloadTooLarge:
@@ -306,7 +337,7 @@ def sample_json(out: SampleOutput, ids: list[str]) -> dict:
 
 
 def build_router(svc: TrainingService) -> APIRouter:
-    r = APIRouter(prefix="/api/v1")
+    r = APIRouter(prefix="/api/v1", route_class=BackpressureRoute)
     max_body = svc.limits.max_body_bytes
 
     def idem(request: Request) -> str | None:
@@ -600,7 +631,11 @@ def build_router(svc: TrainingService) -> APIRouter:
                         "category": "server",
                     }
                 )
-            return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            state, reason = svc.engine.queue_state(rec)
+            reply = {"type": "try_again", "request_id": request_id, "queue_state": state}
+            if reason:
+                reply["queue_state_reason"] = reason
+            return json_response(reply)
         if rec.error is not None:
             return json_response(rec.error.to_json())
         wants_proto = PROTO in request.headers.get("accept", "")

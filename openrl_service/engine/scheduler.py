@@ -1,11 +1,26 @@
 """The scheduler and the one device-worker thread that owns the model.
 
 Work arrives as :class:`Op`s in *lanes*: one lane per training run (executed strictly by seq_id,
-waiting for gaps) and one per sampler (FIFO). The worker serves the lane that was served least
-recently, one op at a time, so no run can starve another. Rules it keeps:
+waiting for gaps) and one per sampler (FIFO). Rules it keeps:
 
+- **least recently served**: the worker serves, one op (or one slice of a chunked op) at a time, the
+  ready lane whose last service is oldest; a lane seen for the first time joins at the back (it counts
+  as served when it appeared), so a backlog of one run never delays another by more than one turn per
+  lane, and a stream of new samplers cannot overtake lanes that are already waiting;
+- **chunked ops**: an op whose work is a generator runs one slice per turn (``next()``); after each
+  slice it goes back to the *head* of its own lane, so other lanes are served in between while its own
+  later ops still wait behind it. forward/backward yields after each padded micro-batch, so one big
+  batch holds the device for about one micro-batch (``microbatch_tokens``) at a time, not its whole
+  duration. Contiguous slices of one op are recorded as one op record;
+- **queue limits**: a lane holds at most ``max_queued_per_lane`` queued ops and the engine at most
+  ``max_queued_total`` (OPENRL_MAX_QUEUED_PER_RUN / OPENRL_MAX_QUEUED_TOTAL). Sampling over a limit is
+  *refused* before anything is queued (:class:`QueueFull`, HTTP 429 + Retry-After; the Tinker SDK
+  backs off and resubmits). Training is never refused for queue length (a refused chunk of a
+  parallel forward/backward would leave a seq gap): it is accepted, keeps its seq slot, and while it
+  is over the limit its future reports ``queue_state="paused_capacity"`` (:meth:`Engine.queue_state`);
+  it runs, once and in order, when the ops ahead of it have run;
 - a retry (same (run, seq_id), or same X-Idempotency-Key) gets the original future, never a second
-  execution;
+  execution, also when the queue is full;
 - a rejected request whose (run, seq_id) parsed still takes its slot and completes as an error;
 - a gap (a missing seq_id) open longer than ``seq_gap_timeout_s`` fails the requests waiting behind
   it, naming the missing seq_id, and the run moves on: a run never hangs;
@@ -18,9 +33,10 @@ import logging
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +45,22 @@ from openrl_service.errors import InternalError, ServiceError, UserError
 from openrl_service.telemetry import OpRecorder
 
 log = logging.getLogger(__name__)
+
+
+class QueueFull(ServiceError):
+    """A request refused because a queue is at its limit (HTTP 429 with Retry-After); nothing was queued,
+    so resubmitting it later is safe."""
+
+    status_code = 429
+    category = "server"
+
+    def __init__(self, message: str, *, field: str, limit: str, retry_after_s: float):
+        super().__init__(message, field=field)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "limit": self.limit, "retry_after_s": self.retry_after_s}
 
 
 @dataclass
@@ -42,12 +74,18 @@ class Op:
     error: ServiceError | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     tokens: Callable[[Any], int] | None = None
+    # Refused with QueueFull (rather than queued) when its lane or the engine is at its limit.
+    refuse_when_full: bool = False
+    # A chunked op's generator once its first slice ran; each later turn runs ``next(steps)``.
+    steps: Generator[int, None, Any] | None = None
+    sliced_tokens: int = 0  # tokens of the slices already recorded
+    queued_since: float = field(default_factory=time.monotonic)  # submission, or requeue after a slice
 
 
 @dataclass
 class _Lane:
     ready: deque = field(default_factory=deque)
-    last_served: float = 0.0
+    last_served: int = 0  # the engine's service counter at its last turn (or when it appeared)
     # Ordered lanes only (training runs):
     next_seq: int | None = None
     waiting: dict[int, Op] = field(default_factory=dict)
@@ -56,11 +94,27 @@ class _Lane:
 
 
 class Engine:
-    def __init__(self, *, futures: FutureStore, seq_gap_timeout_s: float, recorder: OpRecorder):
+    def __init__(
+        self,
+        *,
+        futures: FutureStore,
+        seq_gap_timeout_s: float,
+        recorder: OpRecorder,
+        max_queued_per_lane: int = 1 << 30,
+        max_queued_total: int = 1 << 30,
+        retry_after_s: float = 1.0,
+    ):
         self.futures = futures
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.recorder = recorder
+        self.max_queued_per_lane = max_queued_per_lane
+        self.max_queued_total = max_queued_total
+        self.retry_after_s = retry_after_s
         self._lanes: dict[str, _Lane] = {}
+        self._served = 0  # service counter: +1 per turn (least-recently-served order)
+        self._queued = 0  # ops in all lanes' ready + waiting
+        # The op whose slices ran last and are not recorded yet: [op, start, end, tokens, queued_s].
+        self._open_record: list | None = None
         self._idem: dict[tuple[str, str], FutureRecord] = {}
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -91,14 +145,18 @@ class Engine:
     # -- submission (event-loop side) -----------------------------------------------------------
     def open_ordered_lane(self, run_id: str, next_seq: int) -> None:
         with self._cv:
-            lane = self._lanes.setdefault(f"run:{run_id}", _Lane())
+            lane = self._new_lane(f"run:{run_id}")
             lane.next_seq = next_seq
 
     def close_lane(self, lane_key: str) -> None:
         with self._cv:
             lane = self._lanes.pop(lane_key, None)
+            if lane is not None:
+                self._queued -= len(lane.ready) + len(lane.waiting)
         if lane is not None:
             for op in list(lane.ready) + list(lane.waiting.values()):
+                if op.steps is not None:
+                    op.steps.close()  # a chunked op between slices: its cleanup runs, the rest never does
                 self.futures.complete(
                     op.future, error=UserError(f"{lane_key} was closed before this request ran")
                 )
@@ -127,10 +185,12 @@ class Engine:
             if idem_key and (tenant, idem_key) in self._idem:
                 return self._idem[(tenant, idem_key)], True
             lane = self._lanes.get(op.lane)
+            if lane is None and op.seq_id is not None:
+                raise UserError(f"{op.lane} is not open", field="model_id")
+            if op.refuse_when_full:
+                self._check_room(op, lane)
             if lane is None:
-                if op.seq_id is not None:
-                    raise UserError(f"{op.lane} is not open", field="model_id")
-                lane = self._lanes.setdefault(op.lane, _Lane())
+                lane = self._new_lane(op.lane)
             if op.seq_id is not None:
                 prior = lane.seq_index.get(op.seq_id)
                 if prior is not None:
@@ -145,14 +205,17 @@ class Engine:
                     )
                     self.futures.complete(op.future, error=late)
                 elif op.seq_id == lane.next_seq:
+                    self._queued += 1
                     lane.ready.append(op)
                     lane.next_seq += 1
                     while lane.next_seq in lane.waiting:
                         lane.ready.append(lane.waiting.pop(lane.next_seq))
                         lane.next_seq += 1
                 else:
+                    self._queued += 1
                     lane.waiting[op.seq_id] = op
             else:
+                self._queued += 1
                 lane.ready.append(op)
             if idem_key:
                 self._idem[(tenant, idem_key)] = op.future
@@ -160,9 +223,75 @@ class Engine:
             self._cv.notify_all()
         return op.future, False
 
+    def _new_lane(self, key: str) -> _Lane:
+        """The lane ``key``, created at the back of the least-recently-served order if it is new."""
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(last_served=self._served)
+        return lane
+
+    def _check_room(self, op: Op, lane: _Lane | None) -> None:
+        """Raise QueueFull when ``op``'s lane or the whole engine is at its queue limit (lock held)."""
+        depth = 0 if lane is None else len(lane.ready) + len(lane.waiting)
+        what = "sampler " + op.lane.split(":", 1)[1] if op.lane.startswith("sampler:") else op.lane
+        if depth >= self.max_queued_per_lane:
+            raise QueueFull(
+                f"{what} already has {depth} requests queued, the limit per run or sampler "
+                f"(OPENRL_MAX_QUEUED_PER_RUN={self.max_queued_per_lane}); retry after "
+                f"{self.retry_after_s:g} s",
+                field="sampling_session_id" if op.lane.startswith("sampler:") else "model_id",
+                limit="OPENRL_MAX_QUEUED_PER_RUN",
+                retry_after_s=self.retry_after_s,
+            )
+        if self._queued >= self.max_queued_total:
+            raise QueueFull(
+                f"the service already has {self._queued} requests queued, its limit "
+                f"(OPENRL_MAX_QUEUED_TOTAL={self.max_queued_total}); retry after {self.retry_after_s:g} s",
+                field="queue",
+                limit="OPENRL_MAX_QUEUED_TOTAL",
+                retry_after_s=self.retry_after_s,
+            )
+
     def queue_depth(self) -> int:
         with self._cv:
-            return sum(len(lane.ready) + len(lane.waiting) for lane in self._lanes.values())
+            return self._queued
+
+    def lane_depth(self, lane_key: str) -> int:
+        """Ops queued (not running) in one lane; 0 for an unknown or drained lane."""
+        with self._cv:
+            lane = self._lanes.get(lane_key)
+            return 0 if lane is None else len(lane.ready) + len(lane.waiting)
+
+    def queue_state(self, rec: FutureRecord) -> tuple[str, str | None]:
+        """The Tinker ``queue_state`` of a pending future, with a reason when it is paused.
+
+        A seq-ordered (training) op is ``paused_capacity`` while more than the per-run limit of its
+        run's ops are queued ahead of it, or while the engine's queue is over its total limit and it is
+        not next in its lane; otherwise ``active``. A paused op is still queued: it runs, once, in order.
+        """
+        if rec.done or rec.slot is None:
+            return "active", None
+        lane_key, seq = rec.slot
+        with self._cv:
+            lane = self._lanes.get(lane_key)
+            if lane is None:
+                return "active", None
+            ahead = sum(1 for o in lane.ready if o.seq_id is not None and o.seq_id < seq)
+            ahead += sum(1 for s in lane.waiting if s < seq)
+            if self.current is not None and self.current.lane == lane_key:
+                ahead += 1
+            total = self._queued
+        if ahead >= self.max_queued_per_lane:
+            return "paused_capacity", (
+                f"{ahead} earlier requests of {lane_key.split(':', 1)[1]} are queued ahead of this one; the "
+                f"limit per run is {self.max_queued_per_lane} (OPENRL_MAX_QUEUED_PER_RUN)"
+            )
+        if total > self.max_queued_total and ahead > 0:
+            return "paused_capacity", (
+                f"the service has {total} requests queued, over its limit of {self.max_queued_total} "
+                "(OPENRL_MAX_QUEUED_TOTAL)"
+            )
+        return "active", None
 
     # -- the worker -----------------------------------------------------------------------------
     def _next_op(self) -> Op | None:
@@ -172,8 +301,10 @@ class Engine:
                 best = lane
         if best is None:
             return None
-        best.last_served = time.monotonic()
+        self._served += 1
+        best.last_served = self._served
         op = best.ready.popleft()
+        self._queued -= 1
         if best.next_seq is None and not best.ready:
             # Unordered lanes (samplers) carry no state between ops: drop them when drained so that
             # one lane per sampler ever used does not pile up.
@@ -199,6 +330,7 @@ class Engine:
                 if s not in lane.waiting:
                     lane.skipped.add(s)
             for s in stuck:
+                self._queued -= 1
                 self.futures.complete(lane.waiting.pop(s).future, error=err)
             lane.next_seq = stuck[-1] + 1
 
@@ -236,11 +368,26 @@ class Engine:
                     self.current = None
 
     def _execute(self, op: Op) -> None:
+        """Run ``op`` (or its next slice); complete its future unless it yielded, then requeue it."""
+        now = time.monotonic()
+        if self._open_record is not None and self._open_record[0] is not op:
+            self._flush_record()
         start = time.time()
-        result, error = None, op.error
+        result, error, more, sliced = None, op.error, False, 0
         if error is None:
             try:
-                result = op.fn()
+                if op.steps is None:
+                    out = op.fn()
+                    if isinstance(out, types.GeneratorType):
+                        op.steps = out
+                    else:
+                        result = out
+                if op.steps is not None:
+                    try:
+                        sliced = int(next(op.steps) or 0)
+                        more = True
+                    except StopIteration as stop:
+                        result = stop.value
             except ServiceError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
@@ -256,14 +403,51 @@ class Engine:
                     f"internal error while running {op.kind} (incident {incident}): {type(e).__name__}"
                 )
         end = time.time()
+        queued_s = max(0.0, now - op.queued_since)
+        if more:
+            op.sliced_tokens += sliced
+            self._note(op, start, end, sliced, queued_s)
+            with self._cv:
+                lane = self._lanes.get(op.lane) if op.seq_id is not None else self._new_lane(op.lane)
+                if lane is not None:
+                    op.queued_since = time.monotonic()
+                    lane.ready.appendleft(op)  # its lane's later ops still wait behind it
+                    self._queued += 1
+                    self._cv.notify_all()
+                    return
+            op.steps.close()  # the lane was closed between two slices: the op's cleanup runs
+            result, error = None, UserError(f"{op.lane} was closed before this request finished")
         tokens = 0
         if result is not None and op.tokens is not None:
             try:
-                tokens = int(op.tokens(result))
+                tokens = max(0, int(op.tokens(result)) - op.sliced_tokens)
             except Exception:  # noqa: BLE001
                 tokens = 0
         if op.error is None:
-            self.recorder.record(
-                run=op.run_id or op.lane, kind=op.kind, start=start, end=end, tokens=tokens, ok=error is None
-            )
+            self._note(op, start, end, tokens, queued_s)
+            self._flush_record(ok=error is None)
         self.futures.complete(op.future, result=result, error=error)
+
+    def _note(self, op: Op, start: float, end: float, tokens: int, queued_s: float) -> None:
+        """Add a slice to the open record: contiguous slices of one op make one record."""
+        rec = self._open_record
+        if rec is not None and rec[0] is op:
+            rec[2] = end
+            rec[3] += tokens
+        else:
+            self._open_record = [op, start, end, tokens, queued_s]
+
+    def _flush_record(self, ok: bool = True) -> None:
+        rec, self._open_record = self._open_record, None
+        if rec is None:
+            return
+        op, start, end, tokens, queued_s = rec
+        self.recorder.record(
+            run=op.run_id or op.lane,
+            kind=op.kind,
+            start=start,
+            end=end,
+            tokens=tokens,
+            ok=ok,
+            queued_s=queued_s,  # submission (or requeue after a slice) → start
+        )

@@ -8,6 +8,14 @@ Vocabulary:
     Session  a client connection (Tinker ServiceClient); owns runs and samplers
     Run      one LoRA training run: adapter + optimizer + gradients, ordered by seq_id
     Sampler  an immutable adapter snapshot (or the bare base model) that can be sampled
+
+Sharing the device: a forward/backward whose datums need several padded micro-batches runs as a
+chunked op (one micro-batch per scheduler turn, other runs' ops in between), so a big batch holds
+the device for about one micro-batch at a time. The chunks are the trainer's own micro-batches, so
+the result, the loss sum and the gradient are bit-identical to running the call in one go, and the
+call stays atomic: if a later chunk fails (or the run is closed), the run's gradients are exactly as
+they were before the call. Sampling requests over a queue limit are refused (429, see
+:mod:`~openrl_service.engine.scheduler`); training requests are always queued.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +141,12 @@ class TrainingService:
         self.futures = FutureStore(ttl_s=settings.future_ttl_s)
         self.recorder = OpRecorder()
         self.engine = Engine(
-            futures=self.futures, seq_gap_timeout_s=settings.seq_gap_timeout_s, recorder=self.recorder
+            futures=self.futures,
+            seq_gap_timeout_s=settings.seq_gap_timeout_s,
+            recorder=self.recorder,
+            max_queued_per_lane=settings.limits.max_queued_per_run,
+            max_queued_total=settings.limits.max_queued_total,
+            retry_after_s=settings.backpressure_retry_after_s,
         )
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
@@ -622,9 +635,7 @@ class TrainingService:
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
             self.validate_datums(data, loss_fn)
-            return lambda: self.trainer.forward_backward(
-                self._state(run), data, loss_fn, config, forward_only=forward_only
-            )
+            return lambda: self._forward_backward(self._state(run), data, loss_fn, config, forward_only)
 
         return self.run_op(
             tenant,
@@ -635,6 +646,77 @@ class TrainingService:
             idem,
             tokens=lambda r: r.tokens,
         )
+
+    def _forward_backward(
+        self,
+        state: TrainState,
+        data: list[DatumArrays],
+        loss_fn: str,
+        config: dict,
+        forward_only: bool,
+    ) -> ForwardResult | Generator[int, None, ForwardResult]:
+        """One micro-batch: run it now. Several: a generator the scheduler steps one micro-batch per turn."""
+        plan = self.trainer._microbatches([len(d.tokens) for d in data])
+        if len(plan) <= 1:
+            return self.trainer.forward_backward(state, data, loss_fn, config, forward_only=forward_only)
+        return self._chunked_forward_backward(state, data, plan, loss_fn, config, forward_only)
+
+    def _chunked_forward_backward(
+        self,
+        state: TrainState,
+        data: list[DatumArrays],
+        plan: list[list[int]],
+        loss_fn: str,
+        config: dict,
+        forward_only: bool,
+    ) -> Generator[int, None, ForwardResult]:
+        """The trainer's micro-batches as separate trainer calls, yielding each one's tokens between them.
+
+        Each chunk is exactly one of the trainer's own micro-batches (same rows, same order, same
+        padding), and loss, tokens and statistics are accumulated in the trainer's order, so the result
+        and the gradient equal one uninterrupted call bit for bit. The run's earlier gradient is set
+        aside for the call and added back at the end, as the trainer does for one call; if any chunk
+        fails or the op is closed between chunks, it is restored as it was.
+        """
+        params = [] if forward_only else state.adapter.parameters()
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        pending = state.pending_backward
+        outputs: list[np.ndarray | None] = [None] * len(data)
+        total, ntok, stats = 0.0, 0, {}
+        finished = False
+        try:
+            for k, idx in enumerate(plan):
+                part = self.trainer.forward_backward(
+                    state, [data[i] for i in idx], loss_fn, config, forward_only=forward_only
+                )
+                for i, lp in zip(idx, part.logprobs, strict=True):
+                    outputs[i] = lp
+                total += part.loss
+                ntok += part.tokens
+                for key, val in (part.stats or {}).items():
+                    if key == "ratio_min":
+                        stats[key] = min(stats.get(key, math.inf), val)
+                    elif key == "ratio_max":
+                        stats[key] = max(stats.get(key, -math.inf), val)
+                    else:
+                        stats[key] = stats.get(key, 0.0) + val
+                if k < len(plan) - 1:
+                    yield part.tokens  # other lanes may run here
+            finished = True
+        finally:
+            if finished:
+                for p, g in zip(params, stash, strict=True):
+                    if g is not None:
+                        p.grad = g if p.grad is None else g.add_(p.grad)
+                if not forward_only:
+                    state.pending_backward = pending + 1
+            else:
+                for p, g in zip(params, stash, strict=True):
+                    p.grad = g
+                state.pending_backward = pending
+        return ForwardResult(outputs, total, ntok, stats or None)  # type: ignore[arg-type]
 
     def optim_step(
         self, tenant: str, model_id: str, seq_id: Any, adam: AdamParams | UserError, idem: str | None
@@ -1080,6 +1162,7 @@ class TrainingService:
             future=rec,
             run_id=entry.source_run or sampler_id,
             tokens=lambda out: out.tokens,
+            refuse_when_full=True,  # 429 + Retry-After: the Tinker SDK backs off and resubmits
         )
         fut, _ = self.engine.submit(op, idem_key=idem)
         return fut
