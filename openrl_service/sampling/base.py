@@ -1,7 +1,8 @@
 """The sampling vocabulary: what a sample request asks for and what comes back.
 
 A :class:`Sampler` turns one :class:`SampleJob` (a prompt, how many samples, the sampling
-parameters and which adapter snapshot) into a :class:`SampleOutput`. The torch backend lives in
+parameters and which adapter snapshot) into a :class:`SampleOutput`; ``sample_many`` does several
+jobs with different adapters (cross-run batching) in one batched generate. The torch backend lives in
 ``torch_sampler.py``; a vLLM backend implements the same protocol.
 """
 
@@ -57,3 +58,8 @@ class SampleOutput:
 
 class Sampler(Protocol):
     def sample(self, job: SampleJob) -> SampleOutput: ...
+
+    def sample_many(self, jobs: list[SampleJob]) -> list[SampleOutput]:
+        """Several jobs (e.g. different runs' adapters) in one batched generate, one output per job;
+        each job's result must equal ``sample(job)`` (greedy tokens exactly, seeded rows per seed)."""
+        ...

@@ -2,7 +2,9 @@
 
 The prompt is prefilled once and its cache repeated for the ``num_samples`` rows. Each row has its
 own ``torch.Generator`` seeded from (seed, row), so a seeded request gives the same samples whatever
-else is running. Logprobs are always the raw model's (log-softmax of the unscaled logits), so they
+else is running. ``sample_many`` runs several requests (different runs' adapters, prompts and
+parameters) as one batched generate: left-padded prefill, per-row LoRA routing
+(``AdapterRouter.use_rows``), one shared KV cache whose rows keep their own generators and stop rules. Logprobs are always the raw model's (log-softmax of the unscaled logits), so they
 match what training computes; temperature, top-k and top-p only shape the choice.
 """
 
@@ -53,23 +55,7 @@ class TorchSampler:
             out = base.model(input_ids=prompt, use_cache=True, **keep)
         logits_prompt = out.logits[0].float()  # [P, V], or [1, V] with logits_to_keep
         cache = getattr(out, self._cache_out)
-        result = SampleOutput(sequences=[])
-        if job.prompt_logprobs or job.topk_prompt_logprobs:
-            logp = torch.log_softmax(logits_prompt[:-1], dim=-1)
-            if job.prompt_logprobs:
-                pl = torch.full((len(job.prompt),), float("nan"))
-                if len(job.prompt) > 1:
-                    pl[1:] = logp.gather(-1, prompt[0, 1:].unsqueeze(-1)).squeeze(-1).cpu()
-                result.prompt_logprobs = pl.numpy().astype(np.float32)
-            if job.topk_prompt_logprobs:
-                k = job.topk_prompt_logprobs
-                ids = np.zeros((len(job.prompt), k), dtype=np.int32)
-                vals = np.full((len(job.prompt), k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
-                if len(job.prompt) > 1:
-                    top = torch.topk(logp, k, dim=-1)
-                    ids[1:] = top.indices.cpu().numpy()
-                    vals[1:] = top.values.cpu().numpy()
-                result.topk_prompt_ids, result.topk_prompt_logprobs = ids, vals
+        result = _prompt_outputs(job, logits_prompt, prompt[0])
 
         base_seed = p.seed if p.seed is not None else random.SystemRandom().randrange(2**62)
         gens = [torch.Generator(device=dev).manual_seed(row_seed(base_seed, r)) for r in range(n)]
@@ -132,6 +118,132 @@ class TorchSampler:
         result.tokens = len(job.prompt) + sum(len(t) for t in tokens)
         return result
 
+    @torch.inference_mode()
+    def sample_many(self, jobs: list[SampleJob]) -> list[SampleOutput]:
+        """Several jobs (any adapters, prompts and parameters) in ONE batched generate; one output per job.
+
+        Prompts are left-padded into one prefill (attention mask + per-row positions), routed per row
+        to each job's adapter; every sample then decodes as a row of one shared KV cache, with its own
+        stop rules, ``max_tokens`` and generator (seeded from (job seed, row) exactly as in
+        :meth:`sample`), and the batch shrinks as rows finish. Greedy tokens equal per-job sampling;
+        logprobs agree to float32 rounding (padding changes matmul shapes, not the math). A single
+        job is simply :meth:`sample`."""
+        if len(jobs) <= 1:
+            return [self.sample(j) for j in jobs]
+        base = self.base
+        dev = base.device
+        lens = [len(j.prompt) for j in jobs]
+        width = max(lens)
+        padded = min(lens) != width
+        pad_id = base.tokenizer.pad_token_id or 0
+        ids = torch.full((len(jobs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for j, job in enumerate(jobs):
+            ids[j, width - lens[j] :] = torch.tensor(job.prompt, dtype=torch.long)
+            mask[j, width - lens[j] :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        want_prompt = any(j.prompt_logprobs or j.topk_prompt_logprobs for j in jobs)
+        kw: dict = {} if (want_prompt or not self._keep_arg) else {"logits_to_keep": 1}
+        if padded:
+            kw["attention_mask"] = mask
+            kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        with base.router.use_rows([j.adapter for j in jobs], device=dev):
+            out = base.model(input_ids=ids, use_cache=True, **kw)
+        cache = getattr(out, self._cache_out)
+        results = []
+        for j, job in enumerate(jobs):
+            logits_prompt = (
+                out.logits[j, width - lens[j] :].float() if want_prompt else out.logits[j, -1:].float()
+            )
+            results.append(_prompt_outputs(job, logits_prompt, ids[j, width - lens[j] :]))
+
+        # One decode row per sample: (job, sample index), in job order.
+        rows = [(j, r) for j, job in enumerate(jobs) for r in range(job.num_samples)]
+        seeds = [
+            j.params.seed if j.params.seed is not None else random.SystemRandom().randrange(2**62)
+            for j in jobs
+        ]
+        gens = [torch.Generator(device=dev).manual_seed(row_seed(seeds[j], r)) for j, r in rows]
+        stop_ids = [set(j.params.stop_token_ids) for j in jobs]
+        windows = [max((len(s) for s in j.params.stop_strings), default=0) + 8 for j in jobs]
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        topk_rows: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in rows]
+        stop_reason = ["length"] * len(rows)
+        job_of = torch.tensor([j for j, _ in rows], dtype=torch.long, device=dev)
+        cache.batch_select_indices(job_of)  # the prompt cache, repeated for each job's samples
+        logits = out.logits[job_of, -1]
+        row_mask = mask[job_of]
+        active = [i for i, (j, _) in enumerate(rows) if jobs[j].params.max_tokens > 0]
+        if len(active) < len(rows):
+            keep_t = torch.tensor(active, dtype=torch.long, device=dev)
+            cache.batch_select_indices(keep_t)
+            logits, row_mask = logits[keep_t], row_mask[keep_t]
+        while active:
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
+            chosen = torch.empty(len(active), dtype=torch.long, device=dev)
+            by_job: dict[int, list[int]] = {}
+            for a, i in enumerate(active):
+                by_job.setdefault(rows[i][0], []).append(a)
+            tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            for j, sel in by_job.items():
+                sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
+                chosen[sel_t] = _choose(logits[sel_t].float(), jobs[j].params, [gens[active[a]] for a in sel])
+                if jobs[j].topk_sample_logprobs:
+                    top = torch.topk(raw[sel_t], jobs[j].topk_sample_logprobs, dim=-1)
+                    for q, a in enumerate(sel):
+                        tops[a] = (top.indices[q].cpu().numpy(), top.values[q].cpu().numpy())
+            chosen_lp = raw.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+            chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
+            keep = []
+            for a, i in enumerate(active):
+                job = jobs[rows[i][0]]
+                tok = chosen_l[a]
+                tokens[i].append(tok)
+                logprobs[i].append(chosen_lp_l[a])
+                if a in tops:
+                    topk_rows[i].append(tops[a])
+                if tok in stop_ids[rows[i][0]] or (
+                    job.params.stop_strings
+                    and self._hits_stop_string(tokens[i], job.params.stop_strings, windows[rows[i][0]])
+                ):
+                    stop_reason[i] = "stop"
+                elif len(tokens[i]) < job.params.max_tokens:
+                    keep.append(a)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(keep_t)
+                chosen, row_mask = chosen[keep_t], row_mask[keep_t]
+                active = [active[a] for a in keep]
+            pos_ids = torch.tensor(
+                [[lens[rows[i][0]] + len(tokens[i]) - 1] for i in active], dtype=torch.long, device=dev
+            )
+            kw = {}
+            if padded:
+                row_mask = torch.cat([row_mask, row_mask.new_ones((len(active), 1))], dim=1)
+                kw["attention_mask"] = row_mask
+            with base.router.use_rows([jobs[rows[i][0]].adapter for i in active], device=dev):
+                out = base.model(
+                    input_ids=chosen.unsqueeze(-1),
+                    position_ids=pos_ids,
+                    use_cache=True,
+                    **{self._cache_arg: cache},
+                    **kw,
+                )
+            cache = getattr(out, self._cache_out)
+            logits = out.logits[:, -1]
+        for i, (j, _) in enumerate(rows):
+            seq = SampledSequence(tokens=tokens[i], logprobs=logprobs[i], stop_reason=stop_reason[i])
+            if jobs[j].topk_sample_logprobs:
+                seq.topk_ids = np.stack([t[0] for t in topk_rows[i]]).astype(np.int32)
+                seq.topk_logprobs = np.stack([t[1] for t in topk_rows[i]]).astype(np.float32)
+            results[j].sequences.append(seq)
+        for j, res in enumerate(results):
+            res.tokens = lens[j] + sum(len(s.tokens) for s in res.sequences)
+        return results
+
     def _hits_stop_string(self, toks: list[int], stops: tuple[str, ...], window: int) -> bool:
         tok = self.base.tokenizer
         tail = tok.decode(toks[-window:], skip_special_tokens=False)
@@ -140,6 +252,28 @@ class TorchSampler:
         # Only the newest token can complete a stop string (earlier ones were checked already).
         before = tok.decode(toks[-window:-1], skip_special_tokens=False) if len(toks) > 1 else ""
         return any(s in tail and s not in before for s in stops) or not before
+
+
+def _prompt_outputs(job: SampleJob, logits_prompt: torch.Tensor, prompt: torch.Tensor) -> SampleOutput:
+    """A fresh output holding the prompt logprobs the job asked for (``logits_prompt``: [P, V] float)."""
+    result = SampleOutput(sequences=[])
+    if job.prompt_logprobs or job.topk_prompt_logprobs:
+        logp = torch.log_softmax(logits_prompt[:-1], dim=-1)
+        if job.prompt_logprobs:
+            pl = torch.full((len(job.prompt),), float("nan"))
+            if len(job.prompt) > 1:
+                pl[1:] = logp.gather(-1, prompt[1:].unsqueeze(-1)).squeeze(-1).cpu()
+            result.prompt_logprobs = pl.numpy().astype(np.float32)
+        if job.topk_prompt_logprobs:
+            k = job.topk_prompt_logprobs
+            ids = np.zeros((len(job.prompt), k), dtype=np.int32)
+            vals = np.full((len(job.prompt), k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+            if len(job.prompt) > 1:
+                top = torch.topk(logp, k, dim=-1)
+                ids[1:] = top.indices.cpu().numpy()
+                vals[1:] = top.values.cpu().numpy()
+            result.topk_prompt_ids, result.topk_prompt_logprobs = ids, vals
+    return result
 
 
 def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tensor:

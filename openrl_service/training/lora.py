@@ -6,6 +6,14 @@ so any number of runs share the frozen base weights while each keeps its own A/B
 gradients and its own optimizer. Gradients can only reach the adapter that was active, which is
 what keeps runs isolated.
 
+Cross-run batching routes per batch row instead: ``with router.use_rows([a, b, a, None]): model(...)``
+applies adapter ``a`` to rows 0 and 2, ``b`` to row 1 and nothing to row 3. Rows are grouped by
+adapter once per ``use_rows`` (not per layer), and each layer runs the frozen base matmul over the
+whole batch plus one batched low-rank update per adapter on that adapter's rows (``index_select``
+→ ``x A^T B^T`` → ``index_add``). A causal LM never mixes batch rows, so the gradient of a sum of
+per-row losses reaches each adapter only through its own rows: runs stay isolated in one pass.
+When every row has the same adapter, ``use_rows`` is exactly ``use`` (same kernels, bit-identical).
+
 Adapters are exported in PEFT's layout (``base_model.model.<module>.lora_A.weight`` +
 ``adapter_config.json``), so PEFT and vLLM load what this service saves.
 """
@@ -14,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -74,19 +82,52 @@ class Adapter:
         return sum(t.numel() * t.element_size() for t in self.parameters())
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """The batch rows (``rows``: a long tensor of row indices) that one adapter applies to."""
+
+    adapter: Adapter
+    rows: torch.Tensor
+
+
 class AdapterRouter:
-    """Says which adapter the wrapped layers apply during the current forward pass."""
+    """Says which adapter the wrapped layers apply during the current forward pass: one adapter for
+    the whole batch (``active``) or, under :meth:`use_rows`, one per batch row (``groups``)."""
 
     def __init__(self) -> None:
         self.active: Adapter | None = None
+        self.groups: tuple[RowGroup, ...] | None = None  # set only while rows carry different adapters
 
     @contextlib.contextmanager
     def use(self, adapter: Adapter | None):
-        previous, self.active = self.active, adapter
+        previous = self.active, self.groups
+        self.active, self.groups = adapter, None
         try:
             yield
         finally:
-            self.active = previous
+            self.active, self.groups = previous
+
+    @contextlib.contextmanager
+    def use_rows(self, adapters: Sequence[Adapter | None], device: torch.device | str | None = None):
+        """Row ``i`` of the next forward passes gets ``adapters[i]`` (None: the base model only)."""
+        distinct = {id(a) for a in adapters}
+        if len(distinct) <= 1:  # one adapter for all rows: the single-adapter path, bit for bit
+            with self.use(adapters[0] if adapters else None):
+                yield
+            return
+        order: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, a in enumerate(adapters):
+            if a is not None:
+                order.setdefault(id(a), (a, []))[1].append(i)
+        groups = tuple(
+            RowGroup(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in order.values()
+        )
+        previous = self.active, self.groups
+        self.active, self.groups = None, groups
+        try:
+            yield
+        finally:
+            self.active, self.groups = previous
 
 
 class LoRALinear(nn.Module):
@@ -106,6 +147,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        groups = self.router.groups
+        if groups is not None:
+            return self._forward_rows(x, y, groups)
         adapter = self.router.active
         if adapter is None:
             return y
@@ -115,6 +159,19 @@ class LoRALinear(nn.Module):
         a, b = pair
         delta = (x.to(a.dtype) @ a.t()) @ b.t()
         return y + (delta * adapter.scale).to(y.dtype)
+
+    def _forward_rows(self, x: torch.Tensor, y: torch.Tensor, groups: tuple[RowGroup, ...]) -> torch.Tensor:
+        """Per-row adapters: one low-rank update per adapter over its rows, added in place of those rows."""
+        for g in groups:
+            pair = g.adapter.weights.get(self.name)
+            if pair is None:
+                continue
+            a, b = pair
+            rows = g.rows if g.rows.device == x.device else g.rows.to(x.device)
+            xs = x.index_select(0, rows)
+            delta = (xs.to(a.dtype) @ a.t()) @ b.t()
+            y = y.index_add(0, rows, (delta * g.adapter.scale).to(y.dtype))
+        return y
 
 
 @dataclass

@@ -4,12 +4,23 @@ Everything here runs on the engine's single device-worker thread. A call's datum
 micro-batches (longest first, at most ``microbatch_tokens`` padded tokens each), never one datum at
 a time. Gradients accumulate in the run's own adapter tensors until its ``optim_step``, which clips
 and steps over that run's parameters only.
+
+Cross-run fusion (:meth:`Trainer.forward_backward_fused`): several runs' calls become ONE set of
+padded micro-batches over all their datums (longest first, the same ``microbatch_tokens`` budget),
+each row routed to its run's adapter (``AdapterRouter.use_rows``). Per micro-batch the logits are
+computed once; each call's rows then get their own loss function, config, loss sum, token count and
+ratio statistics, and the backward pass runs on the sum of the training calls' losses. Batch rows
+never interact in a causal LM, so each run's adapter receives exactly its own gradient; optimizer
+state and grad clipping stay per run (``optim_step`` is unchanged). Results equal running the calls
+one after another up to float reassociation (different padding and matmul shapes), well within
+rtol 1e-5 in float32.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -95,6 +106,16 @@ class ForwardResult:
     loss: float
     tokens: int
     stats: dict[str, float] | None = None
+
+
+class FusedItem(NamedTuple):
+    """One run's call inside a fused pass (a plain 4-tuple works too: forward_only defaults to False)."""
+
+    state: TrainState | None
+    data: list[DatumArrays]
+    loss_fn: str
+    config: dict[str, float]
+    forward_only: bool = False
 
 
 def make_optimizer(adapter: Adapter) -> torch.optim.Optimizer:
@@ -211,20 +232,120 @@ class Trainer:
                     loss.backward()
             total += float(loss.detach())
             ntok += int(valid.sum())
-            stats = ratio_stats(lp, inputs, valid, config)
-            if stats:
-                for k, val in stats.items():
-                    if k == "ratio_min":
-                        stats_acc[k] = min(stats_acc.get(k, math.inf), val)
-                    elif k == "ratio_max":
-                        stats_acc[k] = max(stats_acc.get(k, -math.inf), val)
-                    else:
-                        stats_acc[k] = stats_acc.get(k, 0.0) + val
+            _merge_stats(stats_acc, ratio_stats(lp, inputs, valid, config))
             lp_cpu = lp.detach().to("cpu", torch.float32).numpy()
             for r, i in enumerate(idx):
                 n = len(data[i].tokens)
                 outputs[i] = lp_cpu[r, :n].copy()
         return ForwardResult(outputs, total, ntok, stats_acc or None)  # type: ignore[arg-type]
+
+    # -- cross-run fusion -----------------------------------------------------------------------
+    def forward_backward_fused(
+        self, items: list[FusedItem] | list[tuple]
+    ) -> list[ForwardResult]:
+        """Several runs' (forward_)backward calls as one padded pass with per-row adapters.
+
+        ``items`` are ``(state, data, loss_fn, config[, forward_only])``; ``state`` may be None only for
+        forward-only calls (base model). Returns one :class:`ForwardResult` per item, in order, equal to
+        what :meth:`forward_backward` would return for it alone. Each training call's gradient is added
+        to its own run's accumulated gradient (``pending_backward`` += 1 per call); if the pass fails,
+        every run's gradients are left exactly as they were and the exception propagates. A single item
+        is simply :meth:`forward_backward` (bit-identical)."""
+        items = [FusedItem(*it) for it in items]
+        for it in items:
+            if it.state is None and not it.forward_only:
+                raise ValueError("forward_backward_fused: a training call needs a TrainState")
+        if len(items) == 1:
+            it = items[0]
+            return [
+                self.forward_backward(it.state, it.data, it.loss_fn, it.config, forward_only=it.forward_only)
+            ]
+        training = [it for it in items if not it.forward_only]
+        states = list({id(it.state): it.state for it in training}.values())
+        params = [p for st in states for p in st.adapter.parameters()]
+        stash = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            results = self._run_fused(items)
+        except BaseException:
+            for p, g in zip(params, stash, strict=True):
+                p.grad = g
+            raise
+        for p, g in zip(params, stash, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+        for it in training:
+            it.state.pending_backward += 1
+        return results
+
+    def _run_fused(self, items: list[FusedItem]) -> list[ForwardResult]:
+        base = self.base
+        dev = base.device
+        flat = [(k, j) for k, it in enumerate(items) for j in range(len(it.data))]  # (item, datum)
+        datum = [items[k].data[j] for k, j in flat]
+        any_grad = any(not it.forward_only for it in items)
+        # A forward-only call's adapter must stay out of the autograd graph: its rows get a zero
+        # gradient from the others' backward, which would otherwise land in that run's .grad.
+        adapters = [
+            None
+            if it.state is None
+            else (_detached(it.state.adapter) if it.forward_only and any_grad else it.state.adapter)
+            for it in items
+        ]
+        outputs: list[list[np.ndarray | None]] = [[None] * len(it.data) for it in items]
+        totals = [0.0] * len(items)
+        ntoks = [0] * len(items)
+        stats_acc: list[dict[str, float]] = [{} for _ in items]
+        for idx in self._microbatches([len(d.tokens) for d in datum]):
+            L = max(len(datum[i].tokens) for i in idx)
+            B = len(idx)
+            ids = torch.zeros(B, L, dtype=torch.long)
+            valid = torch.zeros(B, L, dtype=torch.bool)
+            for r, i in enumerate(idx):
+                n = len(datum[i].tokens)
+                ids[r, :n] = torch.from_numpy(datum[i].tokens)
+                valid[r, :n] = True
+            ids, valid = ids.to(dev), valid.to(dev)
+            # This micro-batch's rows of each item, in row order.
+            rows_of: dict[int, list[int]] = {}
+            for r, i in enumerate(idx):
+                rows_of.setdefault(flat[i][0], []).append(r)
+            row_adapters = [adapters[flat[i][0]] for i in idx]
+            targets = {
+                k: _pad([datum[idx[r]].inputs["target_tokens"] for r in rows], L, torch.long).to(dev)
+                for k, rows in rows_of.items()
+            }
+            with base.router.use_rows(row_adapters, device=dev), torch.set_grad_enabled(any_grad):
+                logits = base.model(input_ids=ids, use_cache=False).logits
+                lps = _item_logprobs(logits, rows_of, targets, dev)
+                del logits
+                losses = {}
+                for k, rows in rows_of.items():
+                    it = items[k]
+                    batch = [datum[idx[r]] for r in rows]
+                    inputs = {
+                        key: _pad([d.inputs[key] for d in batch], L, torch.float32).to(dev)
+                        for key in FLOAT_INPUTS
+                        if key in batch[0].inputs
+                    }
+                    v = valid[rows] if len(rows) < B else valid
+                    losses[k] = compute_loss(it.loss_fn, lps[k], inputs, v, it.config).sum()
+                    _merge_stats(stats_acc[k], ratio_stats(lps[k], inputs, v, it.config))
+                    ntoks[k] += int(v.sum())
+                train_losses = [loss for k, loss in losses.items() if not items[k].forward_only]
+                if train_losses:
+                    torch.stack(train_losses).sum().backward()
+            for k, rows in rows_of.items():
+                totals[k] += float(losses[k].detach())
+                lp_cpu = lps[k].detach().to("cpu", torch.float32).numpy()
+                for q, r in enumerate(rows):
+                    _, j = flat[idx[r]]
+                    outputs[k][j] = lp_cpu[q, : len(datum[idx[r]].tokens)].copy()
+        return [
+            ForwardResult(outputs[k], totals[k], ntoks[k], stats_acc[k] or None)  # type: ignore[arg-type]
+            for k in range(len(items))
+        ]
 
     # -- optimizer ----------------------------------------------------------------------------
     def optim_step(self, state: TrainState, adam: AdamParams) -> dict[str, float]:
@@ -292,12 +413,49 @@ class Trainer:
             state.steps = int(tensors["__steps__"].item())
 
 
+def _detached(adapter: Adapter) -> Adapter:
+    return Adapter(adapter.spec, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()})
+
+
+def _merge_stats(acc: dict[str, float], stats: dict[str, float] | None) -> None:
+    for k, val in (stats or {}).items():
+        if k == "ratio_min":
+            acc[k] = min(acc.get(k, math.inf), val)
+        elif k == "ratio_max":
+            acc[k] = max(acc.get(k, -math.inf), val)
+        else:
+            acc[k] = acc.get(k, 0.0) + val
+
+
 def _pad(arrays: list[np.ndarray], length: int, dtype: torch.dtype) -> torch.Tensor:
     first = arrays[0]
     shape = (len(arrays), length, *first.shape[1:])
     out = torch.zeros(shape, dtype=dtype)
     for r, a in enumerate(arrays):
         out[r, : a.shape[0]] = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+    return out
+
+
+def _item_logprobs(
+    logits: torch.Tensor, rows_of: dict[int, list[int]], targets: dict[int, torch.Tensor], dev
+) -> dict[int, torch.Tensor]:
+    """Each item's [b, L] (or [b, L, K]) target logprobs from one micro-batch's logits.
+
+    When all items' targets have the same shape, the batch's targets are gathered in one call (the
+    rows' logsumexp is computed once); otherwise each item gathers from its own rows."""
+    shapes = {t.shape[2:] for t in targets.values()}
+    if len(shapes) == 1:
+        B = logits.shape[0]
+        order = [r for rows in rows_of.values() for r in rows]
+        full = torch.zeros((B, *next(iter(targets.values())).shape[1:]), dtype=torch.long, device=dev)
+        full[torch.tensor(order, device=dev)] = torch.cat(list(targets.values()))
+        lp = _target_logprobs(logits, full)
+        if len(rows_of) == 1:
+            return {k: lp for k in rows_of}
+        return {k: lp[torch.tensor(rows, device=dev)] for k, rows in rows_of.items()}
+    out = {}
+    for k, rows in rows_of.items():
+        out[k] = _target_logprobs(logits[torch.tensor(rows, device=dev)], targets[k])
     return out
 
 
