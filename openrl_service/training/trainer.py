@@ -240,9 +240,7 @@ class Trainer:
         return ForwardResult(outputs, total, ntok, stats_acc or None)  # type: ignore[arg-type]
 
     # -- cross-run fusion -----------------------------------------------------------------------
-    def forward_backward_fused(
-        self, items: list[FusedItem] | list[tuple]
-    ) -> list[ForwardResult]:
+    def forward_backward_fused(self, items: list[FusedItem] | list[tuple]) -> list[ForwardResult]:
         """Several runs' (forward_)backward calls as one padded pass with per-row adapters.
 
         ``items`` are ``(state, data, loss_fn, config[, forward_only])``; ``state`` may be None only for
