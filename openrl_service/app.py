@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openrl_service.api.auth import AuthMiddleware, KeyRing
 from openrl_service.api.hub import build_hub_router
+from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health, json_response
@@ -61,6 +62,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_hub_router(svc))
     app.include_router(build_rest_router(svc))
     app.include_router(build_native_router(svc))
+    app.include_router(build_metrics_router(svc))
 
     @app.get("/healthz")
     async def healthz():

@@ -1,9 +1,11 @@
 """API keys → tenants, Host/Origin checks and the body-size limit, as one ASGI middleware.
 
 Every route except the health checks needs a key (``X-API-Key: tml-…`` as the Tinker SDK sends
-it, or ``Authorization: Bearer tml-…``). Keys are kept only as SHA-256 digests and compared in
-constant time. Requests naming a foreign Host (DNS rebinding) or a foreign Origin (a web page
-posting to a loopback service) are refused; the service sends no CORS headers at all.
+it, or ``Authorization: Bearer tml-…``); on ``/metrics`` the key is optional: a scrape without one
+gets aggregates only (no tenant's identifiers), one with a valid key also that tenant's series. Keys
+are kept only as SHA-256 digests and compared in constant time. Requests naming a foreign Host
+(DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused; the
+service sends no CORS headers at all.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = logging.getLogger("openrl_service")
 
 PUBLIC_PATHS = {"/healthz", "/readyz", "/api/v1/healthz"}
 SIGNED_PREFIX = "/api/v1/downloads/"
+METRICS_PATH = "/metrics"  # key optional: an anonymous scrape sets no tenant
 DEFAULT_TENANT = "default"
 
 
@@ -134,7 +137,10 @@ class AuthMiddleware:
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
         path = scope.get("path", "")
         # Signed download links carry their own authorisation (an HMAC over tenant, file and expiry).
-        if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX):
+        anonymous_scrape = (
+            path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers
+        )
+        if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
             if self.settings.auth_enabled:
                 key = headers.get("x-api-key")
                 auth = headers.get("authorization", "")

@@ -39,7 +39,7 @@ from openrl_service.training.trainer import AdamParams, DatumArrays, adam_params
 
 SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
-EVENTS_SCHEMA_VERSION = 1
+EVENTS_SCHEMA_VERSION = 2  # 2: ticks add memory, queue_wait_s and tokens_per_s
 RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 
 
@@ -376,28 +376,38 @@ class NativeRuns:
 
     # -- telemetry ------------------------------------------------------------------------------
     def tick(self, tenant: str, window_s: float = 5.0) -> dict:
-        """Device activity over the last window: NVML utilisation where a GPU and nvidia-ml-py exist,
-        else the engine's busy fraction labelled "engine busy"; each of the tenant's runs' share of
-        the engine's busy time; the queue depth."""
+        """Device activity over the last window: NVML utilisation (and memory) where a GPU and
+        nvidia-ml-py exist, else the engine's busy fraction labelled "engine busy" (never "GPU"); each
+        of the tenant's runs' share of the engine's busy time; the queue depth; queue wait p50/p99 of
+        the ops that started in the window (submission to start); tokens/s trained and sampled."""
         if self._nvml is None:
             self._nvml = NvmlReader.for_device(str(getattr(self.svc.base, "device", "cpu")))
         now = time.time()
-        ops = self.svc.recorder.since(now - window_s)
-        busy: dict[str, float] = {}
-        for op in ops:
-            busy[op.run] = busy.get(op.run, 0.0) + max(0.0, min(op.end, now) - max(op.start, now - window_s))
+        stats = self.svc.recorder.window(now - window_s, now)
+        busy: dict[str, float] = stats["busy_s"]
         total = sum(busy.values())
         mine = {r: v for r, v in busy.items() if (self.runs.get(r) and self.runs[r].run.tenant == tenant)}
         engine_busy = {"label": "engine busy", "value": min(1.0, total / window_s)}
+        nvml = self._nvml.read()
+        memory = None
+        if nvml is not None:
+            memory = {
+                "label": "GPU memory (NVML)",
+                "used_bytes": nvml["memory_used_bytes"],
+                "total_bytes": nvml["memory_total_bytes"],
+            }
         return {
             "schema": EVENTS_SCHEMA_VERSION,
             "type": "tick",
             "time": now,
             "window_s": window_s,
-            "utilisation": self._nvml.read() or engine_busy,
+            "utilisation": nvml or engine_busy,
             "engine_busy": engine_busy["value"],
+            "memory": memory,
             "runs": {r: v / total for r, v in mine.items()} if total else {},
             "queue_depth": self.svc.engine.queue_depth(),
+            "queue_wait_s": stats["queue_wait_s"],
+            "tokens_per_s": stats["tokens_per_s"],
         }
 
     async def _result(self, rec):

@@ -441,7 +441,7 @@ class Engine:
         rec, self._open_record = self._open_record, None
         if rec is None:
             return
-        op, start, end, tokens, _queued_s = rec
+        op, start, end, tokens, queued_s = rec
         self.recorder.record(
             run=op.run_id or op.lane,
             kind=op.kind,
@@ -449,4 +449,5 @@ class Engine:
             end=end,
             tokens=tokens,
             ok=ok,
+            queued_s=queued_s,  # submission (or requeue after a slice) → start
         )
