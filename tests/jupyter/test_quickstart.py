@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -18,6 +19,7 @@ from notebook_demo import NOTEBOOK, execute  # noqa: E402
 KEY_RE = re.compile(r"tml-[A-Za-z0-9_\-]{8,}")
 
 
+@pytest.mark.timeout(2400)  # ~1-2 min on an idle 2-core machine; CI machines may be shared
 def test_quickstart_notebook_learns_and_leaks_no_key(tmp_path):
     nb = execute(NOTEBOOK, tmp_path, {"OPENRL_DEMO_STEPS": "60", "OPENRL_DEMO_OUT": str(tmp_path)})
     history = json.loads((tmp_path / "quickstart-history.json").read_text())
