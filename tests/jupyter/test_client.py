@@ -89,7 +89,7 @@ def test_sync_client_drives_a_run(server):
         ticks = c.events()
         first = next(ticks)
         ticks.close()
-        assert first["schema"] == 1 and first["type"] == "tick"
+        assert first["schema"] == 2 and first["type"] == "tick"
         c.delete_run(rid)
         with pytest.raises(NotFoundError, match="unknown run"):
             c.get_run(rid)
