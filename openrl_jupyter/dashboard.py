@@ -29,6 +29,7 @@ the utilisation panel through ``_LiveDashboard``.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import contextlib
 import html
@@ -235,7 +236,7 @@ class _Utilisation:
         return True
 
 
-class _LiveDashboard:
+class _LiveDashboard(abc.ABC):
     """The throttled flush shared by the dashboards; subclasses fold events in and draw."""
 
     utilisation_row = 1
@@ -333,14 +334,17 @@ class _LiveDashboard:
                 stack.enter_context(w.hold_sync())
             self._draw()
 
+    @abc.abstractmethod
     def _apply(self, event: dict) -> None:
-        raise NotImplementedError
+        """Fold one event into the Python-side state (no widget is touched)."""
 
+    @abc.abstractmethod
     def _draw(self) -> None:
-        raise NotImplementedError
+        """Write the state into the widgets (inside one batch)."""
 
+    @abc.abstractmethod
     def _summary(self) -> tuple[str, str]:
-        raise NotImplementedError
+        """The plain and HTML one-line summaries for the fallback repr."""
 
     def _run_label(self, run_id: str) -> str:
         return run_id

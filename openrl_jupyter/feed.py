@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import traceback
 from collections.abc import Callable
 
 from openrl_jupyter._exceptions import AuthenticationError, OpenRLError
-from openrl_jupyter.runner import get_runner
+from openrl_jupyter.runner import get_runner, notify
 
 
 class EventFeed:
@@ -53,11 +52,7 @@ class EventFeed:
             self.last_tick = event
         with self._lock:
             subscribers = list(self._subscribers)
-        for fn in subscribers:
-            try:
-                fn(event)
-            except Exception:  # noqa: BLE001 - one broken subscriber must not starve the others
-                traceback.print_exc()
+        notify(subscribers, event)
 
     async def _pump(self) -> None:
         backoff = 0.5

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import NotFoundError, OpenRLError
 from openrl_jupyter.rewards import RewardVersion, registry, score
-from openrl_jupyter.runner import get_runner
+from openrl_jupyter.runner import get_runner, notify
 from openrl_jupyter.session import UsageError
 
 if TYPE_CHECKING:
@@ -478,11 +478,7 @@ class Run:
     def _emit(self, event: dict) -> None:
         with self._lock:
             listeners = list(self._listeners)
-        for fn in listeners:
-            try:
-                fn(event)
-            except Exception:  # noqa: BLE001 - a broken listener must not stop the run
-                traceback.print_exc()
+        notify(listeners, event)
 
     def _on_feed(self, event: dict) -> None:
         if event.get("type") == "tick":

@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures
 import os
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -84,6 +85,15 @@ class Runner:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def notify(listeners: list[Callable[[dict], Any]], event: dict) -> None:
+    """Call each listener with ``event``; one that raises is reported and does not stop the others."""
+    for fn in listeners:
+        try:
+            fn(event)
+        except Exception:  # noqa: BLE001 - a broken listener must not stop a run or starve the others
+            traceback.print_exc()
 
 
 _runner: Runner | None = None
