@@ -27,6 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
             no_auth=args.no_auth or None,
             insecure=args.insecure or None,
             device=args.device,
+            fusion=None if args.fusion is None else args.fusion == "on",
         )
     except (ValueError, OSError) as e:
         print(f"openrl-service: {e}", file=sys.stderr)
@@ -122,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         "--allowed-host", action="append", default=[], help="extra Host header name to accept ('*': any)"
     )
     s.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    s.add_argument(
+        "--fusion",
+        choices=("on", "off"),
+        default=None,
+        help="run ready ops of several runs as one fused pass (default on; off: each run bit-identical to alone)",
+    )
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument(

@@ -59,6 +59,12 @@ class Settings:
     # OPENRL_MICROBATCH_TOKENS: padded tokens per forward/backward micro-batch; also the slice of a
     # big call between which other runs' ops are served
     microbatch_tokens: int = 16384
+    # OPENRL_FUSION (on|off): the worker runs ready ops of several runs (forward/backward of one
+    # micro-batch, or sampling) as ONE fused pass with per-row adapters. Results equal unfused execution
+    # to float rounding; off keeps every run bit-identical to running alone.
+    fusion: bool = True
+    # OPENRL_FUSION_MAX_TOKENS: padded tokens one fused op may cover (default: microbatch_tokens)
+    fusion_max_tokens: int | None = None
     backpressure_retry_after_s: float = 1.0  # OPENRL_BACKPRESSURE_RETRY_AFTER_S: Retry-After of a 429
     max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
@@ -92,8 +98,20 @@ _ENV_FIELDS = {
     "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
     "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
+    "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
+    "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
+
+
+def parse_switch(value: str, name: str) -> bool:
+    """on/off, true/false, 1/0, yes/no (any case) -> bool; anything else is an error naming ``name``."""
+    v = value.strip().lower()
+    if v in ("on", "true", "1", "yes"):
+        return True
+    if v in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"{name} must be on or off; got {value!r}")
 
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

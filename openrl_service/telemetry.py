@@ -23,6 +23,9 @@ class OpRecord:
     tokens: int
     ok: bool = True
     queued_s: float = 0.0  # from submission to start (includes waiting for an earlier seq_id)
+    # Set when this op ran inside one fused call with other ops: the call's id and the runs it covered.
+    fused_id: str | None = None
+    fused_runs: tuple[str, ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -65,6 +68,8 @@ class Totals:
     wait_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_WAIT_BUCKETS))
     wait_count: int = 0
     wait_sum: float = 0.0
+    fused_ops: int = 0  # fused calls (each covered several ops)
+    fused_members: int = 0  # ops that ran inside a fused call
 
 
 @dataclass
@@ -80,6 +85,7 @@ class OpRecorder:
         self._lock = threading.Lock()
         self._totals = Totals()
         self._runs: dict[str, RunTotals] = {}
+        self._last_fused_id: str | None = None
 
     def record(self, **kw) -> None:
         op = OpRecord(**kw)
@@ -94,6 +100,11 @@ class OpRecorder:
             wait = max(0.0, op.queued_s)
             t.wait_count += 1
             t.wait_sum += wait
+            if op.fused_id is not None:
+                t.fused_members += 1
+                if op.fused_id != self._last_fused_id:
+                    t.fused_ops += 1
+                self._last_fused_id = op.fused_id
             for i, bound in enumerate(QUEUE_WAIT_BUCKETS):
                 if wait <= bound:
                     t.wait_buckets[i] += 1
@@ -111,7 +122,14 @@ class OpRecorder:
         with self._lock:
             t = self._totals
             return Totals(
-                t.busy_s, dict(t.tokens), dict(t.ops), list(t.wait_buckets), t.wait_count, t.wait_sum
+                t.busy_s,
+                dict(t.tokens),
+                dict(t.ops),
+                list(t.wait_buckets),
+                t.wait_count,
+                t.wait_sum,
+                t.fused_ops,
+                t.fused_members,
             )
 
     def run_totals(self, runs: set[str] | None = None) -> dict[str, RunTotals]:

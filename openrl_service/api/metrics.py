@@ -100,6 +100,14 @@ class EngineCollector:
         for (kind, ok), n in sorted(totals.ops.items()):
             ops.add_metric([kind, "ok" if ok else "error"], n)
         yield ops
+        yield CounterMetricFamily(
+            "openrl_fused_ops",
+            "Fused calls: one pass that ran ops of several requests or runs",
+            value=totals.fused_ops,
+        )
+        yield CounterMetricFamily(
+            "openrl_fused_members", "Ops that ran inside a fused call", value=totals.fused_members
+        )
         yield GaugeMetricFamily("openrl_runs", "Live training runs (all tenants)", value=len(svc.runs))
         yield GaugeMetricFamily("openrl_samplers", "Live samplers (all tenants)", value=len(svc.samplers))
 

@@ -25,7 +25,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
+from types import GeneratorType
 from typing import Any
 
 import numpy as np
@@ -220,16 +222,21 @@ class NativeRuns:
                 SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
             )
 
-        def work():
+        def resolved() -> list[SampleJob]:
             adapter = self.svc._state(nr.run).adapter
-            return [self.svc.sampler.sample(replace(j, adapter=adapter)) for j in jobs]
+            return [replace(j, adapter=adapter) for j in jobs]
 
+        def work():
+            return [self.svc.sampler.sample(j) for j in resolved()]
+
+        # With fusion on, this call's prompts (and other runs' ready sampling) decode as one batch.
+        fuse = self.svc.sample_fusable(resolved, jobs, lambda outs: outs)
         rec = self.svc.run_op(
             tenant,
             run_id,
             nr.next_seq(),
             "sample",
-            lambda run: work,
+            lambda run: (work, fuse),
             None,
             tokens=lambda outs: sum(o.tokens for o in outs),
         )
@@ -320,14 +327,25 @@ class NativeRuns:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
         self.svc.validate_datums(data, loss)
 
-        def work():
-            state = self.svc._state(nr.run)
-            result = self.svc.trainer.forward_backward(state, data, loss, config, forward_only=False)
-            metrics = self.svc.trainer.optim_step(state, adam)
-            return result, metrics
+        def step(result):
+            return result, self.svc.trainer.optim_step(self.svc._state(nr.run), adam)
 
+        def work():
+            # One micro-batch per scheduler turn (like a Tinker forward_backward), then the optimizer.
+            out = self.svc._forward_backward(self.svc._state(nr.run), data, loss, config, False)
+            if isinstance(out, GeneratorType):
+                return _then(out, step)
+            return step(out)
+
+        fuse = self.svc.train_fusable(nr.run, data, loss, config, False, finish=step)
         rec = self.svc.run_op(
-            tenant, run_id, nr.next_seq(), "train_step", lambda run: work, None, tokens=lambda r: r[0].tokens
+            tenant,
+            run_id,
+            nr.next_seq(),
+            "train_step",
+            lambda run: (work, fuse),
+            None,
+            tokens=lambda r: r[0].tokens,
         )
         result, metrics = await self._result(rec)
         nr.steps += 1
@@ -416,6 +434,12 @@ class NativeRuns:
         if rec.error is not None:
             raise rec.error
         return rec.result
+
+
+def _then(steps: Generator[int, None, Any], finish: Callable[[Any], Any]) -> Generator[int, None, Any]:
+    """A chunked op followed by ``finish`` on its result, as one chunked op."""
+    result = yield from steps
+    return finish(result)
 
 
 def _adam(raw: dict, defaults: dict) -> AdamParams:

@@ -24,7 +24,17 @@ waiting for gaps) and one per sampler (FIFO). Rules it keeps:
 - a rejected request whose (run, seq_id) parsed still takes its slot and completes as an error;
 - a gap (a missing seq_id) open longer than ``seq_gap_timeout_s`` fails the requests waiting behind
   it, naming the missing seq_id, and the run moves on: a run never hangs;
-- every executed op is recorded (run, kind, start, end, tokens) for telemetry.
+- **fusion** (``fusion=True``, OPENRL_FUSION): an op that carries a :class:`Fusable` is not run
+  alone. When its lane's turn comes, the worker also takes the ready head ops of other lanes (in
+  least-recently-served order) and, for unordered lanes, further ready ops of the same lane, that have
+  the same fusion key (``"train"``: a forward/backward of at most one micro-batch; ``"sample"``), up to
+  ``fusion_max_tokens`` padded tokens, and runs them as ONE call of that key's *fuser* (one padded pass
+  with per-row adapters). Every lane it served counts as served this turn. Each member's future gets its
+  own result; if the fused call fails, each member runs alone instead, so one bad request never fails
+  another. With fusion off nothing is fused and every op runs exactly as it would alone;
+- every executed op is recorded (run, kind, start, end, tokens) for telemetry. The members of one fused
+  op are recorded one after another within the op's time, each with a share proportional to its
+  tokens, with the same ``fused_id`` and ``fused_runs`` (the runs the op covered).
 """
 
 from __future__ import annotations
@@ -64,6 +74,23 @@ class QueueFull(ServiceError):
 
 
 @dataclass
+class Fusable:
+    """How an op joins a fused call: ops with the same ``key`` can share one call of that key's fuser.
+
+    ``size``: padded tokens it adds (the fused op's budget); ``rows``/``width``: for training, its
+    datums and longest datum (the fused pass pads every row to the longest of all members);
+    ``prepare()`` (on the worker) returns its part of the fuser's input; ``finish(part)`` turns its
+    part of the fuser's output into the op's result."""
+
+    key: str
+    size: int
+    prepare: Callable[[], Any]
+    finish: Callable[[Any], Any] = lambda part: part
+    rows: int = 0
+    width: int = 0
+
+
+@dataclass
 class Op:
     kind: str
     lane: str  # "run:<id>" or "sampler:<id>" or "control"
@@ -80,6 +107,8 @@ class Op:
     steps: Generator[int, None, Any] | None = None
     sliced_tokens: int = 0  # tokens of the slices already recorded
     queued_since: float = field(default_factory=time.monotonic)  # submission, or requeue after a slice
+    fuse: Fusable | None = None  # set when the op may run as part of a fused call (fusion on)
+    companions: list[Op] | None = None  # the other members of its fused call, chosen by the worker
 
 
 @dataclass
@@ -103,6 +132,9 @@ class Engine:
         max_queued_per_lane: int = 1 << 30,
         max_queued_total: int = 1 << 30,
         retry_after_s: float = 1.0,
+        fusion: bool = False,
+        fusion_max_tokens: int = 16384,
+        fusers: dict[str, Callable[[list[Any]], list[Any]]] | None = None,
     ):
         self.futures = futures
         self.seq_gap_timeout_s = seq_gap_timeout_s
@@ -110,6 +142,10 @@ class Engine:
         self.max_queued_per_lane = max_queued_per_lane
         self.max_queued_total = max_queued_total
         self.retry_after_s = retry_after_s
+        self.fusion = fusion
+        self.fusion_max_tokens = fusion_max_tokens
+        # key -> fn(list of members' prepared parts) -> list of their outputs, in order
+        self.fusers: dict[str, Callable[[list[Any]], list[Any]]] = dict(fusers or {})
         self._lanes: dict[str, _Lane] = {}
         self._served = 0  # service counter: +1 per turn (least-recently-served order)
         self._queued = 0  # ops in all lanes' ready + waiting
@@ -303,13 +339,57 @@ class Engine:
             return None
         self._served += 1
         best.last_served = self._served
-        op = best.ready.popleft()
+        op = self._pop(best)
+        if self.fusion and op.fuse is not None and op.steps is None and op.fuse.key in self.fusers:
+            op.companions = self._companions(op, best)
+        return op
+
+    def _pop(self, lane: _Lane) -> Op:
+        op = lane.ready.popleft()
         self._queued -= 1
-        if best.next_seq is None and not best.ready:
+        if lane.next_seq is None and not lane.ready:
             # Unordered lanes (samplers) carry no state between ops: drop them when drained so that
             # one lane per sampler ever used does not pile up.
             self._lanes.pop(op.lane, None)
         return op
+
+    def _fits(self, members: list[Fusable], f: Fusable) -> bool:
+        if f.key == "train":  # one padded micro-batch: every row padded to the longest of all members
+            rows = f.rows + sum(m.rows for m in members)
+            width = max([f.width] + [m.width for m in members])
+            return rows * width <= self.fusion_max_tokens
+        return f.size + sum(m.size for m in members) <= self.fusion_max_tokens
+
+    def _companions(self, op: Op, lane: _Lane) -> list[Op]:
+        """Ready ops that can share ``op``'s fused call (lock held): heads of other lanes in
+        least-recently-served order, plus following ops of unordered lanes (ops of one ordered lane
+        depend on each other, so only its head is eligible). Taken ops leave their lanes."""
+        key = op.fuse.key  # type: ignore[union-attr]
+        members = [op.fuse]
+        taken: list[Op] = []
+        lanes = [lane] + sorted(
+            (ln for ln in self._lanes.values() if ln is not lane and ln.ready), key=lambda ln: ln.last_served
+        )
+        for ln in lanes:
+            if ln is lane and ln.next_seq is not None:
+                continue  # the run's next op depends on this one
+            served = False
+            while ln.ready:
+                head = ln.ready[0]
+                f = head.fuse
+                if f is None or f.key != key or head.steps is not None or head.error is not None:
+                    break
+                if not self._fits(members, f):
+                    break
+                members.append(f)
+                taken.append(self._pop(ln))
+                served = True
+                if ln.next_seq is not None:
+                    break  # ordered lane: only the head
+            if served and ln is not lane:
+                self._served += 1
+                ln.last_served = self._served
+        return taken
 
     def _expire_gaps(self) -> None:
         now = time.monotonic()
@@ -369,6 +449,10 @@ class Engine:
 
     def _execute(self, op: Op) -> None:
         """Run ``op`` (or its next slice); complete its future unless it yielded, then requeue it."""
+        if op.companions is not None:
+            members, op.companions = [op, *op.companions], None
+            self._execute_fused(members)
+            return
         now = time.monotonic()
         if self._open_record is not None and self._open_record[0] is not op:
             self._flush_record()
@@ -427,6 +511,100 @@ class Engine:
             self._note(op, start, end, tokens, queued_s)
             self._flush_record(ok=error is None)
         self.futures.complete(op.future, result=result, error=error)
+
+    def _execute_fused(self, ops: list[Op]) -> None:
+        """Run ``ops`` (same fusion key) as one fuser call; complete each one's future.
+
+        A member whose ``prepare`` fails completes with that error and leaves the call. If the call
+        itself fails, each remaining member runs alone (the fusers leave every run's state as it was
+        on failure), so a bad member cannot fail the others."""
+        self._flush_record()
+        now = time.monotonic()
+        start = time.time()
+        parts, live = [], []
+        for op in ops:
+            try:
+                parts.append(op.fuse.prepare())  # type: ignore[union-attr]
+                live.append(op)
+            except ServiceError as e:
+                self.futures.complete(op.future, error=e)
+        if not live:
+            return
+        try:
+            outputs = self.fusers[live[0].fuse.key](parts)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - fall back to running each member alone
+            log.warning(
+                "fused %s of %d ops failed; running them one by one", live[0].kind, len(live), exc_info=True
+            )
+            for op in live:
+                op.fuse = None
+                self._execute(op)
+            return
+        results: list[tuple[Any, ServiceError | None]] = []
+        for op, out in zip(live, outputs, strict=True):
+            try:
+                results.append((op.fuse.finish(out), None))  # type: ignore[union-attr]
+            except ServiceError as e:
+                results.append((None, e))
+            except Exception as e:  # noqa: BLE001
+                incident = uuid.uuid4().hex[:8]
+                log.error(
+                    "op %s on %s failed (incident %s):\n%s",
+                    op.kind,
+                    op.lane,
+                    incident,
+                    traceback.format_exc(),
+                )
+                results.append(
+                    (
+                        None,
+                        InternalError(
+                            f"internal error while running {op.kind} (incident {incident}): {type(e).__name__}"
+                        ),
+                    )
+                )
+        end = time.time()
+        self._record_fused(live, results, start, end, now)
+        for op, (result, error) in zip(live, results, strict=True):
+            self.futures.complete(op.future, result=result, error=error)
+
+    def _record_fused(
+        self,
+        ops: list[Op],
+        results: list[tuple[Any, ServiceError | None]],
+        start: float,
+        end: float,
+        now: float,
+    ) -> None:
+        """One record per member, back to back within [start, end], each lasting its share of the tokens."""
+        tokens = []
+        for op, (result, _) in zip(ops, results, strict=True):
+            n = 0
+            if result is not None and op.tokens is not None:
+                try:
+                    n = max(0, int(op.tokens(result)))
+                except Exception:  # noqa: BLE001
+                    n = 0
+            tokens.append(n)
+        weights = [t or op.fuse.size or 1 for t, op in zip(tokens, ops, strict=True)]  # type: ignore[union-attr]
+        total = float(sum(weights))
+        fused_id = uuid.uuid4().hex[:12] if len(ops) > 1 else None
+        runs = tuple(dict.fromkeys(op.run_id or op.lane for op in ops)) if len(ops) > 1 else ()
+        t = start
+        for op, (_, error), n, w in zip(ops, results, tokens, weights, strict=True):
+            t_end = end if op is ops[-1] else t + (end - start) * w / total
+            self.recorder.record(
+                run=op.run_id or op.lane,
+                kind=op.kind,
+                start=t,
+                end=t_end,
+                tokens=n,
+                ok=error is None,
+                queued_s=max(0.0, now - op.queued_since),
+                fused_id=fused_id,
+                fused_runs=runs,
+            )
+            t = t_end
 
     def _note(self, op: Op, start: float, end: float, tokens: int, queued_s: float) -> None:
         """Add a slice to the open record: contiguous slices of one op make one record."""

@@ -37,7 +37,7 @@ import torch
 
 from openrl_service.config import Settings
 from openrl_service.engine.futures import FutureRecord, FutureStore
-from openrl_service.engine.scheduler import Engine, Op
+from openrl_service.engine.scheduler import Engine, Fusable, Op
 from openrl_service.errors import NotFound, NotReady, UserError
 from openrl_service.models.loading import BaseModel, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
@@ -50,6 +50,7 @@ from openrl_service.training.trainer import (
     AdamParams,
     DatumArrays,
     ForwardResult,
+    FusedItem,
     Trainer,
     TrainState,
     make_optimizer,
@@ -147,6 +148,12 @@ class TrainingService:
             max_queued_per_lane=settings.limits.max_queued_per_run,
             max_queued_total=settings.limits.max_queued_total,
             retry_after_s=settings.backpressure_retry_after_s,
+            fusion=settings.fusion,
+            fusion_max_tokens=settings.fusion_max_tokens or settings.microbatch_tokens,
+            fusers={
+                "train": lambda items: self.trainer.forward_backward_fused(items),
+                "sample": self._fused_sample,
+            },
         )
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
@@ -491,6 +498,7 @@ class TrainingService:
         *,
         error: UserError | None = None,
         tokens: Callable[[Any], int] | None = None,
+        fuse: Fusable | None = None,
         **extra,
     ) -> FutureRecord:
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:
@@ -509,6 +517,7 @@ class TrainingService:
             seq_id=seq_id,
             error=error,
             tokens=tokens,
+            fuse=fuse if error is None else None,
         )
         fut, _ = self.engine.submit(op, idem_key=idem)
         return fut
@@ -523,15 +532,19 @@ class TrainingService:
         idem: str | None,
         tokens: Callable[[Any], int] | None = None,
     ) -> FutureRecord:
-        """Queue a seq-ordered op on a run. ``prepare`` validates and returns the work; if it raises a
-        UserError the request still takes its seq slot and completes as that error."""
+        """Queue a seq-ordered op on a run. ``prepare`` validates and returns the work, or (work, a
+        :class:`Fusable`) when the op may join a fused call; if it raises a UserError the request still
+        takes its seq slot and completes as that error."""
         run = self.run(tenant, model_id)
         self.require_ready()
+        fuse = None
         try:
             work, error = prepare(run), None
+            if isinstance(work, tuple):
+                work, fuse = work
         except UserError as e:
             work, error = None, e
-        return self._submit_run(run, seq_id, kind, work, idem, error=error, tokens=tokens)
+        return self._submit_run(run, seq_id, kind, work, idem, error=error, tokens=tokens, fuse=fuse)
 
     def _state(self, run: Run) -> TrainState:
         if run.state is None:
@@ -635,7 +648,8 @@ class TrainingService:
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
             self.validate_datums(data, loss_fn)
-            return lambda: self._forward_backward(self._state(run), data, loss_fn, config, forward_only)
+            work = lambda: self._forward_backward(self._state(run), data, loss_fn, config, forward_only)  # noqa: E731
+            return work, self.train_fusable(run, data, loss_fn, config, forward_only)
 
         return self.run_op(
             tenant,
@@ -646,6 +660,57 @@ class TrainingService:
             idem,
             tokens=lambda r: r.tokens,
         )
+
+    def train_fusable(
+        self,
+        run: Run,
+        data: list[DatumArrays],
+        loss_fn: str,
+        config: dict,
+        forward_only: bool,
+        finish: Callable[[ForwardResult], Any] | None = None,
+    ) -> Fusable | None:
+        """How a (forward_)backward joins a fused pass; None with fusion off or when the call needs
+        more than one micro-batch (it then runs alone, one micro-batch per turn)."""
+        if not self.settings.fusion:
+            return None
+        lengths = [len(d.tokens) for d in data]
+        if len(self.trainer._microbatches(lengths)) > 1:
+            return None
+        return Fusable(
+            key="train",
+            size=len(data) * max(lengths),
+            rows=len(data),
+            width=max(lengths),
+            prepare=lambda: FusedItem(self._state(run), data, loss_fn, config, forward_only),
+            finish=finish or (lambda result: result),
+        )
+
+    def sample_fusable(
+        self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
+    ) -> Fusable | None:
+        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker."""
+        if not self.settings.fusion:
+            return None
+        size = sum(j.num_samples * (len(j.prompt) + (j.params.max_tokens or 0)) for j in sizes)
+        return Fusable(key="sample", size=size, prepare=jobs, finish=finish)
+
+    def _fused_sample(self, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
+        """Every member's jobs in one ``sample_many``, ordered so each adapter's rows are one block."""
+        jobs = [j for part in parts for j in part]
+        first: dict[int, int] = {}
+        for j in jobs:
+            first.setdefault(id(j.adapter), len(first))
+        order = sorted(range(len(jobs)), key=lambda i: first[id(jobs[i].adapter)])
+        outs = self.sampler.sample_many([jobs[i] for i in order])
+        by_job: list[SampleOutput | None] = [None] * len(jobs)
+        for out, i in zip(outs, order, strict=True):
+            by_job[i] = out
+        split, k = [], 0
+        for part in parts:
+            split.append(by_job[k : k + len(part)])
+            k += len(part)
+        return split
 
     def _forward_backward(
         self,
@@ -1163,6 +1228,11 @@ class TrainingService:
             run_id=entry.source_run or sampler_id,
             tokens=lambda out: out.tokens,
             refuse_when_full=True,  # 429 + Retry-After: the Tinker SDK backs off and resubmits
+            fuse=self.sample_fusable(
+                lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
+                [job],
+                lambda outs: outs[0],
+            ),
         )
         fut, _ = self.engine.submit(op, idem_key=idem)
         return fut

@@ -84,10 +84,12 @@ class Adapter:
 
 @dataclass(frozen=True)
 class RowGroup:
-    """The batch rows (``rows``: a long tensor of row indices) that one adapter applies to."""
+    """The batch rows (``rows``: a long tensor of row indices) that one adapter applies to; ``span`` is
+    ``(start, stop)`` when those rows are one contiguous block."""
 
     adapter: Adapter
     rows: torch.Tensor
+    span: tuple[int, int] | None = None
 
 
 class AdapterRouter:
@@ -97,15 +99,16 @@ class AdapterRouter:
     def __init__(self) -> None:
         self.active: Adapter | None = None
         self.groups: tuple[RowGroup, ...] | None = None  # set only while rows carry different adapters
+        self.rows = 0  # the batch size under use_rows
 
     @contextlib.contextmanager
     def use(self, adapter: Adapter | None):
-        previous = self.active, self.groups
-        self.active, self.groups = adapter, None
+        previous = self.active, self.groups, self.rows
+        self.active, self.groups, self.rows = adapter, None, 0
         try:
             yield
         finally:
-            self.active, self.groups = previous
+            self.active, self.groups, self.rows = previous
 
     @contextlib.contextmanager
     def use_rows(self, adapters: Sequence[Adapter | None], device: torch.device | str | None = None):
@@ -120,14 +123,21 @@ class AdapterRouter:
             if a is not None:
                 order.setdefault(id(a), (a, []))[1].append(i)
         groups = tuple(
-            RowGroup(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in order.values()
+            RowGroup(
+                a,
+                torch.tensor(rows, dtype=torch.long, device=device),
+                (rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else None,
+            )
+            for a, rows in order.values()
         )
-        previous = self.active, self.groups
-        self.active, self.groups = None, groups
+        if all(g.span is not None for g in groups):  # blocks: slices instead of index_select/index_add
+            groups = tuple(sorted(groups, key=lambda g: g.span))
+        previous = self.active, self.groups, self.rows
+        self.active, self.groups, self.rows = None, groups, len(adapters)
         try:
             yield
         finally:
-            self.active, self.groups = previous
+            self.active, self.groups, self.rows = previous
 
 
 class LoRALinear(nn.Module):
@@ -161,7 +171,28 @@ class LoRALinear(nn.Module):
         return y + (delta * adapter.scale).to(y.dtype)
 
     def _forward_rows(self, x: torch.Tensor, y: torch.Tensor, groups: tuple[RowGroup, ...]) -> torch.Tensor:
-        """Per-row adapters: one low-rank update per adapter over its rows, added in place of those rows."""
+        """Per-row adapters: one low-rank update per adapter over its rows, added in place of those rows.
+
+        When every adapter's rows are one block (the trainer's fused passes order rows by run), the
+        updates are computed on slices (views) and joined with one ``cat``; otherwise they are gathered
+        with ``index_select`` and scattered back with ``index_add``."""
+        if groups[0].span is not None and x.shape[0] == self.router.rows:
+            pieces, pos = [], 0
+            for g in groups:
+                start, stop = g.span  # type: ignore[misc]
+                if start > pos:
+                    pieces.append(y.new_zeros((start - pos, *y.shape[1:])))
+                pair = g.adapter.weights.get(self.name)
+                if pair is None:
+                    pieces.append(y.new_zeros((stop - start, *y.shape[1:])))
+                else:
+                    a, b = pair
+                    delta = (x[start:stop].to(a.dtype) @ a.t()) @ b.t()
+                    pieces.append((delta * g.adapter.scale).to(y.dtype))
+                pos = stop
+            if pos < y.shape[0]:
+                pieces.append(y.new_zeros((y.shape[0] - pos, *y.shape[1:])))
+            return y + torch.cat(pieces)
         for g in groups:
             pair = g.adapter.weights.get(self.name)
             if pair is None:

@@ -296,6 +296,7 @@ class Trainer:
         ntoks = [0] * len(items)
         stats_acc: list[dict[str, float]] = [{} for _ in items]
         for idx in self._microbatches([len(d.tokens) for d in datum]):
+            idx = sorted(idx, key=lambda i: flat[i][0])  # each item's rows one block: sliced LoRA updates
             L = max(len(datum[i].tokens) for i in idx)
             B = len(idx)
             ids = torch.zeros(B, L, dtype=torch.long)

@@ -294,3 +294,28 @@ def test_fused_mixes_token_and_topk_targets(base):
         assert_tensors_close(
             [p.grad for p in f.adapter.parameters()], [p.grad for p in s.adapter.parameters()]
         )
+
+
+@pytest.mark.parametrize("layout", ["blocks", "interleaved"])
+def test_row_routing_equals_each_adapter_alone(base, layout):
+    """Rows routed to [a, a, b, None] (blocks: sliced updates) or [a, b, a, None] (interleaved: gathered
+    and scattered) give each row the logits of its adapter applied to that row alone."""
+    trainer = Trainer(base)
+    rng = np.random.default_rng(5)
+    a, b = (trainer.new_state(LoraSpec(rank=r), seed=s) for r, s in ((8, 1), (4, 2)))
+    nudge(trainer, a, rng)
+    nudge(trainer, b, rng)
+    adapters = (
+        [a.adapter, a.adapter, b.adapter, None]
+        if layout == "blocks"
+        else [a.adapter, b.adapter, a.adapter, None]
+    )
+    ids = torch.as_tensor(rng.integers(0, 256, (4, 12)))
+    with torch.no_grad(), base.router.use_rows(adapters):
+        groups = base.router.groups
+        mixed = base.model(input_ids=ids, use_cache=False).logits
+    assert all(g.span is not None for g in groups) == (layout == "blocks")
+    for r, adapter in enumerate(adapters):
+        with torch.no_grad(), base.router.use(adapter):
+            alone = base.model(input_ids=ids[r : r + 1], use_cache=False).logits[0]
+        torch.testing.assert_close(mixed[r], alone, rtol=RTOL, atol=1e-5)

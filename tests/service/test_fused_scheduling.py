@@ -1,0 +1,261 @@
+"""Cross-run fusion in the scheduler (issue 5 part 2), through the real HTTP service.
+
+The device worker is held by a blocking op while several runs queue work; on release, the worker
+runs the ready ops of the three runs as ONE fused pass (fusion on, the default) or one by one
+(``fusion=False``, OPENRL_FUSION=off). Checked:
+
+- the op record shows one fused op covering the three runs (same ``fused_id``, ``fused_runs``),
+  back to back within the call, and /metrics counts it;
+- fused results equal unfused execution: losses and logprobs (rtol 1e-5), each run's gradients, and
+  its adapter after optim_step;
+- with fusion off, every run is bit-identical to the same run alone; with fusion on, a run alone is
+  bit-identical too (a single op never takes the fused path's different kernels);
+- the native API's sample and train_step fuse across runs, with the same seeded tokens as unfused;
+- a failed fused call runs each member alone (nobody fails because of another), and a call bigger than
+  one micro-batch is never fused (it runs sliced, as before).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from openrl_jupyter.client import Client
+from tests.conftest import ALICE_KEY
+from tests.service.raw import RawTinker, sft_datum
+from tests.service.test_scheduling import held_worker, wait_for
+
+PROMPTS = {0: [11, 12, 13, 14], 1: [21, 22], 2: [31, 32, 33, 34, 35, 36]}
+
+
+def run_datums(k: int) -> list:
+    """Different lengths per run, so the fused pass pads rows of different runs together."""
+    p = PROMPTS[k]
+    return [sft_datum(p, [40 + k, 50 + k, 60 + k][: 1 + (k + j) % 3]) for j in range(2 + k)]
+
+
+def grads(svc, run_id: str) -> list[torch.Tensor]:
+    state = svc.runs[run_id].state
+    return [p.grad.clone() for p in state.adapter.parameters()]
+
+
+def weights(svc, run_id: str) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in svc.runs[run_id].state.adapter.parameters()]
+
+
+def train_three(live, runs_seen: list[int] = (0, 1, 2)) -> dict:
+    """Runs k in ``runs_seen`` (seed k+1) do fb, optim, fb (queued together while the worker is held,
+    so their ops can fuse), then optim. Returns the fb results, the gradients before the last optim and
+    the adapters after it, plus the op records of the held part."""
+    svc = live.service
+    raw = RawTinker(live.client())
+    sid = raw.session()
+    ids = {k: raw.create_model(sid, k, seed=k + 1) for k in runs_seen}
+    out: dict = {"ids": ids, "fb": {}, "grads": {}, "weights": {}}
+    t0 = time.time()
+    with held_worker(svc.engine, svc.futures):
+        reqs = {k: raw.submit_fb(ids[k], 1, run_datums(k)) for k in runs_seen}
+        opts = {k: raw.submit_optim(ids[k], 2, lr=1e-2) for k in runs_seen}
+        reqs2 = {k: raw.submit_fb(ids[k], 3, run_datums(k)) for k in runs_seen}
+    for k in runs_seen:
+        assert "error" not in raw.result(reqs[k])
+        assert "error" not in raw.result(opts[k])
+        out["fb"][k] = raw.result(reqs2[k])
+        out["grads"][k] = grads(svc, ids[k])
+    out["records"] = [r for r in svc.recorder.since(t0) if r.kind == "forward_backward"]
+    for k in runs_seen:
+        assert "error" not in raw.result(raw.submit_optim(ids[k], 4, lr=1e-2))
+        out["weights"][k] = weights(svc, ids[k])
+    return out
+
+
+def fb_loss_and_logprobs(result: dict) -> tuple[float, list[np.ndarray]]:
+    lps = [np.asarray(o["logprobs"]["data"], dtype=np.float32) for o in result["loss_fn_outputs"]]
+    return result["metrics"]["loss:sum"], lps
+
+
+def assert_close(a: dict, b: dict, k: int) -> None:
+    la, lpa = fb_loss_and_logprobs(a["fb"][k])
+    lb, lpb = fb_loss_and_logprobs(b["fb"][k])
+    assert la == pytest.approx(lb, rel=1e-5)
+    for x, y in zip(lpa, lpb, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(a["grads"][k], b["grads"][k], strict=True):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6 * max(1.0, float(gb.abs().max())))
+    for wa, wb in zip(a["weights"][k], b["weights"][k], strict=True):
+        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
+
+
+def test_three_runs_share_one_fused_op_with_unfused_results(make_server):
+    fused = train_three(make_server())  # fusion is on by default
+    unfused = train_three(make_server(fusion=False))
+    ids = fused["ids"]
+    # The op record: each held round of three forward_backwards ran as one fused op for all three runs.
+    by_call: dict[str, list] = {}
+    for r in fused["records"]:
+        assert r.fused_id is not None, r
+        by_call.setdefault(r.fused_id, []).append(r)
+    assert len(by_call) == 2
+    for members in by_call.values():
+        assert sorted(m.run for m in members) == sorted(ids.values())
+        assert set(members[0].fused_runs) == set(ids.values())
+        members.sort(key=lambda m: m.start)
+        for m, n in zip(members, members[1:], strict=False):
+            assert m.end == pytest.approx(n.start)  # back to back within the one call
+    assert all(r.fused_id is None for r in unfused["records"])
+    assert len(unfused["records"]) == 6
+    for k in ids:
+        assert_close(fused, unfused, k)
+
+
+def test_fusion_off_runs_are_bit_identical_to_a_run_alone(make_server):
+    together = train_three(make_server(fusion=False))
+    alone = train_three(make_server(fusion=False), runs_seen=[1])
+    alone_fused_on = train_three(make_server(), runs_seen=[1])
+    for other in (alone, alone_fused_on):
+        assert fb_loss_and_logprobs(together["fb"][1])[0] == fb_loss_and_logprobs(other["fb"][1])[0]
+        for x, y in zip(together["grads"][1], other["grads"][1], strict=True):
+            assert torch.equal(x, y)
+        for x, y in zip(together["weights"][1], other["weights"][1], strict=True):
+            assert torch.equal(x, y)
+    assert all(r.fused_id is None for r in alone_fused_on["records"])
+
+
+def test_metrics_count_fused_ops(make_server):
+    live = make_server()
+    train_three(live)
+    text = live.client().get("/metrics").text
+    fused_ops = [ln for ln in text.splitlines() if ln.startswith("openrl_fused_ops_total ")]
+    members = [ln for ln in text.splitlines() if ln.startswith("openrl_fused_members_total ")]
+    assert float(fused_ops[0].split()[1]) == 2
+    assert float(members[0].split()[1]) == 6
+
+
+def native_round(live, n_runs: int = 3) -> dict:
+    """Three native runs: seeded sample, train_step on it, seeded sample again, each round queued
+    while the worker is held so the three runs' calls can fuse."""
+    svc = live.service
+    clients = [Client(live.url, token=ALICE_KEY) for _ in range(n_runs)]
+    runs = [c.create_run(name=f"r{k}", seed=k + 1)["run_id"] for k, c in enumerate(clients)]
+    prompts = [["ab", "cde"], ["fghij"], ["k", "lm", "nop"]]
+    out: dict = {"samples": [], "steps": [], "records": []}
+
+    def held_round(call) -> list:
+        results: list = [None] * n_runs
+        with held_worker(svc.engine, svc.futures):
+            threads = [
+                threading.Thread(target=lambda k=k: results.__setitem__(k, call(k))) for k in range(n_runs)
+            ]
+            depth = svc.engine.queue_depth()
+            for t in threads:
+                t.start()
+            wait_for(lambda: svc.engine.queue_depth() == depth + n_runs)
+        for t in threads:
+            t.join(60)
+        return results
+
+    t0 = time.time()
+    first = held_round(
+        lambda k: clients[k].sample(runs[k], prompts[k], num_samples=2, max_tokens=6, seed=7, temperature=1.0)
+    )
+    steps = held_round(
+        lambda k: clients[k].train_step(
+            runs[k],
+            [
+                {"sample_id": s["sample_id"], "advantage": (-1.0) ** i}
+                for i, s in enumerate(first[k]["samples"])
+            ],
+            optimizer={"learning_rate": 1e-2},
+        )
+    )
+    second = held_round(
+        lambda k: clients[k].sample(runs[k], prompts[k], num_samples=2, max_tokens=6, seed=8, temperature=1.0)
+    )
+    out["samples"] = [first, second]
+    out["steps"] = steps
+    out["records"] = [r for r in svc.recorder.since(t0) if r.kind in ("sample", "train_step")]
+    for c in clients:
+        c.close()
+    return out
+
+
+def test_native_sample_and_train_step_fuse_across_runs(make_server):
+    fused = native_round(make_server())
+    unfused = native_round(make_server(fusion=False))
+    calls: dict[str, set] = {}
+    for r in fused["records"]:
+        assert r.fused_id is not None, r
+        calls.setdefault(r.fused_id, set()).add((r.kind, r.run))
+    assert len(calls) == 3  # sample, train_step, sample: one fused op each, covering the three runs
+    assert sorted(len(v) for v in calls.values()) == [3, 3, 3]
+    assert all(r.fused_id is None for r in unfused["records"])
+    for rnd in range(2):
+        for k in range(3):
+            a = fused["samples"][rnd][k]["samples"]
+            b = unfused["samples"][rnd][k]["samples"]
+            assert [s["tokens"] for s in a] == [s["tokens"] for s in b]
+            for x, y in zip(a, b, strict=True):
+                np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=1e-4, atol=1e-5)
+    for k in range(3):
+        assert fused["steps"][k]["loss"] == pytest.approx(unfused["steps"][k]["loss"], rel=1e-5, abs=1e-5)
+        assert fused["steps"][k]["grad_norm"] == pytest.approx(unfused["steps"][k]["grad_norm"], rel=1e-4)
+
+
+def test_a_failed_fused_call_runs_each_member_alone(make_server, caplog):
+    live = make_server()
+    reference = train_three(make_server(fusion=False))
+
+    def broken(items):
+        raise RuntimeError("fused pass exploded")
+
+    live.service.engine.fusers["train"] = broken
+    with caplog.at_level("WARNING"):
+        alone = train_three(live)
+    assert "running them one by one" in caplog.text
+    assert all(r.fused_id is None for r in alone["records"])
+    for k in alone["ids"]:
+        assert_close(alone, reference, k)
+
+
+def test_a_call_larger_than_one_micro_batch_is_not_fused(make_server):
+    """With 16-token micro-batches, run 2's six datums need several: it runs sliced and alone, while
+    the two small calls still fuse with each other."""
+    live = make_server(microbatch_tokens=16)
+    svc = live.service
+    raw = RawTinker(live.client())
+    sid = raw.session()
+    ids = [raw.create_model(sid, k, seed=k + 1) for k in range(3)]
+    small = [sft_datum([11, 12, 13], [21, 22])]
+    big = [sft_datum([31, 32, 33, 34, 35], [41, 42, 43])] * 6
+    t0 = time.time()
+    with held_worker(svc.engine, svc.futures):
+        reqs = [
+            raw.submit_fb(ids[0], 1, small),
+            raw.submit_fb(ids[1], 1, small),
+            raw.submit_fb(ids[2], 1, big),
+        ]
+    for r in reqs:
+        assert "error" not in raw.result(r)
+    recs = [r for r in svc.recorder.since(t0) if r.kind == "forward_backward"]
+    by_run = {r.run: r for r in recs}
+    assert by_run[ids[0]].fused_id is not None
+    assert by_run[ids[0]].fused_id == by_run[ids[1]].fused_id
+    assert set(by_run[ids[0]].fused_runs) == {ids[0], ids[1]}
+    assert by_run[ids[2]].fused_id is None
+
+
+def test_fusion_setting_is_validated():
+    from openrl_service.cli import main
+    from openrl_service.config import from_env
+
+    assert from_env({"OPENRL_FUSION": "off"}).fusion is False
+    assert from_env({"OPENRL_FUSION": "ON"}).fusion is True
+    assert from_env({}).fusion is True
+    with pytest.raises(ValueError, match="OPENRL_FUSION must be on or off; got 'maybe'"):
+        from_env({"OPENRL_FUSION": "maybe"})
+    with pytest.raises(SystemExit):
+        main(["serve", "--fusion", "maybe"])
