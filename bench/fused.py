@@ -7,6 +7,8 @@ Training: R runs × S sequences each (default 3 × 8, mixed lengths, cross_entro
 prints a ratio table (timings on shared CPUs are noisy; ratios are the signal).
 
     python bench/fused.py [--runs 3] [--seqs 8] [--tokens 64] [--samples 4] [--max-tokens 32] [--repeats 5]
+
+``FusedBench`` is the reusable part (``bench/packing.py`` reports its training ratio as ``fused``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,111 @@ from pathlib import Path
 
 import numpy as np
 
+LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+
+
+class FusedBench:
+    """The tiny model, a trainer and a sampler, ``runs`` LoRA runs, one training call per run."""
+
+    def __init__(self, runs: int = 3, seqs: int = 8, tokens: int = 64, seed: int = 0):
+        from openrl_service.models.loading import load_base_model
+        from openrl_service.sampling.torch_sampler import TorchSampler
+        from openrl_service.training.lora import LoraSpec
+        from openrl_service.training.losses import check_loss
+        from openrl_service.training.trainer import AdamParams, Trainer
+
+        with tempfile.TemporaryDirectory() as data_dir:
+            self.base = load_base_model("tiny", data_dir=Path(data_dir))
+        self.trainer = Trainer(self.base)
+        self.sampler = TorchSampler(self.base)
+        self.rng = np.random.default_rng(seed)
+        self.states = [self.trainer.new_state(LoraSpec(rank=8), seed=i) for i in range(runs)]
+        self.calls = []
+        for i in range(runs):
+            loss = LOSSES[i % len(LOSSES)]
+            lengths = self.rng.integers(tokens // 2, tokens + 1, seqs)
+            self.calls.append(([self._datum(int(n), loss) for n in lengths], loss, check_loss(loss, {})))
+        self.adam = AdamParams(learning_rate=1e-4)
+        self.jobs: list = []
+
+    def _datum(self, n: int, loss: str):
+        from openrl_service.training.trainer import DatumArrays
+
+        rng = self.rng
+        inputs = {"target_tokens": rng.integers(0, 256, n)}
+        if loss == "cross_entropy":
+            inputs["weights"] = np.ones(n, np.float32)
+        else:
+            inputs["logprobs"] = rng.uniform(-7, -4, n).astype(np.float32)
+            inputs["advantages"] = rng.normal(size=n).astype(np.float32)
+        return DatumArrays(rng.integers(0, 256, n), inputs)
+
+    @property
+    def train_tokens(self) -> int:
+        return sum(len(d.tokens) for c in self.calls for d in c[0])
+
+    def train(self, fused: bool) -> float:
+        """Seconds of one training step of every run: one fused pass, or each run's call in turn."""
+        trainer, states, calls = self.trainer, self.states, self.calls
+        t0 = time.perf_counter()
+        if fused:
+            trainer.forward_backward_fused([(st, *c) for st, c in zip(states, calls, strict=True)])
+        else:
+            for st, c in zip(states, calls, strict=True):
+                trainer.forward_backward(st, *c, forward_only=False)
+        for st in states:
+            trainer.optim_step(st, self.adam)
+        return time.perf_counter() - t0
+
+    def make_jobs(self, samples: int, max_tokens: int) -> None:
+        """One sampling job per run's current adapter plus one base-model job."""
+        from openrl_service.sampling.base import SampleJob, SamplingParams
+
+        rng = self.rng
+        adapters = [st.adapter.snapshot() for st in self.states] + [None]
+        self.jobs = [
+            SampleJob(
+                prompt=rng.integers(0, 256, int(rng.integers(8, 24))).tolist(),
+                num_samples=samples,
+                params=SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, stop_token_ids=()),
+                adapter=a,
+            )
+            for i, a in enumerate(adapters)
+        ]
+
+    def sample(self, fused: bool) -> float:
+        t0 = time.perf_counter()
+        if fused:
+            self.sampler.sample_many(self.jobs)
+        else:
+            for job in self.jobs:
+                self.sampler.sample(job)
+        return time.perf_counter() - t0
+
+
+def compare(fn, repeats: int) -> tuple[float, float]:
+    """Median seconds per run in turn and fused, after one warm-up of each."""
+    fn(True), fn(False)
+    per_run = statistics.median(fn(False) for _ in range(repeats))
+    fused = statistics.median(fn(True) for _ in range(repeats))
+    return per_run, fused
+
+
+def measure_train(runs: int = 3, seqs: int = 8, tokens: int = 64, repeats: int = 5) -> dict:
+    """The fused training step's speed over the same datums run per run in turn (median seconds)."""
+    bench = FusedBench(runs, seqs, tokens)
+    per_run, fused = compare(bench.train, repeats)
+    return {
+        "runs": runs,
+        "seqs": seqs,
+        "max_seq_tokens": tokens,
+        "repeats": repeats,
+        "tokens": bench.train_tokens,
+        "per_run_s": per_run,
+        "fused_s": fused,
+        "speedup": per_run / fused,
+    }
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,80 +137,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
 
-    from openrl_service.models.loading import load_base_model
-    from openrl_service.sampling.base import SampleJob, SamplingParams
-    from openrl_service.sampling.torch_sampler import TorchSampler
-    from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.losses import check_loss
-    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer
-
-    with tempfile.TemporaryDirectory() as data_dir:
-        base = load_base_model("tiny", data_dir=Path(data_dir))
-    trainer = Trainer(base)
-    sampler = TorchSampler(base)
-    rng = np.random.default_rng(0)
-    states = [trainer.new_state(LoraSpec(rank=8), seed=i) for i in range(args.runs)]
-    losses = ["cross_entropy", "importance_sampling", "ppo"]
-
-    def datum(n: int, loss: str) -> DatumArrays:
-        inputs = {"target_tokens": rng.integers(0, 256, n)}
-        if loss == "cross_entropy":
-            inputs["weights"] = np.ones(n, np.float32)
-        else:
-            inputs["logprobs"] = rng.uniform(-7, -4, n).astype(np.float32)
-            inputs["advantages"] = rng.normal(size=n).astype(np.float32)
-        return DatumArrays(rng.integers(0, 256, n), inputs)
-
-    calls = []
-    for i in range(args.runs):
-        loss = losses[i % len(losses)]
-        lengths = rng.integers(args.tokens // 2, args.tokens + 1, args.seqs)
-        calls.append(([datum(int(n), loss) for n in lengths], loss, check_loss(loss, {})))
-    adam = AdamParams(learning_rate=1e-4)
-
-    def train(fused: bool) -> float:
-        t0 = time.perf_counter()
-        if fused:
-            trainer.forward_backward_fused([(st, *c) for st, c in zip(states, calls, strict=True)])
-        else:
-            for st, c in zip(states, calls, strict=True):
-                trainer.forward_backward(st, *c, forward_only=False)
-        for st in states:
-            trainer.optim_step(st, adam)
-        return time.perf_counter() - t0
-
-    adapters = [st.adapter.snapshot() for st in states] + [None]
-    jobs = [
-        SampleJob(
-            prompt=rng.integers(0, 256, int(rng.integers(8, 24))).tolist(),
-            num_samples=args.samples,
-            params=SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, stop_token_ids=()),
-            adapter=a,
-        )
-        for i, a in enumerate(adapters)
-    ]
-
-    def sample(fused: bool) -> float:
-        t0 = time.perf_counter()
-        if fused:
-            sampler.sample_many(jobs)
-        else:
-            for job in jobs:
-                sampler.sample(job)
-        return time.perf_counter() - t0
-
-    train(True), train(False), sample(True), sample(False)  # warm-up
+    bench = FusedBench(args.runs, args.seqs, args.tokens)
+    bench.make_jobs(args.samples, args.max_tokens)
     rows = []
     for name, fn, work in (
+        (f"train {args.runs} runs x {args.seqs} seqs", bench.train, bench.train_tokens),
         (
-            f"train {args.runs} runs x {args.seqs} seqs",
-            train,
-            sum(len(d.tokens) for c in calls for d in c[0]),
+            f"sample {len(bench.jobs)} jobs x {args.samples}",
+            bench.sample,
+            len(bench.jobs) * args.samples * args.max_tokens,
         ),
-        (f"sample {len(jobs)} jobs x {args.samples}", sample, len(jobs) * args.samples * args.max_tokens),
     ):
-        per_run = statistics.median(fn(False) for _ in range(args.repeats))
-        fused = statistics.median(fn(True) for _ in range(args.repeats))
+        per_run, fused = compare(fn, args.repeats)
         rows.append((name, work / per_run, work / fused, per_run / fused))
 
     print(f"openrl/tiny, LoRA r8, median of {args.repeats} (tokens/s; sampling counts max_tokens per sample)")
