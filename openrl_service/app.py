@@ -77,7 +77,9 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         if not svc.engine.ready.is_set():
             return json_response({"status": "loading"}, status=503)
         base = svc.base
-        return json_response({"status": "ready", "model": base.name, "device": str(base.device)})
+        return json_response(
+            {"status": "ready", "model": base.name, "device": str(base.device), "fusion": svc.engine.fusion}
+        )
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):

@@ -345,7 +345,7 @@ class Catalog:
                 "dur": op.duration_s * 1e6,
                 "pid": 1,
                 "tid": op.run,
-                "args": {"tokens": op.tokens, "ok": op.ok},
+                "args": {"tokens": op.tokens, "ok": op.ok} | _fused_args(op, lanes),
             }
             for op in self.svc.recorder.since(record["created_at"])
             if op.run in lanes
@@ -365,3 +365,14 @@ def _status_matches(status: dict, queries: list) -> bool:
     wanted = {q.get("type") if isinstance(q, dict) else q for q in queries}
     kind = status.get("type")
     return kind in wanted or ("finished" in wanted and kind == "client_finished")
+
+
+def _fused_args(op, lanes: set[str]) -> dict:
+    """A fused op's id and how many runs it covered; other sessions' (tenants') run ids stay out."""
+    if not op.fused_id:
+        return {}
+    return {
+        "fused_id": op.fused_id,
+        "fused_runs": len(op.fused_runs),
+        "fused_with": [r for r in op.fused_runs if r in lanes and r != op.run],
+    }

@@ -127,6 +127,7 @@ def test_fusion_off_runs_are_bit_identical_to_a_run_alone(make_server):
 
 def test_metrics_count_fused_ops(make_server):
     live = make_server()
+    assert live.client().get("/readyz").json()["fusion"] is True
     train_three(live)
     text = live.client().get("/metrics").text
     fused_ops = [ln for ln in text.splitlines() if ln.startswith("openrl_fused_ops_total ")]
