@@ -666,7 +666,7 @@ def run(args: argparse.Namespace) -> int:
             bench = Bench(args, service, clients)
             print(
                 f"service ready on {service.url} ({ready.get('model')}, {ready.get('device')}; "
-                f"OPENRL_FUSION={service.env_fusion or 'unset'}) after {time.time() - t_begin:.1f} s",
+                f"fusion {'on' if ready.get('fusion') else 'off'}) after {time.time() - t_begin:.1f} s",
                 flush=True,
             )
             cal = bench.phase(1, args.calib_steps, 0.0)
@@ -779,7 +779,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "service": {
             "readyz": ready,
-            "fusion": service.env_fusion or "unset (the service's default)",
+            "fusion": "on" if ready.get("fusion") else "off",  # as the service reports it (/readyz)
             "fused_calls": sum(r["fused_calls"] or 0 for r in rows),
             "fusion_flag": args.fusion,
         },
