@@ -475,17 +475,7 @@ class Engine:
             except ServiceError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
-                incident = uuid.uuid4().hex[:8]
-                log.error(
-                    "op %s on %s failed (incident %s):\n%s",
-                    op.kind,
-                    op.lane,
-                    incident,
-                    traceback.format_exc(),
-                )
-                error = InternalError(
-                    f"internal error while running {op.kind} (incident {incident}): {type(e).__name__}"
-                )
+                error = self._internal(op, e)
         end = time.time()
         queued_s = max(0.0, now - op.queued_since)
         if more:
@@ -512,12 +502,30 @@ class Engine:
             self._flush_record(ok=error is None)
         self.futures.complete(op.future, result=result, error=error)
 
+    def _internal(self, op: Op, e: Exception) -> InternalError:
+        """An unexpected failure of ``op``: logged in full under an incident id the client gets."""
+        incident = uuid.uuid4().hex[:8]
+        log.error("op %s on %s failed (incident %s):\n%s", op.kind, op.lane, incident, traceback.format_exc())
+        return InternalError(
+            f"internal error while running {op.kind} (incident {incident}): {type(e).__name__}"
+        )
+
     def _execute_fused(self, ops: list[Op]) -> None:
         """Run ``ops`` (same fusion key) as one fuser call; complete each one's future.
 
         A member whose ``prepare`` fails completes with that error and leaves the call. If the call
         itself fails, each remaining member runs alone (the fusers leave every run's state as it was
-        on failure), so a bad member cannot fail the others."""
+        on failure), so a bad member cannot fail the others. Whatever happens, every member's future
+        completes."""
+        try:
+            self._run_fused(ops)
+        except Exception as e:  # noqa: BLE001 - bookkeeping bug: no member may be left waiting
+            error = self._internal(ops[0], e)
+            for op in ops:
+                if not op.future.done:
+                    self.futures.complete(op.future, error=error)
+
+    def _run_fused(self, ops: list[Op]) -> None:
         self._flush_record()
         now = time.monotonic()
         start = time.time()
@@ -528,6 +536,8 @@ class Engine:
                 live.append(op)
             except ServiceError as e:
                 self.futures.complete(op.future, error=e)
+            except Exception as e:  # noqa: BLE001
+                self.futures.complete(op.future, error=self._internal(op, e))
         if not live:
             return
         try:
@@ -546,23 +556,8 @@ class Engine:
                 results.append((op.fuse.finish(out), None))  # type: ignore[union-attr]
             except ServiceError as e:
                 results.append((None, e))
-            except Exception as e:  # noqa: BLE001
-                incident = uuid.uuid4().hex[:8]
-                log.error(
-                    "op %s on %s failed (incident %s):\n%s",
-                    op.kind,
-                    op.lane,
-                    incident,
-                    traceback.format_exc(),
-                )
-                results.append(
-                    (
-                        None,
-                        InternalError(
-                            f"internal error while running {op.kind} (incident {incident}): {type(e).__name__}"
-                        ),
-                    )
-                )
+            except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
+                results.append((None, self._internal(op, e)))
         end = time.time()
         self._record_fused(live, results, start, end, now)
         for op, (result, error) in zip(live, results, strict=True):

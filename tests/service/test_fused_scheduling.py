@@ -260,3 +260,98 @@ def test_fusion_setting_is_validated():
         from_env({"OPENRL_FUSION": "maybe"})
     with pytest.raises(SystemExit):
         main(["serve", "--fusion", "maybe"])
+
+
+# -- the engine alone: which ops join a fused call ------------------------------------------------
+def fused_engine(**kw):
+    from openrl_service.engine.futures import FutureStore
+    from openrl_service.engine.scheduler import Engine
+    from openrl_service.telemetry import OpRecorder
+
+    calls: list[list] = []
+
+    def double(parts):
+        calls.append(list(parts))
+        return [p * 2 for p in parts]
+
+    futures = FutureStore(ttl_s=60)
+    recorder = OpRecorder()
+    engine = Engine(
+        futures=futures, seq_gap_timeout_s=60, recorder=recorder, fusion=True, fusers={"k": double}, **kw
+    )
+    engine.start()
+    engine.ready.wait(10)
+    return engine, futures, recorder, calls
+
+
+def fusable_op(futures, lane: str, value, *, size: int = 1, key: str = "k", seq_id=None):
+    from openrl_service.engine.scheduler import Fusable, Op
+
+    def prepare():
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    return Op(
+        kind="work",
+        lane=lane,
+        fn=lambda: prepare() * 2,
+        future=futures.new("t", "work"),
+        run_id=lane.split(":", 1)[1],
+        seq_id=seq_id,
+        fuse=Fusable(key=key, size=size, prepare=prepare),
+    )
+
+
+def test_a_member_that_fails_to_prepare_fails_alone():
+    engine, futures, recorder, calls = fused_engine()
+    try:
+        with held_worker(engine, futures):
+            ops = [
+                fusable_op(futures, "sampler:a", 1),
+                fusable_op(futures, "sampler:b", RuntimeError("boom")),
+                fusable_op(futures, "sampler:c", 3),
+            ]
+            for o in ops:
+                engine.submit(o)
+        for o in ops:
+            assert futures.wait_sync(o.future, 10)
+        assert [o.future.result for o in ops] == [2, None, 6]
+        assert "internal error while running work" in str(ops[1].future.error)
+        assert calls == [[1, 3]]
+        recs = [r for r in recorder.since(0) if r.kind == "work"]
+        assert {r.run for r in recs} == {"a", "c"} and len({r.fused_id for r in recs}) == 1
+    finally:
+        engine.stop()
+
+
+def test_companions_respect_the_budget_the_key_and_run_order():
+    """Budget 4: a(2) + c(2) fuse; b has another key; d(1) would overflow; a run's second op (e2)
+    depends on its first and never joins the call that runs its first."""
+    engine, futures, recorder, calls = fused_engine(fusion_max_tokens=4)
+    try:
+        engine.open_ordered_lane("e", 0)
+        with held_worker(engine, futures):
+            ops = [
+                fusable_op(futures, "sampler:a", 1, size=2),
+                fusable_op(futures, "sampler:b", 2, key="other"),
+                fusable_op(futures, "sampler:c", 3, size=2),
+                fusable_op(futures, "sampler:d", 4, size=1),
+            ]
+            for o in ops:
+                engine.submit(o)
+        for o in ops:
+            assert futures.wait_sync(o.future, 10)
+        assert calls[0] == [1, 3]
+        assert [o.future.result for o in ops] == [2, 4, 6, 8]
+        calls.clear()
+        with held_worker(engine, futures):
+            e1 = fusable_op(futures, "run:e", 5, seq_id=0)
+            e2 = fusable_op(futures, "run:e", 6, seq_id=1)
+            engine.submit(e1)
+            engine.submit(e2)
+        for o in (e1, e2):
+            assert futures.wait_sync(o.future, 10)
+        assert calls == [[5], [6]]
+    finally:
+        engine.stop()
