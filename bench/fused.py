@@ -7,6 +7,10 @@ Training: R runs × S sequences each (default 3 × 8, mixed lengths, cross_entro
 prints a ratio table (timings on shared CPUs are noisy; ratios are the signal).
 
     python bench/fused.py [--runs 3] [--seqs 8] [--tokens 64] [--samples 4] [--max-tokens 32] [--repeats 5]
+                          [--model tiny|PATH] [--device cuda|cpu]
+
+``--model`` takes what ``openrl-service serve --model`` takes (default the tiny model); token ids stay
+below 256, so any vocabulary of at least 256 works. On CUDA every timing synchronises the device.
 
 ``FusedBench`` is the reusable part (``bench/packing.py`` reports its training ratio as ``fused``).
 """
@@ -25,9 +29,18 @@ LOSSES = ("cross_entropy", "importance_sampling", "ppo")
 
 
 class FusedBench:
-    """The tiny model, a trainer and a sampler, ``runs`` LoRA runs, one training call per run."""
+    """A model (the tiny one by default), a trainer and a sampler, ``runs`` LoRA runs, one training
+    call per run."""
 
-    def __init__(self, runs: int = 3, seqs: int = 8, tokens: int = 64, seed: int = 0):
+    def __init__(
+        self,
+        runs: int = 3,
+        seqs: int = 8,
+        tokens: int = 64,
+        seed: int = 0,
+        model: str = "tiny",
+        device: str | None = None,
+    ):
         from openrl_service.models.loading import load_base_model
         from openrl_service.sampling.torch_sampler import TorchSampler
         from openrl_service.training.lora import LoraSpec
@@ -35,7 +48,7 @@ class FusedBench:
         from openrl_service.training.trainer import AdamParams, Trainer
 
         with tempfile.TemporaryDirectory() as data_dir:
-            self.base = load_base_model("tiny", data_dir=Path(data_dir))
+            self.base = load_base_model(model, data_dir=Path(data_dir), device=device)
         self.trainer = Trainer(self.base)
         self.sampler = TorchSampler(self.base)
         self.rng = np.random.default_rng(seed)
@@ -60,6 +73,13 @@ class FusedBench:
             inputs["advantages"] = rng.normal(size=n).astype(np.float32)
         return DatumArrays(rng.integers(0, 256, n), inputs)
 
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA runs asynchronously; a timing must include it)."""
+        if self.base.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.base.device)
+
     @property
     def train_tokens(self) -> int:
         return sum(len(d.tokens) for c in self.calls for d in c[0])
@@ -67,6 +87,7 @@ class FusedBench:
     def train(self, fused: bool) -> float:
         """Seconds of one training step of every run: one fused pass, or each run's call in turn."""
         trainer, states, calls = self.trainer, self.states, self.calls
+        self.sync()
         t0 = time.perf_counter()
         if fused:
             trainer.forward_backward_fused([(st, *c) for st, c in zip(states, calls, strict=True)])
@@ -75,6 +96,7 @@ class FusedBench:
                 trainer.forward_backward(st, *c, forward_only=False)
         for st in states:
             trainer.optim_step(st, self.adam)
+        self.sync()
         return time.perf_counter() - t0
 
     def make_jobs(self, samples: int, max_tokens: int) -> None:
@@ -94,12 +116,14 @@ class FusedBench:
         ]
 
     def sample(self, fused: bool) -> float:
+        self.sync()
         t0 = time.perf_counter()
         if fused:
             self.sampler.sample_many(self.jobs)
         else:
             for job in self.jobs:
                 self.sampler.sample(job)
+        self.sync()
         return time.perf_counter() - t0
 
 
@@ -111,9 +135,16 @@ def compare(fn, repeats: int) -> tuple[float, float]:
     return per_run, fused
 
 
-def measure_train(runs: int = 3, seqs: int = 8, tokens: int = 64, repeats: int = 5) -> dict:
+def measure_train(
+    runs: int = 3,
+    seqs: int = 8,
+    tokens: int = 64,
+    repeats: int = 5,
+    model: str = "tiny",
+    device: str | None = None,
+) -> dict:
     """The fused training step's speed over the same datums run per run in turn (median seconds)."""
-    bench = FusedBench(runs, seqs, tokens)
+    bench = FusedBench(runs, seqs, tokens, model=model, device=device)
     per_run, fused = compare(bench.train, repeats)
     return {
         "runs": runs,
@@ -124,6 +155,8 @@ def measure_train(runs: int = 3, seqs: int = 8, tokens: int = 64, repeats: int =
         "per_run_s": per_run,
         "fused_s": fused,
         "speedup": per_run / fused,
+        "model": bench.base.name,
+        "device": str(bench.base.device),
     }
 
 
@@ -135,9 +168,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4, help="samples per sampling job")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="tiny", help="tiny, a Hugging Face model folder or a .gguf file")
+    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     args = p.parse_args()
 
-    bench = FusedBench(args.runs, args.seqs, args.tokens)
+    bench = FusedBench(args.runs, args.seqs, args.tokens, model=args.model, device=args.device)
     bench.make_jobs(args.samples, args.max_tokens)
     rows = []
     for name, fn, work in (
@@ -151,7 +186,9 @@ def main() -> None:
         per_run, fused = compare(fn, args.repeats)
         rows.append((name, work / per_run, work / fused, per_run / fused))
 
-    print(f"openrl/tiny, LoRA r8, median of {args.repeats} (tokens/s; sampling counts max_tokens per sample)")
+    print(
+        f"{bench.base.name}, LoRA r8, median of {args.repeats} (tokens/s; sampling counts max_tokens per sample)"
+    )
     print(f"{'workload':>28} {'per run':>10} {'fused':>10} {'speedup':>8}")
     for name, a, b, ratio in rows:
         print(f"{name:>28} {a:>10.0f} {b:>10.0f} {ratio:>7.2f}x")

@@ -38,6 +38,15 @@ Method.
    (expected ≈ 1× N = 1); duty over those times.
 6. ``fused``: after the service stops, ``bench/fused.py``'s training comparison in this process.
 
+Another model, a GPU (``bench/gpu_check.sh`` runs this on a lent GPU machine): ``--model PATH`` serves
+a Hugging Face model folder instead of the tiny model (``openrl-service serve --model PATH``) and the
+``fused`` measure loads the same folder; ``--device cuda|cpu`` is passed to the service and to
+``fused``. When the service's device is a CUDA GPU and ``pynvml`` (nvidia-ml-py) can read it, a
+thread in this process polls NVML's utilisation and memory at ~10 Hz during every phase: the table
+gains a column "GPU util (NVML)" (mean / max over the phase) and each row of the JSON a
+``gpu_util_nvml`` object. That is NVML's share of time a kernel ran, never the engine's busy
+fraction (``duty``). Without a GPU the output is as before.
+
 Not a test: it prints a table, writes ``bench/results/packing.json`` and ends with one line
 ``packing: runs=3 duty=… speedup=… bound=… slowdown=… fairness=… fused=…``; the targets (CPU, tiny
 model, N = 3: duty ≥ 0.95, speedup ≥ 0.9 × bound, slowdown ≤ 1.2 × max(1, N·f), fairness ≥ 0.95,
@@ -46,7 +55,8 @@ measures the CPU other processes used during each phase and says when it was not
 
     python bench/packing.py [--short] [--runs 1 2 3 4] [--steps 40] [--reward-s S] [--fusion on|off]
                             [--torch-threads T] [--prompts 8] [--group 4] [--max-tokens 32]
-                            [--seq-runs 3] [--out bench/results/packing.json]
+                            [--seq-runs 3] [--model PATH] [--device cuda|cpu]
+                            [--out bench/results/packing.json]
 """
 
 from __future__ import annotations
@@ -165,7 +175,14 @@ def free_port() -> int:
 class Service:
     """``openrl-service serve`` as a child on a free loopback port; stdin held open so it exits with us."""
 
-    def __init__(self, data_dir: Path, fusion: str | None, torch_threads: int | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        fusion: str | None,
+        torch_threads: int | None = None,
+        model: str | None = None,
+        device: str | None = None,
+    ):
         import httpx
 
         self.port = free_port()
@@ -179,6 +196,7 @@ class Service:
         self.env_fusion = env.get("OPENRL_FUSION")
         self.env_threads = env.get("OPENRL_TORCH_THREADS")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        extra = (["--model", model] if model else []) + (["--device", device] if device else [])
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -193,6 +211,7 @@ class Service:
                 "--log-level",
                 "warning",
                 "--exit-with-parent",
+                *extra,
             ],
             stdin=subprocess.PIPE,
             stdout=self._log,
@@ -348,6 +367,118 @@ class Clients:
                 p.wait(5)
 
 
+class NvmlSampler:
+    """GPU utilisation and memory from NVML (``pynvml``, nvidia-ml-py), polled by a thread in this
+    process every ``period_s`` during a phase. ``available`` is False without pynvml, a driver or
+    that GPU; then ``start``/``stop`` do nothing and return None. The figure is NVML's utilisation
+    (the share of its sample period in which a kernel ran on the GPU, as nvidia-smi shows), labelled
+    "GPU util (NVML)"; it is never the engine's busy fraction (``duty``)."""
+
+    LABEL = "GPU util (NVML)"
+
+    def __init__(self, index: int = 0, period_s: float = 0.1):
+        self.index = index
+        self.period_s = period_s
+        self.info: dict | None = None
+        self._nvml = None
+        self._handle = None
+        self._samples: list[tuple[float, float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
+            self.info = {
+                "index": index,
+                "name": str(pynvml.nvmlDeviceGetName(self._handle)),
+                "driver": str(pynvml.nvmlSystemGetDriverVersion()),
+                "memory_total_bytes": int(mem.total),
+            }
+        except Exception:  # noqa: BLE001 - no library, no driver or no such GPU: NVML is absent
+            self._handle = None
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def _read(self) -> tuple[float, float, int] | None:
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except Exception:  # noqa: BLE001 - a transient NVML error: skip this sample
+            return None
+        return time.time(), util.gpu / 100.0, int(mem.used)
+
+    def _loop(self) -> None:
+        while True:
+            sample = self._read()
+            if sample is not None:
+                self._samples.append(sample)
+            if self._stop.wait(self.period_s):
+                return
+
+    def start(self) -> None:
+        if not self.available:
+            return
+        self._samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="nvml-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[tuple[float, float, int]]:
+        """The phase's samples: (time, utilisation 0-1, memory used bytes)."""
+        if self._thread is None:
+            return []
+        self._stop.set()
+        self._thread.join(5)
+        self._thread = None
+        return list(self._samples)
+
+    def summary(self, samples: list[tuple[float, float, int]], windows: list[tuple[float, float]]) -> dict:
+        """Mean / max utilisation within the measured windows (what duty covers) and over the whole
+        phase (client start-up and warm-up included), peak memory used."""
+
+        def stats(sel: list[tuple[float, float, int]]) -> dict:
+            utils = [u for _, u, _ in sel]
+            return {
+                "samples": len(sel),
+                "util_mean": statistics.mean(utils) if utils else None,
+                "util_max": max(utils) if utils else None,
+                "memory_used_max_bytes": max((m for _, _, m in sel), default=None),
+            }
+
+        inside = [x for x in samples if any(a <= x[0] <= b for a, b in windows)]
+        return {
+            "label": self.LABEL,
+            "device": self.info["name"] if self.info else None,
+            "period_s": self.period_s,
+            "memory_total_bytes": self.info["memory_total_bytes"] if self.info else None,
+            "window": stats(inside),
+            "phase": stats(samples),
+        }
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.stop()
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def nvml_for(device: str | None) -> NvmlSampler | None:
+    """The sampler for the service's torch device ("cuda", "cuda:1"); None for any other device."""
+    if not device or not device.startswith("cuda"):
+        return None
+    sampler = NvmlSampler(int(device.split(":")[1]) if ":" in device else 0)
+    return sampler if sampler.available else None
+
+
 class CpuMeter:
     """Cores busy during a phase: this benchmark's processes (this one, its children, the service)
     and everything else on the machine, from /proc (Linux; None elsewhere)."""
@@ -403,11 +534,18 @@ def jain(xs: list[float]) -> float:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, service: Service, clients: Clients):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        service: Service,
+        clients: Clients,
+        nvml: NvmlSampler | None = None,
+    ):
         self.args = args
         self.service = service
         self.clients = clients
         self.meter = CpuMeter(service.process.pid)
+        self.nvml = nvml  # None: no GPU (or no NVML); the rows then have no gpu_util_nvml
         self.serial = 0
 
     def cfg(self, i: int, steps: int, reward_s: float, warmup: int) -> dict:
@@ -432,6 +570,8 @@ class Bench:
         each run's first ``ramp`` steps after the common start are not measured."""
         timeout = 120.0 + steps * n * (reward_s + 10.0)
         c0, cpu0, t0 = self.service.counters(), self.meter.snapshot(), time.time()
+        if self.nvml is not None:
+            self.nvml.start()
         reports, starts = [], []
         groups = [[i] for i in range(n)] if sequential else [list(range(n))]
         for group in groups:
@@ -442,6 +582,7 @@ class Bench:
             starts += [start] * len(procs)
             self.clients.reap(procs)
         c1, cpu1, t1 = self.service.counters(), self.meter.snapshot(), time.time()
+        gpu_samples = self.nvml.stop() if self.nvml is not None else []
         delta = {k: c1[k] - c0[k] if c0[k] is not None and c1[k] is not None else None for k in c0}
         run_ids = {r["run_id"] for r in reports}
         ops = self.service.op_intervals(run_ids)
@@ -497,7 +638,7 @@ class Bench:
             for r in runs:
                 mine = [(a, b) for a, b, _ in ops[r["run_id"]]]
                 r["engine_share"] = union_within(mine, lo, hi) / max(busy, 1e-9)
-        return {
+        row = {
             "n": n,
             "sequential": sequential,
             "reward_s": reward_s,
@@ -523,6 +664,41 @@ class Bench:
             "cores_busy": self.meter.cores_used(cpu0, cpu1),
             "runs": runs,
         }
+        if self.nvml is not None:
+            windows = (
+                [(r["begin"], r["end"]) for r in runs]
+                if sequential
+                else [(max(r["begin"] for r in runs), min(r["end"] for r in runs))]
+            )
+            row["gpu_util_nvml"] = self.nvml.summary(gpu_samples, windows)
+        return row
+
+
+def gpu_note(row: dict) -> str:
+    """The progress line's NVML part (", GPU util (NVML) x% / y% (mean / max)"); "" without NVML."""
+    if "gpu_util_nvml" not in row:
+        return ""
+    return f", {NvmlSampler.LABEL} {gpu_cell(row)} (mean / max)"
+
+
+def gpu_facts(nvml: NvmlSampler | None, device: str | None) -> dict | None:
+    """The GPU the service ran on (NVML and torch's view); None when it ran on no CUDA device."""
+    if not device or not device.startswith("cuda"):
+        return None
+    import torch
+
+    facts: dict = dict(nvml.info) if nvml is not None and nvml.info else {}
+    if torch.cuda.is_available():
+        index = int(device.split(":")[1]) if ":" in device else 0
+        props = torch.cuda.get_device_properties(index)
+        facts |= {
+            "torch_name": props.name,
+            "torch_memory_bytes": int(props.total_memory),
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+        }
+    return facts or None
 
 
 def relative(row: dict, solo: dict, f: float) -> None:
@@ -539,16 +715,29 @@ def relative(row: dict, solo: dict, f: float) -> None:
     row["engine_efficiency"] = solo["device_s_per_step"] / row["device_s_per_step"]
 
 
-def print_table(rows: list[dict], args, calib: dict, reward_s: float, f: float) -> None:
+def gpu_cell(row: dict) -> str:
+    """The "GPU util (NVML)" cell: mean / max within the measured window(s)."""
+    w = row.get("gpu_util_nvml", {}).get("window", {})
+    if w.get("util_mean") is None:
+        return "-"
+    return f"{w['util_mean']:.0%} / {w['util_max']:.0%}"
+
+
+def print_table(
+    rows: list[dict], args, calib: dict, reward_s: float, f: float, model: str = "openrl/tiny"
+) -> None:
     src = "--reward-s" if args.reward_s is not None else f"2 x solo device {calib['device_s']:.3f} s/step"
+    gpu = any("gpu_util_nvml" in r for r in rows)  # a column only when NVML read a GPU
     print(
-        f"\nconcurrent RL runs on openrl/tiny, {args.prompts} prompts x {args.group} completions x {args.max_tokens} "
+        f"\nconcurrent RL runs on {model}, {args.prompts} prompts x {args.group} completions x {args.max_tokens} "
         f"tokens per step, reward stage {reward_s:.3f} s ({src}), {args.steps} steps per run, "
         f"solo duty f={f:.3f}"
     )
     head = (
         f"{'runs':>6} {'duty':>5} {'steps/s':>8} {'speedup':>8} {'tok/s':>8} {'tok x':>6} {'bound':>6} "
-        f"{'slowdown':>9} {'fairness':>9} {'dev s/step':>10} {'dev eff':>8} {'fused':>6} {'window s':>9}  note"
+        f"{'slowdown':>9} {'fairness':>9} {'dev s/step':>10} {'dev eff':>8} {'fused':>6} {'window s':>9}"
+        + (f" {NvmlSampler.LABEL:>16}" if gpu else "")
+        + "  note"
     )
     print(head)
     for r in rows:
@@ -565,12 +754,17 @@ def print_table(rows: list[dict], args, calib: dict, reward_s: float, f: float) 
             f"{r['tokens_per_s']:>8.0f} {r['tokens_speedup']:>5.2f}x {r['bound']:>6.2f} "
             f"{r['slowdown']:>8.2f}x {r['fairness']:>9.3f} {r['device_s_per_step']:>10.3f} "
             f"{r['engine_efficiency']:>7.2f}x {r['fused_fraction']:>6.0%} "
-            f"{r['window_s']:>9.1f}  {note}".rstrip()
+            f"{r['window_s']:>9.1f}" + (f" {gpu_cell(r):>16}" if gpu else "") + f"  {note}".rstrip()
         )
     print(
         "dev s/step: engine seconds per step of a run (a fused call's time is shared by tokens); dev eff: "
         "solo dev s/step / this; fused: share of the phase's ops that ran inside a fused call"
     )
+    if gpu:
+        print(
+            f"{NvmlSampler.LABEL}: mean / max of NVML's utilisation (share of time a kernel ran on the GPU), "
+            "polled at 10 Hz within the measured window; not the engine busy fraction (duty)"
+        )
     seq = next((r for r in rows if r["sequential"]), None)
     same = next((r for r in rows if seq and not r["sequential"] and r["n"] == seq["n"]), None)
     if seq and same:
@@ -613,6 +807,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fused-repeats", type=int, default=None, help="fused comparison repeats (default 5; short 3)"
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face model folder to serve and to measure fused on (default: the tiny model)",
+    )
+    p.add_argument("--device", default=None, help="the service's and fused's device (default: the best)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "packing.json"))
     p.add_argument("--client", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -629,6 +829,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.prompts <= len(PROMPTS):
         p.error(f"--prompts must be in [1, {len(PROMPTS)}]")
     args.runs = sorted(set(args.runs) | {1})  # N = 1 is the reference of every ratio
+    if args.model and args.model != "tiny" and not args.model.endswith(".gguf"):
+        args.model = str(Path(args.model).expanduser().resolve())  # the service runs in ROOT
     return args
 
 
@@ -660,10 +862,12 @@ def run(args: argparse.Namespace) -> int:
     clients = Clients()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="openrl-packing-") as tmp:
-        service = Service(Path(tmp), args.fusion, args.torch_threads)
+        service = Service(Path(tmp), args.fusion, args.torch_threads, model=args.model, device=args.device)
+        nvml = None
         try:
             ready = service.wait_ready()
-            bench = Bench(args, service, clients)
+            nvml = nvml_for(ready.get("device"))
+            bench = Bench(args, service, clients, nvml)
             print(
                 f"service ready on {service.url} ({ready.get('model')}, {ready.get('device')}; "
                 f"fusion {'on' if ready.get('fusion') else 'off'}) after {time.time() - t_begin:.1f} s",
@@ -677,6 +881,8 @@ def run(args: argparse.Namespace) -> int:
                 "step_s": cal["step_s"],
                 "duty": cal["duty"],
             }
+            if "gpu_util_nvml" in cal:
+                calib["gpu_util_nvml"] = cal["gpu_util_nvml"]
             reward_s = args.reward_s if args.reward_s is not None else 2.0 * calib["device_s"]
             print(
                 f"calibration: solo device {calib['device_s']:.3f} s/step (step {calib['step_s']:.3f} s "
@@ -687,14 +893,15 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(bench.phase(n, args.steps, reward_s, ramp=args.ramp))
                 print(
                     f"  N={n}: duty {rows[-1]['duty']:.2f}, {rows[-1]['steps_per_s']:.3f} steps/s "
-                    f"({rows[-1]['phase_s']:.0f} s)",
+                    f"({rows[-1]['phase_s']:.0f} s)" + gpu_note(rows[-1]),
                     flush=True,
                 )
             if args.seq_runs > 0:
                 rows.append(bench.phase(args.seq_runs, args.steps, reward_s, sequential=True, ramp=args.ramp))
                 print(
                     f"  sequential {args.seq_runs}: duty {rows[-1]['duty']:.2f}, "
-                    f"{rows[-1]['steps_per_s']:.3f} steps/s ({rows[-1]['phase_s']:.0f} s)",
+                    f"{rows[-1]['steps_per_s']:.3f} steps/s ({rows[-1]['phase_s']:.0f} s)"
+                    + gpu_note(rows[-1]),
                     flush=True,
                 )
         except Exception:
@@ -705,19 +912,23 @@ def run(args: argparse.Namespace) -> int:
         finally:
             clients.stop_all()
             service.stop()
+            if nvml is not None:
+                nvml.close()
 
     print(f"fused training step: 3 runs x 8 sequences, median of {args.fused_repeats} ...", flush=True)
     sys.path.insert(0, str(ROOT / "bench"))
     from fused import measure_train  # torch only here, after the service stopped
 
-    fused = measure_train(runs=3, seqs=8, tokens=64, repeats=args.fused_repeats)
+    fused = measure_train(
+        runs=3, seqs=8, tokens=64, repeats=args.fused_repeats, model=args.model or "tiny", device=args.device
+    )
     import torch
 
     solo = next(r for r in rows if r["n"] == 1 and not r["sequential"])
     f = solo["duty"]
     for r in rows:
         relative(r, solo, f)
-    print_table(rows, args, calib, reward_s, f)
+    print_table(rows, args, calib, reward_s, f, model=ready.get("model") or "openrl/tiny")
     print(
         f"fused: {fused['runs']} runs x {fused['seqs']} seqs, one fused pass {fused['fused_s']:.3f} s vs "
         f"per run in turn {fused['per_run_s']:.3f} s -> {fused['speedup']:.2f}x"
@@ -802,6 +1013,10 @@ def run(args: argparse.Namespace) -> int:
         "targets": targets,
         "total_s": time.time() - t_begin,
     }
+    gpu_info = gpu_facts(nvml, ready.get("device"))
+    if gpu_info:
+        result["machine"]["gpu"] = gpu_info
+        result["model"] = ready.get("model")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out} ({result['total_s']:.0f} s)")

@@ -1,0 +1,121 @@
+"""bench/packing.py's NVML sampling and its table column, with a fake pynvml (no GPU needed)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def packing():
+    spec = importlib.util.spec_from_file_location("bench_packing", ROOT / "bench" / "packing.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fake_pynvml(util: int = 40, used: int = 2 << 30) -> types.ModuleType:
+    m = types.ModuleType("pynvml")
+    state = {"util": util, "init": 0, "shutdown": 0}
+    m.state = state
+    m.nvmlInit = lambda: state.__setitem__("init", state["init"] + 1)
+    m.nvmlShutdown = lambda: state.__setitem__("shutdown", state["shutdown"] + 1)
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("gpu", i)
+    m.nvmlDeviceGetName = lambda h: "Fake H200"
+    m.nvmlSystemGetDriverVersion = lambda: "999.1"
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=used, total=8 * used)
+    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=state["util"], memory=0)
+    return m
+
+
+def test_no_gpu_means_no_sampler(packing, monkeypatch):
+    assert packing.nvml_for("cpu") is None and packing.nvml_for(None) is None
+    broken = types.ModuleType("pynvml")
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = no_driver
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    assert packing.nvml_for("cuda") is None
+    sampler = packing.NvmlSampler(0)
+    assert not sampler.available
+    sampler.start()
+    assert sampler.stop() == []
+
+
+def test_sampler_window_and_phase(packing, monkeypatch):
+    fake = fake_pynvml(util=40)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    sampler = packing.nvml_for("cuda:0")
+    assert sampler is not None and sampler.info["name"] == "Fake H200"
+    sampler.period_s = 0.01
+    sampler.start()
+    time.sleep(0.15)
+    lo = time.time()
+    fake.state["util"] = 90
+    time.sleep(0.15)
+    hi = time.time()
+    fake.state["util"] = 10
+    time.sleep(0.1)
+    samples = sampler.stop()
+    summary = sampler.summary(samples, [(lo, hi)])
+    sampler.close()
+    assert fake.state["shutdown"] == 1
+    assert summary["label"] == "GPU util (NVML)"
+    assert summary["phase"]["samples"] > summary["window"]["samples"] > 3
+    assert summary["window"]["util_max"] == pytest.approx(0.9)
+    assert summary["window"]["util_mean"] > 0.8  # mostly the 90 % stretch
+    assert summary["phase"]["util_mean"] < summary["window"]["util_mean"]
+    assert summary["window"]["memory_used_max_bytes"] == 2 << 30
+
+
+def row(packing, n: int, gpu: dict | None) -> dict:
+    r = {
+        "n": n,
+        "sequential": False,
+        "duty": 0.5,
+        "steps_per_s": 1.0 * n,
+        "speedup": float(n),
+        "tokens_per_s": 100.0 * n,
+        "tokens_speedup": float(n),
+        "bound": float(n),
+        "slowdown": 1.0,
+        "fairness": 1.0,
+        "device_s_per_step": 0.2,
+        "engine_efficiency": 1.0,
+        "fused_fraction": 0.0,
+        "window_s": 3.0,
+        "batching_gain": False,
+        "fused_calls": 0,
+        "cores_busy": None,
+        "runs": [],
+    }
+    if gpu is not None:
+        r["gpu_util_nvml"] = gpu
+    return r
+
+
+def test_table_column_only_with_nvml(packing, capsys):
+    args = argparse.Namespace(reward_s=0.5, prompts=8, group=4, max_tokens=32, steps=6)
+    calib = {"device_s": 0.25}
+    packing.print_table([row(packing, 1, None)], args, calib, 0.5, 0.33)
+    plain = capsys.readouterr().out
+    assert "GPU" not in plain and "concurrent RL runs on openrl/tiny," in plain
+
+    gpu = {"label": "GPU util (NVML)", "window": {"samples": 30, "util_mean": 0.42, "util_max": 0.97}}
+    packing.print_table([row(packing, 1, gpu)], args, calib, 0.5, 0.33, model="qwen2-0.5b-random")
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.lstrip().startswith("runs"))
+    assert "GPU util (NVML)" in head and "duty" in head
+    assert "42% / 97%" in out
+    assert "not the engine busy fraction" in out
+    assert "concurrent RL runs on qwen2-0.5b-random," in out
