@@ -128,11 +128,14 @@ class FusedBench:
 
 
 def compare(fn, repeats: int) -> tuple[float, float]:
-    """Median seconds per run in turn and fused, after one warm-up of each."""
+    """Median seconds per run in turn and fused, after one warm-up of each. The two are timed in
+    alternation (ABBA...), so a machine whose speed drifts (shared CPUs) biases neither side."""
     fn(True), fn(False)
-    per_run = statistics.median(fn(False) for _ in range(repeats))
-    fused = statistics.median(fn(True) for _ in range(repeats))
-    return per_run, fused
+    per_run, fused = [], []
+    for i in range(repeats):
+        for f in (False, True) if i % 2 == 0 else (True, False):
+            (fused if f else per_run).append(fn(f))
+    return statistics.median(per_run), statistics.median(fused)
 
 
 def measure_train(
