@@ -227,9 +227,9 @@ class NativeRuns:
             return [replace(j, adapter=adapter) for j in jobs]
 
         def work():
-            return [self.svc.sampler.sample(j) for j in resolved()]
+            return self.svc.sampler.sample_many(resolved())  # this call's prompts: one batched decode
 
-        # With fusion on, this call's prompts (and other runs' ready sampling) decode as one batch.
+        # With fusion on, other runs' ready sampling joins that batch.
         fuse = self.svc.sample_fusable(resolved, jobs, lambda outs: outs)
         rec = self.svc.run_op(
             tenant,
