@@ -88,6 +88,7 @@ class Fusable:
     finish: Callable[[Any], Any] = lambda part: part
     rows: int = 0
     width: int = 0
+    limit: int | None = None  # the most padded tokens a call holding it may cover (e.g. one micro-batch)
 
 
 @dataclass
@@ -354,11 +355,12 @@ class Engine:
         return op
 
     def _fits(self, members: list[Fusable], f: Fusable) -> bool:
+        budget = min([self.fusion_max_tokens] + [m.limit for m in (*members, f) if m.limit is not None])
         if f.key == "train":  # one padded micro-batch: every row padded to the longest of all members
             rows = f.rows + sum(m.rows for m in members)
             width = max([f.width] + [m.width for m in members])
-            return rows * width <= self.fusion_max_tokens
-        return f.size + sum(m.size for m in members) <= self.fusion_max_tokens
+            return rows * width <= budget
+        return f.size + sum(m.size for m in members) <= budget
 
     def _companions(self, op: Op, lane: _Lane) -> list[Op]:
         """Ready ops that can share ``op``'s fused call (lock held): heads of other lanes in

@@ -682,6 +682,7 @@ class TrainingService:
             size=len(data) * max(lengths),
             rows=len(data),
             width=max(lengths),
+            limit=self.trainer.microbatch_tokens,  # the trainer's own cap (fp32 logits ≤ 2 GiB) included
             prepare=lambda: FusedItem(self._state(run), data, loss_fn, config, forward_only),
             finish=finish or (lambda result: result),
         )

@@ -355,3 +355,20 @@ def test_companions_respect_the_budget_the_key_and_run_order():
         assert calls == [[5], [6]]
     finally:
         engine.stop()
+
+
+def test_a_fused_call_stays_within_one_micro_batch_of_the_trainer(make_server):
+    """OPENRL_FUSION_MAX_TOKENS above the micro-batch does not let a fused pass grow past one
+    micro-batch: two 4-token calls under 6-token micro-batches run apart."""
+    live = make_server(microbatch_tokens=6, fusion_max_tokens=10_000)
+    svc = live.service
+    raw = RawTinker(live.client())
+    sid = raw.session()
+    ids = [raw.create_model(sid, k, seed=k + 1) for k in range(2)]
+    t0 = time.time()
+    with held_worker(svc.engine, svc.futures):
+        reqs = [raw.submit_fb(run, 1, [sft_datum([11, 12, 13], [21, 22])]) for run in ids]
+    for r in reqs:
+        assert "error" not in raw.result(r)
+    recs = [r for r in svc.recorder.since(t0) if r.kind == "forward_backward"]
+    assert len(recs) == 2 and all(r.fused_id is None for r in recs)
