@@ -26,7 +26,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,7 +276,7 @@ async def score(
     infos: Sequence[dict] | None = None,
     *,
     groups: Sequence[Sequence[int]] | None = None,
-    pool: ThreadPoolExecutor | None = None,
+    pool: Executor | None = None,
 ) -> Scored:
     """Score one step's samples with reward version ``v``; never blocks the calling loop.
 

@@ -16,6 +16,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import os
+import queue
 import threading
 import traceback
 import weakref
@@ -43,12 +44,77 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool) -
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+class DaemonPool(concurrent.futures.Executor):
+    """A thread pool whose workers are daemon threads, started on demand up to ``max_workers``.
+
+    ``ThreadPoolExecutor`` joins its workers at interpreter exit, so a script (or a kernel shutting
+    down) would wait for a slow reward function to return before exiting. Reward calls do not outlive
+    the run that asked for them, so this pool's workers never hold the process."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "openrl-reward"):
+        self._max = max_workers
+        self._prefix = thread_name_prefix
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new reward calls after shutdown")
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._work.put((future, fn, args, kwargs))
+            if self._idle == 0 and len(self._threads) < self._max:
+                t = threading.Thread(
+                    target=self._worker, name=f"{self._prefix}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+            else:
+                self._idle -= 1 if self._idle else 0
+            return future
+
+    def _worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                    future.set_exception(e)
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shutdown = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._work.put(None)
+        if wait:
+            for t in threads:
+                t.join()
+
+
 class Runner:
     """A daemon thread running an asyncio loop, plus the scoring thread pool."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.pool = concurrent.futures.ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="openrl-reward")
+        self.pool = DaemonPool(SCORING_THREADS, thread_name_prefix="openrl-reward")
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="openrl-runner", daemon=True)
         self.thread.start()
