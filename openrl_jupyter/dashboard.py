@@ -209,6 +209,7 @@ class _Utilisation:
         self.label: str | None = None
         self.value: float | None = None
         self.queue_depth: int | None = None
+        self.fused_share: float | None = None
         self.times: list[float] = []
         self.total: list[float] = []
         self.by_run: dict[str, list[float]] = {}
@@ -223,6 +224,7 @@ class _Utilisation:
         self.label = util.get("label") or self.label
         self.value = value
         self.queue_depth = tick.get("queue_depth")
+        self.fused_share = tick.get("fused_share")
         for run_id in shares:
             self.by_run.setdefault(run_id, [0.0] * len(self.times))
         self.times.append(float(t))
@@ -741,6 +743,8 @@ class ServiceDashboard(_LiveDashboard):
         parts = [f"<b>{_count(len(live), 'run')}</b>"]
         if util.value is not None:
             parts.append(f"{html.escape(util.label or 'utilisation')} {util.value:.0%}")
+        if util.fused_share:
+            parts.append(f"fused {float(util.fused_share):.0%}")
         if util.queue_depth is not None:
             parts.append(f"queue {html.escape(str(util.queue_depth))}")
         table = "".join(

@@ -142,15 +142,19 @@ class OpRecorder:
             }
 
     def window(self, window_start: float, window_end: float) -> dict:
-        """Statistics of [start, end]: busy seconds per run (overlap with the window), queue wait
+        """Statistics of [start, end]: busy seconds per run (overlap with the window) and how much of
+        it ran inside fused calls, queue wait
         p50/p99 of the ops that started in it, tokens/s trained and sampled by the ops that ended in it."""
         span = max(window_end - window_start, 1e-9)
         busy: dict[str, float] = {}
+        fused = 0.0
         waits: list[float] = []
         tokens = {"trained": 0, "sampled": 0}
         for op in self.since(window_start):
             overlap = max(0.0, min(op.end, window_end) - max(op.start, window_start))
             busy[op.run] = busy.get(op.run, 0.0) + overlap
+            if op.fused_id is not None:
+                fused += overlap
             if window_start <= op.start <= window_end:
                 waits.append(max(0.0, op.queued_s))
             direction = token_direction(op.kind) if op.ok else None
@@ -158,6 +162,7 @@ class OpRecorder:
                 tokens[direction] += op.tokens
         return {
             "busy_s": busy,
+            "fused_busy_s": fused,  # of which inside fused calls (ops of several runs in one pass)
             "queue_wait_s": {"p50": percentile(waits, 50), "p99": percentile(waits, 99), "ops": len(waits)},
             "tokens_per_s": {k: v / span for k, v in tokens.items()},
         }

@@ -396,7 +396,8 @@ class NativeRuns:
     def tick(self, tenant: str, window_s: float = 5.0) -> dict:
         """Device activity over the last window: NVML utilisation (and memory) where a GPU and
         nvidia-ml-py exist, else the engine's busy fraction labelled "engine busy" (never "GPU"); each
-        of the tenant's runs' share of the engine's busy time; the queue depth; queue wait p50/p99 of
+        of the tenant's runs' share of the engine's busy time; the share of it spent in fused calls;
+        the queue depth; queue wait p50/p99 of
         the ops that started in the window (submission to start); tokens/s trained and sampled."""
         if self._nvml is None:
             self._nvml = NvmlReader.for_device(str(getattr(self.svc.base, "device", "cpu")))
@@ -423,6 +424,8 @@ class NativeRuns:
             "engine_busy": engine_busy["value"],
             "memory": memory,
             "runs": {r: v / total for r, v in mine.items()} if total else {},
+            # share of the engine's busy time spent in fused calls (several runs' ops in one pass)
+            "fused_share": stats["fused_busy_s"] / total if total else 0.0,
             "queue_depth": self.svc.engine.queue_depth(),
             "queue_wait_s": stats["queue_wait_s"],
             "tokens_per_s": stats["tokens_per_s"],

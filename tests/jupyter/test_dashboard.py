@@ -418,8 +418,12 @@ def test_service_dashboard_draws_each_run_and_stacks_utilisation(sent, timers):
         assert stacked == {"alpha": pytest.approx([0.6]), "beta": pytest.approx([0.3])}
         assert dash.fig.layout.yaxis2.title.text == "engine busy"
         assert "2 runs" in dash.header.value and "engine busy 90%" in dash.header.value
-        feed.emit(run_event("deleted", "r2"))
+        assert "fused" not in dash.header.value  # no fused call in that window: nothing said
+        feed.emit(tick(1_700_000_001.0, 0.95, {"r1": 0.5, "r2": 0.5}) | {"fused_share": 0.25})
         timers.advance_to(1.0)
+        assert "fused 25%" in dash.header.value
+        feed.emit(run_event("deleted", "r2"))
+        timers.advance_to(1.5)
         assert "1 run<" in dash.header.value
         assert "beta (deleted)" in [t.name for t in dash.fig.data]
         assert "1 run (alpha)" in dash._repr_mimebundle_()["text/html"]

@@ -97,6 +97,7 @@ def test_tick_schema_2_fields_and_labels_on_cpu(server, runs):
     wait = tick["queue_wait_s"]
     assert wait["ops"] > 0 and 0.0 <= wait["p50"] <= wait["p99"]
     assert tick["tokens_per_s"]["trained"] > 0 and tick["tokens_per_s"]["sampled"] > 0
+    assert 0.0 <= tick["fused_share"] <= 1.0
 
 
 def test_op_record_carries_the_queue_wait(server, runs):
@@ -113,15 +114,27 @@ def test_window_statistics_are_exact():
     ):
         rec.record(run="r", kind=kind, start=100.0 + i, end=100.5 + i, tokens=tokens, queued_s=0.1 * (i + 1))
     rec.record(run="r", kind="sample", start=101.0, end=101.5, tokens=999, ok=False, queued_s=0.0)
+    rec.record(
+        run="q",
+        kind="sample",
+        start=105.0,
+        end=105.25,
+        tokens=0,
+        ok=False,
+        fused_id="f",
+        fused_runs=("q", "r"),
+    )
     stats = rec.window(100.0, 110.0)
-    assert stats["busy_s"] == {"r": pytest.approx(2.5)}
+    assert stats["busy_s"] == {"r": pytest.approx(2.5), "q": pytest.approx(0.25)}
+    assert stats["fused_busy_s"] == pytest.approx(0.25)
     assert stats["tokens_per_s"] == {"trained": pytest.approx(10.0), "sampled": pytest.approx(4.0)}
-    assert stats["queue_wait_s"]["ops"] == 5
-    assert stats["queue_wait_s"]["p50"] == pytest.approx(0.2)
+    assert stats["queue_wait_s"]["ops"] == 6
+    assert stats["queue_wait_s"]["p50"] == pytest.approx(0.15)
     assert stats["queue_wait_s"]["p99"] == pytest.approx(0.4, abs=0.01)
     totals = rec.totals()
-    assert totals.tokens == {"trained": 100, "sampled": 40} and totals.wait_count == 5
-    assert totals.ops[("sample", False)] == 1 and totals.busy_s == pytest.approx(2.5)
+    assert totals.tokens == {"trained": 100, "sampled": 40} and totals.wait_count == 6
+    assert totals.fused_ops == 1 and totals.fused_members == 1
+    assert totals.ops[("sample", False)] == 2 and totals.busy_s == pytest.approx(2.75)
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
     assert [
         token_direction(k) for k in ("sample", "forward_backward", "train_step", "forward", "optim_step")
