@@ -132,6 +132,8 @@ class AdapterRouter:
         )
         if all(g.span is not None for g in groups):  # blocks: slices instead of index_select/index_add
             groups = tuple(sorted(groups, key=lambda g: g.span))
+        else:  # any interleaved adapter: every group gathers and scatters (the slice path needs all)
+            groups = tuple(RowGroup(g.adapter, g.rows) for g in groups)
         previous = self.active, self.groups, self.rows
         self.active, self.groups, self.rows = None, groups, len(adapters)
         try:

@@ -296,20 +296,23 @@ def test_fused_mixes_token_and_topk_targets(base):
         )
 
 
-@pytest.mark.parametrize("layout", ["blocks", "interleaved"])
+@pytest.mark.parametrize("layout", ["blocks", "interleaved", "mixed"])
 def test_row_routing_equals_each_adapter_alone(base, layout):
-    """Rows routed to [a, a, b, None] (blocks: sliced updates) or [a, b, a, None] (interleaved: gathered
-    and scattered) give each row the logits of its adapter applied to that row alone."""
+    """Rows routed to [a, a, b, None] (blocks: sliced updates), [a, b, a, None] (interleaved: gathered
+    and scattered) or [a, b, c, b] (a and c are blocks, b is not: all gathered) give each row the logits
+    of its adapter applied to that row alone."""
     trainer = Trainer(base)
     rng = np.random.default_rng(5)
     a, b = (trainer.new_state(LoraSpec(rank=r), seed=s) for r, s in ((8, 1), (4, 2)))
     nudge(trainer, a, rng)
     nudge(trainer, b, rng)
-    adapters = (
-        [a.adapter, a.adapter, b.adapter, None]
-        if layout == "blocks"
-        else [a.adapter, b.adapter, a.adapter, None]
-    )
+    c = trainer.new_state(LoraSpec(rank=8), seed=3)
+    nudge(trainer, c, rng)
+    adapters = {
+        "blocks": [a.adapter, a.adapter, b.adapter, None],
+        "interleaved": [a.adapter, b.adapter, a.adapter, None],
+        "mixed": [a.adapter, b.adapter, c.adapter, b.adapter],
+    }[layout]
     ids = torch.as_tensor(rng.integers(0, 256, (4, 12)))
     with torch.no_grad(), base.router.use_rows(adapters):
         groups = base.router.groups
