@@ -368,11 +368,8 @@ def _status_matches(status: dict, queries: list) -> bool:
 
 
 def _fused_args(op, lanes: set[str]) -> dict:
-    """A fused op's id and how many runs it covered; other sessions' (tenants') run ids stay out."""
+    """A fused op's id and the session's other runs it covered; other sessions' runs (and how many
+    there were: they may be other tenants') stay out."""
     if not op.fused_id:
         return {}
-    return {
-        "fused_id": op.fused_id,
-        "fused_runs": len(op.fused_runs),
-        "fused_with": [r for r in op.fused_runs if r in lanes and r != op.run],
-    }
+    return {"fused_id": op.fused_id, "fused_with": [r for r in op.fused_runs if r in lanes and r != op.run]}

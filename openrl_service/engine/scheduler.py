@@ -77,8 +77,9 @@ class QueueFull(ServiceError):
 class Fusable:
     """How an op joins a fused call: ops with the same ``key`` can share one call of that key's fuser.
 
-    ``size``: padded tokens it adds (the fused op's budget); ``rows``/``width``: for training, its
-    datums and longest datum (the fused pass pads every row to the longest of all members);
+    ``size``: tokens it adds (the fused op's budget); ``rows``/``width``: its rows (datums, or
+    samples) and longest row, when the fused call pads every row to the longest of all members (then
+    rows × width is what counts);
     ``prepare()`` (on the worker) returns its part of the fuser's input; ``finish(part)`` turns its
     part of the fuser's output into the op's result."""
 
@@ -89,6 +90,7 @@ class Fusable:
     rows: int = 0
     width: int = 0
     limit: int | None = None  # the most padded tokens a call holding it may cover (e.g. one micro-batch)
+    decode: int = 0  # sampling: tokens it decodes (members differ at most 2x, so none waits long)
 
 
 @dataclass
@@ -160,6 +162,7 @@ class Engine:
         self.ready = threading.Event()
         self.setup_error: BaseException | None = None
         self.current: Op | None = None
+        self._in_flight: set[str] = set()  # lanes of the op (or fused call) running now
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, setup: Callable[[], None] | None = None) -> None:
@@ -315,7 +318,7 @@ class Engine:
                 return "active", None
             ahead = sum(1 for o in lane.ready if o.seq_id is not None and o.seq_id < seq)
             ahead += sum(1 for s in lane.waiting if s < seq)
-            if self.current is not None and self.current.lane == lane_key:
+            if lane_key in self._in_flight:
                 ahead += 1
             total = self._queued
         if ahead >= self.max_queued_per_lane:
@@ -342,7 +345,8 @@ class Engine:
         best.last_served = self._served
         op = self._pop(best)
         if self.fusion and op.fuse is not None and op.steps is None and op.fuse.key in self.fusers:
-            op.companions = self._companions(op, best)
+            # Alone, it runs as it would with fusion off (its own work, once, bit for bit).
+            op.companions = self._companions(op, best) or None
         return op
 
     def _pop(self, lane: _Lane) -> Op:
@@ -356,7 +360,11 @@ class Engine:
 
     def _fits(self, members: list[Fusable], f: Fusable) -> bool:
         budget = min([self.fusion_max_tokens] + [m.limit for m in (*members, f) if m.limit is not None])
-        if f.key == "train":  # one padded micro-batch: every row padded to the longest of all members
+        if f.decode:  # sampling: nobody waits on a decode more than twice as long as its own
+            lengths = [m.decode for m in (*members, f)]
+            if max(lengths) > 2 * max(1, min(lengths)):
+                return False
+        if f.rows:  # rows padded to the longest member (a training micro-batch, a shared KV cache)
             rows = f.rows + sum(m.rows for m in members)
             width = max([f.width] + [m.width for m in members])
             return rows * width <= budget
@@ -369,9 +377,10 @@ class Engine:
         key = op.fuse.key  # type: ignore[union-attr]
         members = [op.fuse]
         taken: list[Op] = []
-        lanes = [lane] + sorted(
+        # Other lanes' heads first (least recently served first), then this lane's own backlog.
+        lanes = sorted(
             (ln for ln in self._lanes.values() if ln is not lane and ln.ready), key=lambda ln: ln.last_served
-        )
+        ) + [lane]
         for ln in lanes:
             if ln is lane and ln.next_seq is not None:
                 continue  # the run's next op depends on this one
@@ -438,6 +447,7 @@ class Engine:
                     if self._stop:
                         return
                     self.current = op
+                    self._in_flight = {op.lane} | {c.lane for c in op.companions or ()}
                 self._execute(op)
             except Exception:  # noqa: BLE001 - the worker must outlive any one bad op or bookkeeping bug
                 log.exception("device worker: unexpected error; continuing")
@@ -448,6 +458,7 @@ class Engine:
             finally:
                 with self._cv:
                     self.current = None
+                    self._in_flight = set()
 
     def _execute(self, op: Op) -> None:
         """Run ``op`` (or its next slice); complete its future unless it yielded, then requeue it."""
@@ -537,9 +548,9 @@ class Engine:
                 parts.append(op.fuse.prepare())  # type: ignore[union-attr]
                 live.append(op)
             except ServiceError as e:
-                self.futures.complete(op.future, error=e)
+                self._fail_prepare(op, e, now)
             except Exception as e:  # noqa: BLE001
-                self.futures.complete(op.future, error=self._internal(op, e))
+                self._fail_prepare(op, self._internal(op, e), now)
         if not live:
             return
         try:
@@ -561,9 +572,23 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 results.append((None, self._internal(op, e)))
         end = time.time()
-        self._record_fused(live, results, start, end, now)
         for op, (result, error) in zip(live, results, strict=True):
             self.futures.complete(op.future, result=result, error=error)
+        self._record_fused(live, results, start, end, now)
+
+    def _fail_prepare(self, op: Op, error: ServiceError, now: float) -> None:
+        """A member that could not join its fused call: an error result, recorded as a failed op."""
+        self.futures.complete(op.future, error=error)
+        t = time.time()
+        self.recorder.record(
+            run=op.run_id or op.lane,
+            kind=op.kind,
+            start=t,
+            end=t,
+            tokens=0,
+            ok=False,
+            queued_s=max(0.0, now - op.queued_since),
+        )
 
     def _record_fused(
         self,

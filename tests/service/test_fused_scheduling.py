@@ -320,14 +320,16 @@ def test_a_member_that_fails_to_prepare_fails_alone():
         assert "internal error while running work" in str(ops[1].future.error)
         assert calls == [[1, 3]]
         recs = [r for r in recorder.since(0) if r.kind == "work"]
-        assert {r.run for r in recs} == {"a", "c"} and len({r.fused_id for r in recs}) == 1
+        fused = [r for r in recs if r.ok]
+        assert {r.run for r in fused} == {"a", "c"} and len({r.fused_id for r in fused}) == 1
+        assert [(r.run, r.ok, r.fused_id) for r in recs if not r.ok] == [("b", False, None)]  # counted
     finally:
         engine.stop()
 
 
 def test_companions_respect_the_budget_the_key_and_run_order():
     """Budget 4: a(2) + c(2) fuse; b has another key; d(1) would overflow; a run's second op (e2)
-    depends on its first and never joins the call that runs its first."""
+    depends on its first and never joins the call that runs its first; an op alone runs its own work."""
     engine, futures, recorder, calls = fused_engine(fusion_max_tokens=4)
     try:
         engine.open_ordered_lane("e", 0)
@@ -352,7 +354,8 @@ def test_companions_respect_the_budget_the_key_and_run_order():
             engine.submit(e2)
         for o in (e1, e2):
             assert futures.wait_sync(o.future, 10)
-        assert calls == [[5], [6]]
+        assert calls == []  # each ran alone, through its own work, not the fuser
+        assert [e1.future.result, e2.future.result] == [10, 12]
     finally:
         engine.stop()
 
@@ -372,3 +375,72 @@ def test_a_fused_call_stays_within_one_micro_batch_of_the_trainer(make_server):
         assert "error" not in raw.result(r)
     recs = [r for r in svc.recorder.since(t0) if r.kind == "forward_backward"]
     assert len(recs) == 2 and all(r.fused_id is None for r in recs)
+
+
+def test_other_runs_join_before_the_lanes_own_backlog():
+    """Budget 4, sampler s1 with six ops and s2 with one: s2's op joins s1's first call rather than
+    waiting behind s1's backlog."""
+    engine, futures, recorder, calls = fused_engine(fusion_max_tokens=4)
+    try:
+        with held_worker(engine, futures):
+            s1 = [fusable_op(futures, "sampler:s1", 10 + i) for i in range(6)]
+            engine.submit(s1[0])
+            s2 = fusable_op(futures, "sampler:s2", 20)
+            engine.submit(s2)
+            for o in s1[1:]:
+                engine.submit(o)
+        for o in [*s1, s2]:
+            assert futures.wait_sync(o.future, 10)
+        assert calls[0] == [10, 20, 11, 12]
+    finally:
+        engine.stop()
+
+
+def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length():
+    """Sampling pads every row to the longest prompt + longest decode: a long-prompt request and a
+    many-sample one that fit by their own sizes do not fit together; nor does a decode more than
+    twice as long as another's (the short one would wait for it)."""
+    from openrl_service.engine.scheduler import Fusable, Op
+
+    engine, futures, recorder, calls = fused_engine(fusion_max_tokens=1000)
+
+    def op(lane, value, rows, width, decode):
+        f = Fusable(key="k", size=rows * width, rows=rows, width=width, decode=decode, prepare=lambda: value)
+        return Op(
+            kind="work", lane=lane, fn=lambda: value * 2, future=futures.new("t", "w"), run_id=lane, fuse=f
+        )
+
+    try:
+        with held_worker(engine, futures):
+            ops = [
+                op("sampler:long", 1, rows=1, width=900, decode=50),  # 900 tokens alone
+                op("sampler:many", 2, rows=8, width=60, decode=50),  # 480 alone; 9 x 900 together
+                op("sampler:short", 3, rows=1, width=60, decode=50),  # fits with "many": 9 x 60
+                op("sampler:slow", 4, rows=1, width=200, decode=150),  # 3x the others' decode
+            ]
+            for o in ops:
+                engine.submit(o)
+        for o in ops:
+            assert futures.wait_sync(o.future, 10)
+        assert calls == [[2, 3]]  # "long" and "slow" ran alone, through their own work
+        assert [o.future.result for o in ops] == [2, 4, 6, 8]
+    finally:
+        engine.stop()
+
+
+def test_a_lone_op_whose_work_fails_runs_once():
+    engine, futures, recorder, _ = fused_engine()
+    runs = []
+
+    def boom():
+        runs.append(1)
+        raise RuntimeError("bad input")
+
+    try:
+        o = fusable_op(futures, "sampler:a", 1)
+        o.fn = boom
+        engine.submit(o)
+        assert futures.wait_sync(o.future, 10)
+        assert runs == [1] and "internal error" in str(o.future.error)
+    finally:
+        engine.stop()
