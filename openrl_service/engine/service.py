@@ -20,6 +20,7 @@ they were before the call. Sampling requests over a queue limit are refused (429
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -53,7 +54,9 @@ from openrl_service.training.trainer import (
     FusedItem,
     Trainer,
     TrainState,
+    accumulating_grads,
     make_optimizer,
+    merge_stats,
 )
 
 log = logging.getLogger(__name__)
@@ -744,15 +747,9 @@ class TrainingService:
         aside for the call and added back at the end, as the trainer does for one call; if any chunk
         fails or the op is closed between chunks, it is restored as it was.
         """
-        params = [] if forward_only else state.adapter.parameters()
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        pending = state.pending_backward
         outputs: list[np.ndarray | None] = [None] * len(data)
         total, ntok, stats = 0.0, 0, {}
-        finished = False
-        try:
+        with contextlib.nullcontext() if forward_only else accumulating_grads([state]):
             for k, idx in enumerate(plan):
                 part = self.trainer.forward_backward(
                     state, [data[i] for i in idx], loss_fn, config, forward_only=forward_only
@@ -761,27 +758,9 @@ class TrainingService:
                     outputs[i] = lp
                 total += part.loss
                 ntok += part.tokens
-                for key, val in (part.stats or {}).items():
-                    if key == "ratio_min":
-                        stats[key] = min(stats.get(key, math.inf), val)
-                    elif key == "ratio_max":
-                        stats[key] = max(stats.get(key, -math.inf), val)
-                    else:
-                        stats[key] = stats.get(key, 0.0) + val
+                merge_stats(stats, part.stats)
                 if k < len(plan) - 1:
                     yield part.tokens  # other lanes may run here
-            finished = True
-        finally:
-            if finished:
-                for p, g in zip(params, stash, strict=True):
-                    if g is not None:
-                        p.grad = g if p.grad is None else g.add_(p.grad)
-                if not forward_only:
-                    state.pending_backward = pending + 1
-            else:
-                for p, g in zip(params, stash, strict=True):
-                    p.grad = g
-                state.pending_backward = pending
         return ForwardResult(outputs, total, ntok, stats or None)  # type: ignore[arg-type]
 
     def optim_step(

@@ -18,7 +18,9 @@ rtol 1e-5 in float32.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -173,21 +175,8 @@ class Trainer:
         left exactly as they were, so a failed call never leaks part of its gradient into optim_step."""
         if forward_only or state is None:
             return self._run(state, data, loss_fn, config, forward_only=True)
-        params = state.adapter.parameters()
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            result = self._run(state, data, loss_fn, config, forward_only=False)
-        except BaseException:
-            for p, g in zip(params, stash, strict=True):
-                p.grad = g
-            raise
-        for p, g in zip(params, stash, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else g.add_(p.grad)
-        state.pending_backward += 1
-        return result
+        with accumulating_grads([state]):
+            return self._run(state, data, loss_fn, config, forward_only=False)
 
     def _run(
         self,
@@ -232,7 +221,7 @@ class Trainer:
                     loss.backward()
             total += float(loss.detach())
             ntok += int(valid.sum())
-            _merge_stats(stats_acc, ratio_stats(lp, inputs, valid, config))
+            merge_stats(stats_acc, ratio_stats(lp, inputs, valid, config))
             lp_cpu = lp.detach().to("cpu", torch.float32).numpy()
             for r, i in enumerate(idx):
                 n = len(data[i].tokens)
@@ -258,24 +247,8 @@ class Trainer:
             return [
                 self.forward_backward(it.state, it.data, it.loss_fn, it.config, forward_only=it.forward_only)
             ]
-        training = [it for it in items if not it.forward_only]
-        states = list({id(it.state): it.state for it in training}.values())
-        params = [p for st in states for p in st.adapter.parameters()]
-        stash = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            results = self._run_fused(items)
-        except BaseException:
-            for p, g in zip(params, stash, strict=True):
-                p.grad = g
-            raise
-        for p, g in zip(params, stash, strict=True):
-            if g is not None:
-                p.grad = g if p.grad is None else g.add_(p.grad)
-        for it in training:
-            it.state.pending_backward += 1
-        return results
+        with accumulating_grads([it.state for it in items if not it.forward_only]):
+            return self._run_fused(items)
 
     def _run_fused(self, items: list[FusedItem]) -> list[ForwardResult]:
         base = self.base
@@ -330,7 +303,7 @@ class Trainer:
                     }
                     v = valid[rows] if len(rows) < B else valid
                     losses[k] = compute_loss(it.loss_fn, lps[k], inputs, v, it.config).sum()
-                    _merge_stats(stats_acc[k], ratio_stats(lps[k], inputs, v, it.config))
+                    merge_stats(stats_acc[k], ratio_stats(lps[k], inputs, v, it.config))
                     ntoks[k] += int(v.sum())
                 train_losses = [loss for k, loss in losses.items() if not items[k].forward_only]
                 if train_losses:
@@ -416,7 +389,38 @@ def _detached(adapter: Adapter) -> Adapter:
     return Adapter(adapter.spec, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()})
 
 
-def _merge_stats(acc: dict[str, float], stats: dict[str, float] | None) -> None:
+@contextlib.contextmanager
+def accumulating_grads(states: list[TrainState]) -> Iterator[None]:
+    """One training call's gradient, added to what each run had accumulated, or nothing at all.
+
+    The runs' earlier gradients are set aside while the block runs; when it completes they are added
+    back and each state counts one more pending backward per call (a state listed twice made two
+    calls), however many calls the block made itself; if it raises (also GeneratorExit, when a
+    sliced call is closed between slices) every run's gradients and count are left exactly as they
+    were, so a failed call never leaks part of its gradient into optim_step."""
+    distinct = {id(st): st for st in states}
+    params = [p for st in distinct.values() for p in st.adapter.parameters()]
+    stash = [p.grad for p in params]
+    pending = {k: st.pending_backward for k, st in distinct.items()}
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    except BaseException:
+        for p, g in zip(params, stash, strict=True):
+            p.grad = g
+        for k, st in distinct.items():
+            st.pending_backward = pending[k]
+        raise
+    for p, g in zip(params, stash, strict=True):
+        if g is not None:
+            p.grad = g if p.grad is None else g.add_(p.grad)
+    for k, st in distinct.items():  # calls made inside the block (a sliced call's slices) count as one
+        st.pending_backward = pending[k] + sum(1 for s in states if s is st)
+
+
+def merge_stats(acc: dict[str, float], stats: dict[str, float] | None) -> None:
+    """Fold one micro-batch's ratio statistics into ``acc``: sums add, min and max combine."""
     for k, val in (stats or {}).items():
         if k == "ratio_min":
             acc[k] = min(acc.get(k, math.inf), val)
