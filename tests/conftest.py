@@ -126,3 +126,19 @@ def pytest_sessionfinish(session, exitstatus):
     widgets = sys.modules.get("ipywidgets")
     if widgets is not None:
         widgets.Widget.close_all()
+
+
+def fake_pynvml(monkeypatch) -> None:
+    """NVML faked at the library boundary (no GPU here): one "FakeGPU" at 73 % with 3 of 80 GiB used."""
+    import sys
+    import types
+
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
+    fake.nvmlDeviceGetName = lambda h: "FakeGPU"
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=73, memory=10)
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        used=3 << 30, total=80 << 30, free=77 << 30
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)

@@ -177,21 +177,11 @@ def test_openapi_schema_lists_the_native_routes(server):
 
 def test_nvml_utilisation_is_reported_where_a_gpu_exists_else_engine_busy(monkeypatch):
     """No GPU here: NVML is faked at the library boundary (pynvml) to check the tick's shape."""
-    import sys
-    import types
-
     from openrl_service.telemetry import NvmlReader
+    from tests.conftest import fake_pynvml
 
     assert NvmlReader.for_device("cpu").read() is None
-    fake = types.ModuleType("pynvml")
-    fake.nvmlInit = lambda: None
-    fake.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
-    fake.nvmlDeviceGetName = lambda h: "FakeGPU"
-    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=73, memory=10)
-    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        used=3 << 30, total=80 << 30, free=77 << 30
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    fake_pynvml(monkeypatch)
     assert NvmlReader.for_device("cpu").read() is None  # the model is not on a GPU: never "GPU"
     reading = NvmlReader.for_device("cuda:1").read()
     assert reading["label"] == "GPU utilisation (NVML)" and reading["value"] == pytest.approx(0.73)

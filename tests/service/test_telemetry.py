@@ -1,7 +1,6 @@
 """Telemetry: the event stream's tick (schema 2) and Prometheus /metrics (aggregates unless authenticated)."""
 
 import json
-import sys
 import threading
 import types
 
@@ -13,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from openrl_service.api.metrics import EngineCollector
 from openrl_service.engine.native import EVENTS_SCHEMA_VERSION, NativeRuns
 from openrl_service.telemetry import OpRecorder, percentile, token_direction
-from tests.conftest import ALICE_KEY, BOB_KEY
+from tests.conftest import ALICE_KEY, BOB_KEY, fake_pynvml
 
 V1 = "/openrl/v1"
 AGGREGATES = {
@@ -194,18 +193,6 @@ def test_metrics_speak_openmetrics_when_asked(server, runs):
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/openmetrics-text")
     assert r.text.rstrip().endswith("# EOF")
     assert {f.name for f in parse_openmetrics(r.text)} >= AGGREGATES
-
-
-def fake_pynvml(monkeypatch) -> None:
-    fake = types.ModuleType("pynvml")
-    fake.nvmlInit = lambda: None
-    fake.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
-    fake.nvmlDeviceGetName = lambda h: "FakeGPU"
-    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=73, memory=10)
-    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        used=3 << 30, total=80 << 30, free=77 << 30
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
 
 
 def fake_service(device: str) -> types.SimpleNamespace:
