@@ -504,12 +504,7 @@ class Engine:
                     return
             op.steps.close()  # the lane was closed between two slices: the op's cleanup runs
             result, error = None, UserError(f"{op.lane} was closed before this request finished")
-        tokens = 0
-        if result is not None and op.tokens is not None:
-            try:
-                tokens = max(0, int(op.tokens(result)) - op.sliced_tokens)
-            except Exception:  # noqa: BLE001
-                tokens = 0
+        tokens = max(0, _tokens(op, result) - op.sliced_tokens)
         if op.error is None:
             self._note(op, start, end, tokens, queued_s)
             self._flush_record(ok=error is None)
@@ -580,15 +575,7 @@ class Engine:
         """A member that could not join its fused call: an error result, recorded as a failed op."""
         self.futures.complete(op.future, error=error)
         t = time.time()
-        self.recorder.record(
-            run=op.run_id or op.lane,
-            kind=op.kind,
-            start=t,
-            end=t,
-            tokens=0,
-            ok=False,
-            queued_s=max(0.0, now - op.queued_since),
-        )
+        self._record(op, t, t, 0, False, max(0.0, now - op.queued_since))
 
     def _record_fused(
         self,
@@ -599,15 +586,7 @@ class Engine:
         now: float,
     ) -> None:
         """One record per member, back to back within [start, end], each lasting its share of the tokens."""
-        tokens = []
-        for op, (result, _) in zip(ops, results, strict=True):
-            n = 0
-            if result is not None and op.tokens is not None:
-                try:
-                    n = max(0, int(op.tokens(result)))
-                except Exception:  # noqa: BLE001
-                    n = 0
-            tokens.append(n)
+        tokens = [max(0, _tokens(op, result)) for op, (result, _) in zip(ops, results, strict=True)]
         weights = [t or op.fuse.size or 1 for t, op in zip(tokens, ops, strict=True)]  # type: ignore[union-attr]
         total = float(sum(weights))
         fused_id = uuid.uuid4().hex[:12] if len(ops) > 1 else None
@@ -615,14 +594,13 @@ class Engine:
         t = start
         for op, (_, error), n, w in zip(ops, results, tokens, weights, strict=True):
             t_end = end if op is ops[-1] else t + (end - start) * w / total
-            self.recorder.record(
-                run=op.run_id or op.lane,
-                kind=op.kind,
-                start=t,
-                end=t_end,
-                tokens=n,
-                ok=error is None,
-                queued_s=max(0.0, now - op.queued_since),
+            self._record(
+                op,
+                t,
+                t_end,
+                n,
+                error is None,
+                max(0.0, now - op.queued_since),
                 fused_id=fused_id,
                 fused_runs=runs,
             )
@@ -642,6 +620,11 @@ class Engine:
         if rec is None:
             return
         op, start, end, tokens, queued_s = rec
+        self._record(op, start, end, tokens, ok, queued_s)  # queued: submission (or requeue) → start
+
+    def _record(
+        self, op: Op, start: float, end: float, tokens: int, ok: bool, queued_s: float, **fused
+    ) -> None:
         self.recorder.record(
             run=op.run_id or op.lane,
             kind=op.kind,
@@ -649,5 +632,16 @@ class Engine:
             end=end,
             tokens=tokens,
             ok=ok,
-            queued_s=queued_s,  # submission (or requeue after a slice) → start
+            queued_s=queued_s,
+            **fused,
         )
+
+
+def _tokens(op: Op, result: Any) -> int:
+    """The tokens ``op``'s result reports (0 when it has none or counting them fails)."""
+    if result is None or op.tokens is None:
+        return 0
+    try:
+        return int(op.tokens(result))
+    except Exception:  # noqa: BLE001 - telemetry must never fail an op
+        return 0
