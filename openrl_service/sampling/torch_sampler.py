@@ -100,14 +100,7 @@ class TorchSampler:
                 active = [active[j] for j in keep]
             pos_ids = torch.full((len(active), 1), pos, dtype=torch.long, device=dev)
             with base.router.use(job.adapter):
-                out = base.model(
-                    input_ids=chosen.unsqueeze(-1),
-                    position_ids=pos_ids,
-                    use_cache=True,
-                    **{self._cache_arg: cache},
-                )
-            cache = getattr(out, self._cache_out)
-            logits = out.logits[:, -1]
+                cache, logits = self._decode_step(chosen, pos_ids, cache)
             pos += 1
         for r in range(n):
             seq = SampledSequence(tokens=tokens[r], logprobs=logprobs[r], stop_reason=stop_reason[r])
@@ -225,15 +218,7 @@ class TorchSampler:
                 row_mask = torch.cat([row_mask, row_mask.new_ones((len(active), 1))], dim=1)
                 kw["attention_mask"] = row_mask
             with base.router.use_rows([jobs[rows[i][0]].adapter for i in active], device=dev):
-                out = base.model(
-                    input_ids=chosen.unsqueeze(-1),
-                    position_ids=pos_ids,
-                    use_cache=True,
-                    **{self._cache_arg: cache},
-                    **kw,
-                )
-            cache = getattr(out, self._cache_out)
-            logits = out.logits[:, -1]
+                cache, logits = self._decode_step(chosen, pos_ids, cache, **kw)
         for i, (j, _) in enumerate(rows):
             seq = SampledSequence(tokens=tokens[i], logprobs=logprobs[i], stop_reason=stop_reason[i])
             if jobs[j].topk_sample_logprobs:
@@ -243,6 +228,17 @@ class TorchSampler:
         for j, res in enumerate(results):
             res.tokens = lens[j] + sum(len(s.tokens) for s in res.sequences)
         return results
+
+    def _decode_step(self, chosen: torch.Tensor, pos_ids: torch.Tensor, cache, **kw):
+        """One token per active row through the cached model: (the new cache, next-token logits)."""
+        out = self.base.model(
+            input_ids=chosen.unsqueeze(-1),
+            position_ids=pos_ids,
+            use_cache=True,
+            **{self._cache_arg: cache},
+            **kw,
+        )
+        return getattr(out, self._cache_out), out.logits[:, -1]
 
     def _hits_stop_string(self, toks: list[int], stops: tuple[str, ...], window: int) -> bool:
         tok = self.base.tokenizer
