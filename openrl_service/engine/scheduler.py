@@ -548,6 +548,10 @@ class Engine:
                 self._fail_prepare(op, self._internal(op, e), now)
         if not live:
             return
+        if len(live) == 1:  # the others failed to join: it runs alone, as an op without companions does
+            live[0].fuse = None
+            self._execute(live[0])
+            return
         try:
             outputs = self.fusers[live[0].fuse.key](parts)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - fall back to running each member alone
