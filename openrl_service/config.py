@@ -159,16 +159,28 @@ def parse_api_keys_file(text: str, source: str) -> dict[str, str]:
     return keys
 
 
+def _convert(var: str, value: str, typ):
+    """``typ(value)``, or a ValueError that names the variable and what it needs."""
+    try:
+        return typ(value)
+    except ValueError as e:
+        if typ is int:
+            raise ValueError(f"{var} must be a whole number; got {value!r}") from None
+        if typ is float:
+            raise ValueError(f"{var} must be a number; got {value!r}") from None
+        raise ValueError(str(e)) from None
+
+
 def from_env(env: dict[str, str] | None = None, **overrides) -> Settings:
     """Settings from OPENRL_* variables, then explicit overrides (the CLI flags) on top."""
     env = os.environ if env is None else env
     s = Settings()
     for var, (name, typ) in _ENV_FIELDS.items():
         if env.get(var):
-            setattr(s, name, typ(env[var]))
+            setattr(s, name, _convert(var, env[var], typ))
     for var, name in _ENV_LIMITS.items():
         if env.get(var):
-            setattr(s.limits, name, int(env[var]))
+            setattr(s.limits, name, _convert(var, env[var], int))
     if env.get("OPENRL_API_KEYS"):
         s.api_keys.update(parse_api_keys_env(env["OPENRL_API_KEYS"]))
     if env.get("OPENRL_ALLOWED_HOSTS"):

@@ -260,6 +260,11 @@ def test_fusion_setting_is_validated():
         from_env({"OPENRL_FUSION": "maybe"})
     with pytest.raises(SystemExit):
         main(["serve", "--fusion", "maybe"])
+    assert from_env({"OPENRL_FUSION_MAX_TOKENS": "4096"}).fusion_max_tokens == 4096
+    with pytest.raises(ValueError, match="OPENRL_FUSION_MAX_TOKENS must be a whole number; got 'abc'"):
+        from_env({"OPENRL_FUSION_MAX_TOKENS": "abc"})
+    with pytest.raises(ValueError, match="OPENRL_MAX_DATUMS must be a whole number; got '1e3'"):
+        from_env({"OPENRL_MAX_DATUMS": "1e3"})
 
 
 # -- the engine alone: which ops join a fused call ------------------------------------------------
