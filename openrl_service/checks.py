@@ -1,0 +1,85 @@
+"""The one integer/number range check: every field that must be a whole number or a finite number
+in a range goes through here, so each refusal names the field, the range and the setting behind it.
+
+No torch, no FastAPI: the notebook side (``openrl_jupyter``) uses it too, with its own error class.
+
+    >>> integer(500, "num_samples", 1, 64, setting="OPENRL_MAX_NUM_SAMPLES")
+    Traceback (most recent call last):
+    ...
+    openrl_service.errors.UserError: num_samples must be an integer in [1, 64] (OPENRL_MAX_NUM_SAMPLES); got 500
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from openrl_service.errors import UserError
+
+
+def _range(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f" in [{lo}, {hi}]"
+    if lo is not None:
+        return f" >= {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+def _refuse(
+    kind: str,
+    value: Any,
+    name: str,
+    lo: float | None,
+    hi: float | None,
+    setting: str | None,
+    error: type[Exception],
+) -> Exception:
+    why = f" ({setting})" if setting else ""
+    message = f"{name} must be {kind}{_range(lo, hi)}{why}; got {value!r}"
+    if isinstance(error, type) and issubclass(error, UserError):
+        return error(message, field=name)
+    return error(message)
+
+
+def integer(
+    value: Any,
+    name: str,
+    lo: int | None = None,
+    hi: int | None = None,
+    *,
+    setting: str | None = None,
+    error: type[Exception] = UserError,
+) -> int:
+    """``value`` if it is an int (not a bool) within ``[lo, hi]`` (either end may be open), else
+    ``error`` naming ``name``, the range and the ``setting`` that sets the limit."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (lo is not None and value < lo)
+        or (hi is not None and value > hi)
+    ):
+        raise _refuse("an integer", value, name, lo, hi, setting, error)
+    return value
+
+
+def number(
+    value: Any,
+    name: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    setting: str | None = None,
+    error: type[Exception] = UserError,
+) -> float:
+    """``value`` as a float if it is a finite int or float (not a bool) within ``[lo, hi]``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (lo is not None and value < lo)
+        or (hi is not None and value > hi)
+    ):
+        raise _refuse("a finite number", value, name, lo, hi, setting, error)
+    return float(value)
