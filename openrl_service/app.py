@@ -19,7 +19,7 @@ from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health, json_response
 from openrl_service.config import Settings
 from openrl_service.engine.service import TrainingService
-from openrl_service.errors import ServiceError
+from openrl_service.errors import ApiError
 
 log = logging.getLogger("openrl_service")
 
@@ -81,8 +81,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             {"status": "ready", "model": base.name, "device": str(base.device), "fusion": svc.engine.fusion}
         )
 
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError):
+    @app.exception_handler(ApiError)
+    async def service_error(request: Request, exc: ApiError):
         headers = {"Retry-After": "2"} if exc.status_code == 503 else None
         resp = json_response(exc.to_json(), status=exc.status_code)
         if headers:

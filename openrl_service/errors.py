@@ -1,6 +1,6 @@
 """Errors the service raises, and how each one reaches a client.
 
-    ServiceError                  the base; never shown with a traceback
+    ApiError                      the base; never shown with a traceback
     ├── UserError                 the caller asked for something impossible (HTTP 400 / "user" result)
     │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
     │   ├── Gone                  existed once, has expired (410)
@@ -17,7 +17,7 @@ A ``UserError`` names the field and, where one applies, the limit and its settin
 from __future__ import annotations
 
 
-class ServiceError(Exception):
+class ApiError(Exception):
     status_code = 500
     category = "server"
 
@@ -33,7 +33,7 @@ class ServiceError(Exception):
         return body
 
 
-class UserError(ServiceError):
+class UserError(ApiError):
     status_code = 400
     category = "user"
 
@@ -54,14 +54,14 @@ class UnsupportedMediaType(UserError):
     status_code = 415
 
 
-class Unauthorized(ServiceError):
+class Unauthorized(ApiError):
     status_code = 401
     category = "user"
 
 
-class NotReady(ServiceError):
+class NotReady(ApiError):
     status_code = 503
 
 
-class InternalError(ServiceError):
+class InternalError(ApiError):
     status_code = 500

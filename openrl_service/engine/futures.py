@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrl_service.errors import Gone, NotFound, ServiceError
+from openrl_service.errors import ApiError, Gone, NotFound
 
 
 @dataclass
@@ -26,7 +26,7 @@ class FutureRecord:
     created_at: float = field(default_factory=time.time)
     done: bool = False
     result: Any = None
-    error: ServiceError | None = None
+    error: ApiError | None = None
     completed_at: float | None = None
     extra: dict = field(default_factory=dict)  # e.g. model_id, sample_sequence_ids for the submit reply
     cache: Any = None  # the encoded reply, made once on first retrieve
@@ -57,7 +57,7 @@ class FutureStore:
             self._records[rec.request_id] = rec
         return rec
 
-    def complete(self, rec: FutureRecord, result: Any = None, error: ServiceError | None = None) -> None:
+    def complete(self, rec: FutureRecord, result: Any = None, error: ApiError | None = None) -> None:
         """Thread-safe; the first completion wins."""
         with self._lock:
             if rec.done:

@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_service.engine.futures import FutureRecord, FutureStore
-from openrl_service.errors import InternalError, ServiceError, UserError
+from openrl_service.errors import ApiError, InternalError, UserError
 from openrl_service.telemetry import OpRecorder
 
 log = logging.getLogger(__name__)
 
 
-class QueueFull(ServiceError):
+class QueueFull(ApiError):
     """A request refused because a queue is at its limit (HTTP 429 with Retry-After); nothing was queued,
     so resubmitting it later is safe."""
 
@@ -101,7 +101,7 @@ class Op:
     future: FutureRecord
     run_id: str | None = None
     seq_id: int | None = None
-    error: ServiceError | None = None
+    error: ApiError | None = None
     submitted_at: float = field(default_factory=time.monotonic)
     tokens: Callable[[Any], int] | None = None
     # Refused with QueueFull (rather than queued) when its lane or the engine is at its limit.
@@ -485,7 +485,7 @@ class Engine:
                         more = True
                     except StopIteration as stop:
                         result = stop.value
-            except ServiceError as e:
+            except ApiError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 error = self._internal(op, e)
@@ -542,7 +542,7 @@ class Engine:
             try:
                 parts.append(op.fuse.prepare())  # type: ignore[union-attr]
                 live.append(op)
-            except ServiceError as e:
+            except ApiError as e:
                 self._fail_prepare(op, e, now)
             except Exception as e:  # noqa: BLE001
                 self._fail_prepare(op, self._internal(op, e), now)
@@ -562,11 +562,11 @@ class Engine:
                 op.fuse = None
                 self._execute(op)
             return
-        results: list[tuple[Any, ServiceError | None]] = []
+        results: list[tuple[Any, ApiError | None]] = []
         for op, out in zip(live, outputs, strict=True):
             try:
                 results.append((op.fuse.finish(out), None))  # type: ignore[union-attr]
-            except ServiceError as e:
+            except ApiError as e:
                 results.append((None, e))
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 results.append((None, self._internal(op, e)))
@@ -575,7 +575,7 @@ class Engine:
             self.futures.complete(op.future, result=result, error=error)
         self._record_fused(live, results, start, end, now)
 
-    def _fail_prepare(self, op: Op, error: ServiceError, now: float) -> None:
+    def _fail_prepare(self, op: Op, error: ApiError, now: float) -> None:
         """A member that could not join its fused call: an error result, recorded as a failed op."""
         self.futures.complete(op.future, error=error)
         t = time.time()
@@ -584,7 +584,7 @@ class Engine:
     def _record_fused(
         self,
         ops: list[Op],
-        results: list[tuple[Any, ServiceError | None]],
+        results: list[tuple[Any, ApiError | None]],
         start: float,
         end: float,
         now: float,

@@ -1,0 +1,1 @@
+"""Helpers the tests share (servers, kernels, browsers, raw clients); no tests live here."""
