@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -53,27 +54,41 @@ def test_no_gpu_means_no_sampler(packing, monkeypatch):
 
 
 def test_sampler_window_and_phase(packing, monkeypatch):
+    # The fake's utilisation follows the number of reads, not the clock: reads 0-4 see 40 %, reads
+    # 5-9 see 90 %, later ones 10 %. The window is stamped at the switches, so it holds exactly the
+    # five 90 % reads however fast or slow the sampler thread runs on a loaded machine.
     fake = fake_pynvml(util=40)
+    reads = {"n": 0}
+    marks: dict[str, float] = {}
+    enough = threading.Event()
+
+    def utilisation(handle):
+        n = reads["n"]
+        reads["n"] += 1
+        if n == 5:
+            marks["lo"] = time.time()
+        if n == 10:
+            marks["hi"] = time.time()
+        if n >= 15:
+            enough.set()
+        return types.SimpleNamespace(gpu=40 if n < 5 else 90 if n < 10 else 10, memory=0)
+
+    fake.nvmlDeviceGetUtilizationRates = utilisation
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     sampler = packing.nvml_for("cuda:0")
     assert sampler is not None and sampler.info["name"] == "Fake H200"
-    sampler.period_s = 0.01
+    sampler.period_s = 0.001
     sampler.start()
-    time.sleep(0.15)
-    lo = time.time()
-    fake.state["util"] = 90
-    time.sleep(0.15)
-    hi = time.time()
-    fake.state["util"] = 10
-    time.sleep(0.1)
+    assert enough.wait(60), "the sampler thread stopped reading"  # a hang guard, not a speed check
     samples = sampler.stop()
-    summary = sampler.summary(samples, [(lo, hi)])
+    summary = sampler.summary(samples, [(marks["lo"], marks["hi"])])
     sampler.close()
     assert fake.state["shutdown"] == 1
     assert summary["label"] == "GPU util (NVML)"
-    assert summary["phase"]["samples"] > summary["window"]["samples"] > 3
+    assert summary["window"]["samples"] == 5
     assert summary["window"]["util_max"] == pytest.approx(0.9)
-    assert summary["window"]["util_mean"] > 0.8  # mostly the 90 % stretch
+    assert summary["window"]["util_mean"] == pytest.approx(0.9)
+    assert summary["phase"]["samples"] == len(samples) >= 16
     assert summary["phase"]["util_mean"] < summary["window"]["util_mean"]
     assert summary["window"]["memory_used_max_bytes"] == 2 << 30
 
