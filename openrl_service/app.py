@@ -38,11 +38,15 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             last_disk_sweep = 0.0
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, settings.future_ttl_s / 4)))
-                svc.engine.forget(svc.futures.sweep())
-                svc.reap_idle_sessions()
-                if time.monotonic() - last_disk_sweep > 300:
-                    last_disk_sweep = time.monotonic()
-                    await asyncio.get_running_loop().run_in_executor(None, svc.store.sweep_expired)
+                # One failed round (a full disk, a vanished folder) is logged; the next one still runs.
+                try:
+                    svc.engine.forget(svc.futures.sweep())
+                    await asyncio.to_thread(svc.reap_idle_sessions)  # writes session records
+                    if time.monotonic() - last_disk_sweep > 300:
+                        last_disk_sweep = time.monotonic()
+                        await asyncio.to_thread(svc.store.sweep_expired)
+                except Exception:
+                    log.exception("housekeeping round failed; retrying in the next round")
 
         sweeper = asyncio.create_task(sweep())
         try:
