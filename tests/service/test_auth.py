@@ -390,7 +390,7 @@ def test_path_traversal_in_a_run_id_does_not_reach_another_tenant(server, alice_
 @pytest.mark.parametrize(
     "host", ["evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.evil.example:1234", ""]
 )
-@pytest.mark.parametrize("path", ["/api/v1/get_server_capabilities", "/readyz"])
+@pytest.mark.parametrize("path", ["/api/v1/get_server_capabilities", "/api/v1/sessions"])
 def test_foreign_host_header_is_refused_even_with_a_valid_key(server, host, path):
     """A DNS-rebinding page reaches 127.0.0.1 under its own name; the Host header gives it away."""
     with server.client(ALICE_KEY) as c:
@@ -414,6 +414,21 @@ def test_allowed_host_setting_adds_a_name(make_server):
             c.get("/api/v1/get_server_capabilities", headers={"Host": "trainer.lan:8000"}).status_code == 200
         )
         assert c.get("/api/v1/get_server_capabilities", headers={"Host": "evil.example"}).status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/api/v1/healthz", "/metrics"])
+def test_probes_and_scrapes_answer_any_host(make_server, path):
+    """kubelet probes and Prometheus scrapes name the pod IP: with --allowed-host on a public bind
+    they still get an answer (no tenant's data is behind these paths), while every other route is
+    still refused under a foreign Host."""
+    live = make_server(host="0.0.0.0", allowed_hosts=["trainer.example"])
+    with live.client(None) as c:
+        r = c.get(path, headers={"Host": "10.1.2.3:8000"})
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        refused = c.get(
+            "/api/v1/get_server_capabilities", headers={"Host": "10.1.2.3:8000", "X-API-Key": ALICE_KEY}
+        )
+        assert refused.status_code == 400 and "--allowed-host" in refused.json()["error"]
 
 
 @pytest.mark.parametrize(
