@@ -4,8 +4,9 @@ Every route except the health checks needs a key (``X-API-Key: tml-…`` as the 
 it, or ``Authorization: Bearer tml-…``); on ``/metrics`` the key is optional: a scrape without one
 gets aggregates only (no tenant's identifiers), one with a valid key also that tenant's series. Keys
 are kept only as SHA-256 digests and compared in constant time. Requests naming a foreign Host
-(DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused; the
-service sends no CORS headers at all.
+(DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused, except
+on the health checks and ``/metrics`` (probes and scrapes name the pod IP); the service sends no
+CORS headers at all.
 """
 
 from __future__ import annotations
@@ -122,7 +123,10 @@ class AuthMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.hosts is not None:
+        path = scope.get("path", "")
+        # Probes and scrapes name the pod IP as Host (kubelet, Prometheus); nothing a rebinding page
+        # could use sits behind these paths, so they answer any Host.
+        if self.hosts is not None and path not in PUBLIC_PATHS and path != METRICS_PATH:
             host = _host_only(headers.get("host", ""))
             if host not in self.hosts:
                 return await _error(
@@ -135,7 +139,6 @@ class AuthMiddleware:
             origin = headers.get("origin")
             if origin and not self._origin_ok(origin):
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
-        path = scope.get("path", "")
         # Signed download links carry their own authorisation (an HMAC over tenant, file and expiry).
         anonymous_scrape = (
             path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers
