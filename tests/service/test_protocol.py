@@ -108,3 +108,18 @@ def test_retries_are_remembered_as_long_as_results(make_server):
     live.service.engine.forget(live.service.futures.sweep(now=__import__("time").time() + 10))
     late = raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])])
     assert late != first and "arrived after" in raw.result(late)["error"]  # never applied a second time
+
+
+def test_each_retrieve_gets_its_own_response():
+    """A result fetched twice is sent as two responses: a header one reply gained (as middleware adds
+    them) does not ride along on the next, and the body is the same."""
+    from openrl_service.api.tinker import encode_result
+    from openrl_service.engine.futures import FutureRecord
+
+    rec = FutureRecord("r1", "alice", "optim_step", done=True, result={"metrics": {"loss:mean": 1.5}})
+    first = encode_result(rec, False)
+    first.headers["x-added-by-middleware"] = "1"
+    second = encode_result(rec, False)
+    assert second is not first
+    assert "x-added-by-middleware" not in second.headers
+    assert second.body == first.body and second.media_type == "application/json"
