@@ -45,12 +45,12 @@ CLIENT_CONFIG = {
 }
 
 
+def _json_bytes(data: Any) -> bytes:
+    return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def json_response(data: Any, status: int = 200) -> Response:
-    return Response(
-        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
-        status_code=status,
-        media_type="application/json",
-    )
+    return Response(_json_bytes(data), status_code=status, media_type="application/json")
 
 
 def backpressure_response(e: QueueFull) -> Response:
@@ -678,26 +678,26 @@ def prompt_tokens(prompt: dict) -> list[int]:
 
 
 def encode_result(rec, wants_proto: bool) -> Response:
-    if rec.cache is not None and rec.cache[0] == wants_proto:
-        return rec.cache[1]
+    """A fresh Response for each retrieve (middleware may add headers to it); the encoded bytes are
+    made once per future and format, and kept on the record."""
+    if rec.cache is None or rec.cache[0] != wants_proto:
+        rec.cache = (wants_proto, *_encode(rec, wants_proto))
+    _, body, media_type = rec.cache
+    return Response(body, media_type=media_type)
+
+
+def _encode(rec, wants_proto: bool) -> tuple[bytes, str]:
+    """(body, media type) of a finished future's result."""
     res = rec.result
     if isinstance(res, ForwardResult):
-        resp = (
-            Response(encode_forward(res), media_type=PROTO)
-            if wants_proto
-            else json_response(forward_json(res))
-        )
-    elif isinstance(res, SampleOutput):
+        if wants_proto:
+            return encode_forward(res), PROTO
+        return _json_bytes(forward_json(res)), "application/json"
+    if isinstance(res, SampleOutput):
         last_n = rec.extra.get("_last_n")
         if last_n is not None and res.prompt_logprobs is not None:
             res.prompt_logprobs[: max(0, len(res.prompt_logprobs) - last_n)] = np.nan
-        ids = rec.extra.get("sample_sequence_ids", [])
-        resp = (
-            Response(encode_sample(res), media_type=PROTO)
-            if wants_proto
-            else json_response(sample_json(res, ids))
-        )
-    else:
-        resp = json_response({**res, "type": rec.kind} if isinstance(res, dict) else res)
-    rec.cache = (wants_proto, resp)
-    return resp
+        if wants_proto:
+            return encode_sample(res), PROTO
+        return _json_bytes(sample_json(res, rec.extra.get("sample_sequence_ids", []))), "application/json"
+    return _json_bytes({**res, "type": rec.kind} if isinstance(res, dict) else res), "application/json"
