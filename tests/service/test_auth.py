@@ -583,10 +583,32 @@ def test_cli_without_keys_generates_one_prints_it_and_keeps_it(tmp_path, tiny_mo
         caps = tinker.RestClient(base_url=first.url, api_key=key).get_server_capabilities().result()
         assert [m.model_name for m in caps.supported_models] == [TINY]
     assert f"export TINKER_API_KEY={key}" in first.stdout.splitlines()
-    # A restart reuses the same key: notebooks holding it keep working.
+    # A restart reuses the same key: notebooks holding it keep working. It says where the key is, and
+    # never prints it again (logs of a long-running service are read by more people than its owner).
     with serving(data, tiny_model_dir) as second:
         assert status_with(second.url, key) == 200
-    assert f"export TINKER_API_KEY={key}" in second.stdout.splitlines()
+    assert key not in second.stdout
+    assert str(key_file) in second.stdout
+
+
+def test_cli_access_log_never_shows_a_download_token(tmp_path, tiny_model_dir):
+    """Signed download links authorise by their token alone: the access log names the route, not it."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {ALICE_KEY}\n")
+    data = tmp_path / "data"
+    with (
+        serving(data, tiny_model_dir, "--api-keys-file", str(keys), "--access-log") as served,
+        httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=30) as c,
+    ):
+        sid = new_session(c)
+        url = c.get(f"/api/v1/sessions/{sid}/trace_export").json()["url"]
+        assert httpx.get(url, timeout=30).status_code == 200
+    token = url.rsplit("/", 1)[1]
+    log = served.stdout + (data / "stderr.log").read_text()  # uvicorn's access log goes to stdout
+    assert f"/api/v1/sessions/{sid}/trace_export" in log  # the access log is on
+    assert "/api/v1/downloads/" in log
+    assert token not in log
+    assert token.split(".")[0] not in log  # nor its payload
 
 
 def test_cli_api_keys_file_gives_each_line_a_tenant(tmp_path, tiny_model_dir):
