@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openrl_service.api.auth import AuthMiddleware, KeyRing
+from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.hub import build_hub_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
@@ -30,6 +30,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.futures.loop = asyncio.get_running_loop()
+        redact_access_log()  # after the server configured logging
         svc.start()
 
         async def sweep():

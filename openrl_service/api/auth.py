@@ -53,13 +53,14 @@ class KeyRing:
         return len(self._by_digest)
 
 
-def ensure_generated_key(data_dir: Path) -> tuple[str, Path]:
-    """The key `serve` creates when none is configured: ``<data>/api-key``, mode 0600, reused later."""
+def ensure_generated_key(data_dir: Path) -> tuple[str, Path, bool]:
+    """The key `serve` creates when none is configured: ``<data>/api-key``, mode 0600, reused later.
+    Returns (key, its file, whether it was created just now)."""
     path = Path(data_dir) / "api-key"
     if path.is_file():
         key = path.read_text().strip()
         if key.startswith("tml-"):
-            return key, path
+            return key, path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     key = "tml-" + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -69,7 +70,29 @@ def ensure_generated_key(data_dir: Path) -> tuple[str, Path]:
         os.chmod(path, 0o600)
     except OSError:
         pass
-    return key, path
+    return key, path, True
+
+
+class RedactDownloadTokens(logging.Filter):
+    """Keeps signed download tokens out of the access log: a token alone authorises its download, so
+    whoever reads the log could fetch the file. The log line keeps the route."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def _redact(text: str) -> str:
+    at = text.find(SIGNED_PREFIX)
+    return text if at < 0 else text[: at + len(SIGNED_PREFIX)] + "<token>"
+
+
+def redact_access_log() -> None:
+    """Install :class:`RedactDownloadTokens` on uvicorn's access logger (once)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactDownloadTokens) for f in access.filters):
+        access.addFilter(RedactDownloadTokens())
 
 
 def allowed_hosts(settings: Settings) -> set[str] | None:
