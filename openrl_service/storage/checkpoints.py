@@ -11,25 +11,33 @@ Layout (every name below is chosen by the service, never by a client):
         manifest.json               kind, run, base model, LoRA spec, steps, file digests,
                                     expires_at (TTL) and public
 
-A checkpoint is written into a temporary folder beside its final place and renamed into it, so a
-reader never sees a half-written one. Only safetensors and JSON are read back: nothing is unpickled.
+A checkpoint is written into a temporary folder beside its final place and renamed into it (an
+overwrite swaps the two folders in one atomic exchange), so a reader sees the old or the new
+checkpoint, never a half-written one or none. Loading reads every file from one opened folder and
+checks it against the manifest's SHA-256: a corrupted file is refused by name. Only safetensors and JSON are read back: nothing is unpickled.
 A checkpoint past its ``expires_at`` is treated as absent at once and deleted by the next sweep.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 from openrl_service.config import TENANT_RE
 from openrl_service.errors import NotFound, UserError
@@ -165,10 +173,8 @@ class CheckpointStore:
             (tmp / "manifest.json").write_text(json.dumps(full, indent=2, sort_keys=True))
             _fsync_dir(tmp)
             if final.exists():
-                trash = final.parent / f".{ref.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
+                # One atomic exchange: a reader sees the old checkpoint or the new one, never neither.
+                _exchange(tmp, final)  # tmp now holds the old checkpoint; the finally removes it
             else:
                 os.replace(tmp, final)
         finally:
@@ -300,20 +306,42 @@ class CheckpointStore:
     def load(
         self, tenant: str, ref: CheckpointRef, *, with_optimizer: bool = False
     ) -> tuple[dict, dict, dict | None]:
-        """(manifest, adapter tensors, optimizer tensors or None); NotFound for foreign or absent ones."""
-        manifest = self.manifest(tenant, ref)
-        d = self._ckpt_dir(tenant, ref)
-        adapter = load_file(str(d / "adapter_model.safetensors"))
-        optimizer = None
-        if with_optimizer:
-            opath = d / "optimizer.safetensors"
-            if not opath.is_file():
-                raise UserError(
-                    f"checkpoint {ref.path} holds no optimizer state (it is a {ref.kind} checkpoint); "
-                    "load it without the optimizer",
-                    field="path",
-                )
-            optimizer = load_file(str(opath))
+        """(manifest, adapter tensors, optimizer tensors or None); NotFound for foreign or absent ones,
+        UserError naming the file for one whose bytes no longer match the manifest's digest."""
+        for _ in range(3):
+            try:
+                return self._load_once(tenant, ref, with_optimizer)
+            except FileNotFoundError:  # overwritten while we read, the old copy removed: read the new one
+                continue
+        raise NotFound(f"checkpoint {ref.path} not found", field="path")
+
+    def _load_once(
+        self, tenant: str, ref: CheckpointRef, with_optimizer: bool
+    ) -> tuple[dict, dict, dict | None]:
+        # Every file comes from the one directory opened here, so a concurrent overwrite (an atomic
+        # exchange of directories) cannot mix an old manifest with new tensors.
+        folder = _Folder.open(self._ckpt_dir(tenant, ref))
+        if folder is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field="path")
+        with folder:
+            try:
+                manifest = json.loads(folder.read("manifest.json"))
+            except ValueError:
+                raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+            if _expired(manifest):
+                raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
+            digests = manifest.get("files") or {}
+            _verified(folder, "adapter_config.json", digests, ref)
+            adapter = safetensors_load(_verified(folder, "adapter_model.safetensors", digests, ref))
+            optimizer = None
+            if with_optimizer:
+                if "optimizer.safetensors" not in digests:
+                    raise UserError(
+                        f"checkpoint {ref.path} holds no optimizer state (it is a {ref.kind} checkpoint); "
+                        "load it without the optimizer",
+                        field="path",
+                    )
+                optimizer = safetensors_load(_verified(folder, "optimizer.safetensors", digests, ref))
         return manifest, adapter, optimizer
 
     def folder(self, tenant: str, ref: CheckpointRef) -> Path:
@@ -321,6 +349,79 @@ class CheckpointStore:
         if not (d / "manifest.json").is_file():
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         return d
+
+
+class _Folder:
+    """A checkpoint directory held open: files are read relative to it (where the OS allows)."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def open(cls, path: Path) -> _Folder | None:
+        if os.open not in os.supports_dir_fd:
+            return cls(path, None) if path.is_dir() else None
+        try:
+            return cls(path, os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def read(self, name: str) -> bytes:
+        if self.fd is None:
+            return (self.path / name).read_bytes()
+        fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def __enter__(self) -> _Folder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def _verified(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> bytes:
+    """The file's bytes if they match the manifest's SHA-256 (files the manifest does not list are
+    read as they are)."""
+    data = folder.read(name)
+    want = digests.get(name)
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise UserError(
+            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
+            "(the file changed on disk after it was saved); save the checkpoint again",
+            field="path",
+        )
+    return data
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE, macOS renamex_np
+    RENAME_SWAP). Elsewhere two renames, with a moment in which ``b`` is absent."""
+    libc = _libc()
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        at_fdcwd, rename_exchange = -100, 2
+        if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else: this filesystem cannot
+            raise OSError(err, os.strerror(err), str(b))
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rename_swap = 2
+        if libc.renamex_np(os.fsencode(a), os.fsencode(b), rename_swap) == 0:
+            return
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(b))
+    aside = b.parent / f".{b.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+    os.replace(b, aside)
+    os.replace(a, b)
+    os.replace(aside, a)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
 
 
 def _expired(manifest: dict, now: float | None = None) -> bool:
