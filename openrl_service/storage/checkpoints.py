@@ -230,6 +230,7 @@ class CheckpointStore:
                 "copied_from": src.path,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            _fsync_dir(tmp)
             os.replace(tmp, final)
         finally:
             if tmp.exists():
