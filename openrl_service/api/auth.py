@@ -16,6 +16,7 @@ import hmac
 import logging
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -63,13 +64,19 @@ def ensure_generated_key(data_dir: Path) -> tuple[str, Path, bool]:
             return key, path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     key = "tml-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
+    # A new file (mode 0600 from the start) renamed over the old name: a crash leaves the old file or
+    # the whole new key, never an empty one, and a second name for the old file is not written through.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".api-key.")
     try:
-        os.chmod(path, 0o600)
-    except OSError:
-        pass
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return key, path, True
 
 
