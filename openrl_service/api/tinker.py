@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from google.protobuf.message import DecodeError
+from starlette.concurrency import run_in_threadpool
 
 from openrl_service.api import proto
 from openrl_service.engine.scheduler import QueueFull
@@ -360,7 +361,8 @@ def build_router(svc: TrainingService) -> APIRouter:
     async def create_session(request: Request):
         """Start a session (one ServiceClient)."""
         body = await read_json(request, max_body)
-        sess = svc.create_session(
+        sess = await run_in_threadpool(  # writes (and fsyncs) the session record
+            svc.create_session,
             _tenant(request),
             tags=body.get("tags"),
             user_metadata=body.get("user_metadata"),
@@ -382,7 +384,9 @@ def build_router(svc: TrainingService) -> APIRouter:
         """End a session; its runs and samplers leave device memory, checkpoints stay."""
         body = await read_json(request, max_body)
         reason = body.get("reason") if isinstance(body.get("reason"), dict) else {}
-        svc.finish_session(_tenant(request), session_id, reason=str(reason.get("type", "success")))
+        await run_in_threadpool(  # writes (and fsyncs) the session record
+            svc.finish_session, _tenant(request), session_id, reason=str(reason.get("type", "success"))
+        )
         return json_response({"type": "session_finish", "session_id": session_id})
 
     @r.post("/telemetry")
@@ -563,7 +567,8 @@ def build_router(svc: TrainingService) -> APIRouter:
     async def create_sampling_session(request: Request):
         """A sampler on the base model or on a saved sampler checkpoint."""
         body = await read_json(request, max_body)
-        sampler_id = svc.create_sampler(
+        sampler_id = await run_in_threadpool(
+            svc.create_sampler,
             _tenant(request),
             session_id=field(body, "session_id", str),
             seq_id=body.get("sampling_session_seq_id"),

@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,8 +99,21 @@ def _digest(p: Path) -> str:
 
 
 class CheckpointStore:
+    """Checkpoints, run metadata and session records of every tenant under one data folder.
+
+    Listings are served from memory: a tenant's session and run records are read from disk once (on
+    its first listing) and kept current by this store's own writes; a run's checkpoint listing is
+    read once and dropped whenever one of its checkpoints changes. The service is the only writer
+    of its data folder."""
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self._lock = threading.Lock()
+        # tenant → id → record: what this process wrote, plus (once listed) what the disk held
+        self._sessions: dict[str, dict[str, dict]] = {}
+        self._runs: dict[str, dict[str, dict]] = {}
+        self._listed: set[tuple[str, str]] = set()  # ("sessions" | "runs", tenant) read from disk
+        self._checkpoints: dict[tuple[str, str], list[dict]] = {}  # (tenant, run id) → manifests
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
@@ -121,9 +135,15 @@ class CheckpointStore:
         d = self.run_dir(tenant, run_id)
         d.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(d / "run.json", json.dumps(meta, indent=2, sort_keys=True))
+        with self._lock:
+            self._runs.setdefault(tenant, {})[run_id] = dict(meta)
 
     def read_run_meta(self, tenant: str, run_id: str) -> dict | None:
         p = self.run_dir(tenant, run_id) / "run.json"
+        with self._lock:
+            known = self._runs.get(tenant, {}).get(run_id)
+        if known is not None:
+            return dict(known)
         try:
             return json.loads(p.read_text()) if p.is_file() else None
         except OSError:
@@ -145,6 +165,7 @@ class CheckpointStore:
         overwrite: bool,
     ) -> Path:
         final = self._ckpt_dir(tenant, ref)
+        self._changed(tenant, ref.run_id)
         if final.exists() and not overwrite:
             raise UserError(
                 f"checkpoint {ref.path} already exists; pass overwrite=True to replace it", field="path"
@@ -180,6 +201,7 @@ class CheckpointStore:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+            self._changed(tenant, ref.run_id)
         return final
 
     def manifest(self, tenant: str, ref: CheckpointRef) -> dict:
@@ -197,6 +219,7 @@ class CheckpointStore:
         _atomic_write_text(
             self._ckpt_dir(tenant, ref) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
         )
+        self._changed(tenant, ref.run_id)
         return manifest
 
     def delete(self, tenant: str, ref: CheckpointRef) -> None:
@@ -204,6 +227,7 @@ class CheckpointStore:
         d = self._ckpt_dir(tenant, ref)
         trash = d.parent / f".{ref.name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
         os.replace(d, trash)
+        self._changed(tenant, ref.run_id)
         shutil.rmtree(trash, ignore_errors=True)
 
     def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
@@ -235,21 +259,49 @@ class CheckpointStore:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+            self._changed(tenant, dst.run_id)
         return manifest
 
     # -- listings -------------------------------------------------------------------------------
+    def _changed(self, tenant: str, run_id: str) -> None:
+        with self._lock:
+            self._checkpoints.pop((tenant, run_id), None)
+
     def list_runs(self, tenant: str) -> list[dict]:
         root = self._tenant_root(tenant) / "runs"
-        out = []
-        for d in root.iterdir() if root.is_dir() else ():
-            try:
-                out.append(json.loads((d / "run.json").read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+        return self._listing("runs", self._runs, tenant, lambda: (d / "run.json" for d in _dirs(root)))
+
+    def _listing(self, what: str, records: dict, tenant: str, files) -> list[dict]:
+        """Every record of a tenant: read from ``files()`` on the first call, from memory after it."""
+        with self._lock:
+            listed = (what, tenant) in self._listed
+        if not listed:
+            read = []
+            for p in files():
+                try:
+                    read.append(json.loads(p.read_text()))
+                except (OSError, ValueError):
+                    continue
+            key = "session_id" if what == "sessions" else "run_id"
+            with self._lock:
+                mine = records.setdefault(tenant, {})
+                for record in read:  # what this process wrote meanwhile is newer than the disk read
+                    mine.setdefault(record[key], record)
+                self._listed.add((what, tenant))
+        with self._lock:
+            return [dict(r) for r in records.get(tenant, {}).values()]
 
     def list_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
         """Live checkpoints of a run, each manifest with ``size_bytes``; expired ones are left out."""
+        with self._lock:
+            known = self._checkpoints.get((tenant, run_id))
+        if known is None:
+            known = self._read_checkpoints(tenant, run_id)
+            with self._lock:
+                self._checkpoints[(tenant, run_id)] = known
+        return [{**m} for m in known if not _expired(m)]
+
+    def _read_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
         out = []
         run = self.run_dir(tenant, run_id)
         for kind in KINDS:
@@ -262,8 +314,7 @@ class CheckpointStore:
                     size = sum(p.stat().st_size for p in ck.iterdir() if p.is_file())
                 except (OSError, ValueError):
                     continue
-                if not _expired(m):
-                    out.append({**m, "size_bytes": size})
+                out.append({**m, "size_bytes": size})
         return out
 
     def sweep_expired(self, now: float | None = None) -> int:
@@ -278,6 +329,9 @@ class CheckpointStore:
             if _expired(m, now):
                 shutil.rmtree(mpath.parent, ignore_errors=True)
                 removed += 1
+        if removed:
+            with self._lock:
+                self._checkpoints.clear()
         return removed
 
     # -- sessions -------------------------------------------------------------------------------
@@ -285,20 +339,22 @@ class CheckpointStore:
         d = self._tenant_root(tenant) / "sessions"
         d.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(d / f"{record['session_id']}.json", json.dumps(record, indent=2, sort_keys=True))
+        with self._lock:
+            self._sessions.setdefault(tenant, {})[record["session_id"]] = dict(record)
 
     def list_sessions(self, tenant: str) -> list[dict]:
         d = self._tenant_root(tenant) / "sessions"
-        out = []
-        for p in d.glob("*.json") if d.is_dir() else ():
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+        return self._listing(
+            "sessions", self._sessions, tenant, lambda: d.glob("*.json") if d.is_dir() else ()
+        )
 
     def read_session(self, tenant: str, session_id: str) -> dict | None:
         if not _RUN_RE.match(session_id):
             return None
+        with self._lock:
+            known = self._sessions.get(tenant, {}).get(session_id)
+        if known is not None:
+            return dict(known)
         try:
             return json.loads((self._tenant_root(tenant) / "sessions" / f"{session_id}.json").read_text())
         except (OSError, ValueError):
@@ -423,6 +479,10 @@ def _exchange(a: Path, b: Path) -> None:
 def _libc():
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def _dirs(root: Path):
+    return (d for d in root.iterdir() if d.is_dir()) if root.is_dir() else ()
 
 
 def _expired(manifest: dict, now: float | None = None) -> bool:
