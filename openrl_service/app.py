@@ -12,11 +12,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
+from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
-from openrl_service.api.tinker import build_router, health, json_response
+from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError

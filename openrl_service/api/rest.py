@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool as off
 
-from openrl_service.api.tinker import field, json_response, read_json
+from openrl_service.api.http import field, json_response, read_json, tenant
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
@@ -37,9 +37,6 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
     r = APIRouter(prefix="/api/v1")
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
-
-    def tenant(request: Request) -> str:
-        return request.state.tenant
 
     # -- training runs -------------------------------------------------------------------------
     @r.get("/training_runs")

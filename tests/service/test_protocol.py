@@ -113,7 +113,7 @@ def test_retries_are_remembered_as_long_as_results(make_server):
 def test_each_retrieve_gets_its_own_response():
     """A result fetched twice is sent as two responses: a header one reply gained (as middleware adds
     them) does not ride along on the next, and the body is the same."""
-    from openrl_service.api.tinker import encode_result
+    from openrl_service.api.codec import encode_result
     from openrl_service.engine.futures import FutureRecord
 
     rec = FutureRecord("r1", "alice", "optim_step", done=True, result={"metrics": {"loss:mean": 1.5}})
