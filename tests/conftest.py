@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-pytest_plugins = ["tests.strict_skips", "pytester"]
+pytest_plugins = ["tests._support.strict_skips", "pytester"]
 
 ALICE_KEY = "tml-alice-0123456789abcdef"
 BOB_KEY = "tml-bob-0123456789abcdef"

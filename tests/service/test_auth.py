@@ -26,8 +26,8 @@ import pytest
 import tinker
 
 from openrl_service.api import proto
+from tests._support.raw import result
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY, free_port
-from tests.service.raw import result
 
 PROTO = "application/x-protobuf"
 PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}

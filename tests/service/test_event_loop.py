@@ -9,8 +9,8 @@ import threading
 import httpx
 import pytest
 
+from tests._support.raw import RawTinker
 from tests.conftest import ALICE_KEY
-from tests.service.raw import RawTinker
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openrl_service.config import Limits
-from tests.service.raw import RawTinker, fb_body, sft_datum
+from tests._support.raw import RawTinker, fb_body, sft_datum
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 

@@ -3,7 +3,7 @@
 import zstandard
 from google.protobuf import descriptor_pb2
 
-from tests.service.raw import RawTinker, fb_body, sft_datum
+from tests._support.raw import RawTinker, fb_body, sft_datum
 
 
 def test_protobuf_schema_matches_the_sdk():
