@@ -111,6 +111,18 @@ def make_server(tmp_path, tiny_model_dir):
 
 
 @pytest.fixture
+def raw(server):
+    """A raw-HTTP Tinker client (tenant alice) on the shared service. The sessions it creates are
+    finished afterwards, pass or fail: runs left live would count against the next test's quota."""
+    from tests._support.raw import RawTinker
+
+    with server.client() as http:
+        client = RawTinker(http)
+        yield client
+        client.finish_sessions()
+
+
+@pytest.fixture
 def service_client(server):
     import tinker
 

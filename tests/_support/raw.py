@@ -52,6 +52,7 @@ def result(client: httpx.Client, request_id: str) -> dict:
 class RawTinker:
     def __init__(self, http: httpx.Client):
         self.http = http
+        self.sessions: list[str] = []  # created here; finish_sessions() ends them
 
     def post(self, route: str, /, **body) -> httpx.Response:
         return self.http.post(f"/api/v1/{route}", json=body)
@@ -59,7 +60,14 @@ class RawTinker:
     def session(self) -> str:
         r = self.post("create_session")
         r.raise_for_status()
-        return r.json()["session_id"]
+        self.sessions.append(r.json()["session_id"])
+        return self.sessions[-1]
+
+    def finish_sessions(self) -> None:
+        """Finish every session this client created: their runs leave the tenant's live-run quota."""
+        for sid in self.sessions:
+            self.post(f"sessions/{sid}/finish", reason={"type": "success"})
+        self.sessions.clear()
 
     def create_model(self, session_id: str, model_seq_id: int = 0, rank: int = 8, seed: int = 1) -> str:
         r = self.post(

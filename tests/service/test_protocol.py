@@ -18,8 +18,7 @@ def test_protobuf_schema_matches_the_sdk():
         assert ours == theirs, name
 
 
-def test_zstd_compressed_forward_backward(server):
-    raw = RawTinker(server.client())
+def test_zstd_compressed_forward_backward(server, raw):
     m = raw.create_model(raw.session())
     body = zstandard.ZstdCompressor().compress(fb_body(m, 1, [sft_datum([11, 12, 13], [21, 22])]))
     r = server.client().post(
@@ -40,8 +39,7 @@ def test_health_and_readiness_need_no_key(server):
     assert ready["status"] == "ready" and ready["model"] == "openrl/tiny"
 
 
-def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server):
-    raw = RawTinker(server.client())
+def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server, raw):
     sid = raw.session()
     m = raw.create_model(sid)
     path = raw.result(raw.post("save_weights", model_id=m, seq_id=1, path="keep").json()["request_id"])[
@@ -57,8 +55,7 @@ def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server):
     assert raw.result(r.json()["request_id"])["model_id"] == f"{sid2}:train:0"
 
 
-def test_every_executed_op_is_recorded(server):
-    raw = RawTinker(server.client())
+def test_every_executed_op_is_recorded(server, raw):
     m = raw.create_model(raw.session())
     start = __import__("time").time()
     raw.result(raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])]))
