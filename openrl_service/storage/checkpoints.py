@@ -20,6 +20,7 @@ A checkpoint past its ``expires_at`` is treated as absent at once and deleted by
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -114,6 +115,7 @@ class CheckpointStore:
         self._runs: dict[str, dict[str, dict]] = {}
         self._listed: set[tuple[str, str]] = set()  # ("sessions" | "runs", tenant) read from disk
         self._checkpoints: dict[tuple[str, str], list[dict]] = {}  # (tenant, run id) → manifests
+        self._changes = 0  # checkpoint writes so far: a listing read across one is not kept
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
@@ -153,6 +155,28 @@ class CheckpointStore:
     def exists(self, tenant: str, ref: CheckpointRef) -> bool:
         return (self._ckpt_dir(tenant, ref) / "manifest.json").is_file()
 
+    @contextlib.contextmanager
+    def _staged(self, tenant: str, ref: CheckpointRef, *, overwrite: bool, hint: str = ""):
+        """A temporary folder beside ``ref``'s place; the caller fills it, then it is fsynced and
+        renamed into place (over an old one: one atomic exchange, so a reader sees the old checkpoint
+        or the new one, never neither). Removed on failure."""
+        final = self._ckpt_dir(tenant, ref)
+        if final.exists() and not overwrite:
+            raise UserError(f"checkpoint {ref.path} already exists{hint}", field="path")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{ref.name}.tmp-"))
+        try:
+            yield tmp
+            _fsync_dir(tmp)
+            if final.exists():
+                _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
+            else:
+                os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._changed(tenant, ref.run_id)
+
     def save(
         self,
         tenant: str,
@@ -164,15 +188,9 @@ class CheckpointStore:
         manifest: dict,
         overwrite: bool,
     ) -> Path:
-        final = self._ckpt_dir(tenant, ref)
-        self._changed(tenant, ref.run_id)
-        if final.exists() and not overwrite:
-            raise UserError(
-                f"checkpoint {ref.path} already exists; pass overwrite=True to replace it", field="path"
-            )
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{ref.name}.tmp-"))
-        try:
+        with self._staged(
+            tenant, ref, overwrite=overwrite, hint="; pass overwrite=True to replace it"
+        ) as tmp:
             save_file(adapter, str(tmp / "adapter_model.safetensors"))
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
             if optimizer is not None:
@@ -192,17 +210,7 @@ class CheckpointStore:
                 **manifest,
             }
             (tmp / "manifest.json").write_text(json.dumps(full, indent=2, sort_keys=True))
-            _fsync_dir(tmp)
-            if final.exists():
-                # One atomic exchange: a reader sees the old checkpoint or the new one, never neither.
-                _exchange(tmp, final)  # tmp now holds the old checkpoint; the finally removes it
-            else:
-                os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._changed(tenant, ref.run_id)
-        return final
+        return self._ckpt_dir(tenant, ref)
 
     def manifest(self, tenant: str, ref: CheckpointRef) -> dict:
         """The checkpoint's manifest alone (cheap: no tensors); NotFound for foreign, absent or expired ones."""
@@ -232,18 +240,13 @@ class CheckpointStore:
 
     def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
         """Copy a checkpoint to another run/name (atomically); the copy is private and has its own TTL."""
-        self.manifest(tenant, src)
-        final = self._ckpt_dir(tenant, dst)
-        if final.exists():
-            raise UserError(f"checkpoint {dst.path} already exists", field="path")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{dst.name}.tmp-"))
-        try:
+        source = self.manifest(tenant, src)
+        with self._staged(tenant, dst, overwrite=False) as tmp:
             for p in self._ckpt_dir(tenant, src).iterdir():
                 if p.name != "manifest.json":
                     shutil.copy2(p, tmp / p.name)
             manifest = {
-                **self.manifest(tenant, src),
+                **source,
                 "run_id": dst.run_id,
                 "kind": dst.kind,
                 "name": dst.name,
@@ -254,18 +257,13 @@ class CheckpointStore:
                 "copied_from": src.path,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            _fsync_dir(tmp)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._changed(tenant, dst.run_id)
         return manifest
 
     # -- listings -------------------------------------------------------------------------------
     def _changed(self, tenant: str, run_id: str) -> None:
         with self._lock:
             self._checkpoints.pop((tenant, run_id), None)
+            self._changes += 1
 
     def list_runs(self, tenant: str) -> list[dict]:
         root = self._tenant_root(tenant) / "runs"
@@ -295,10 +293,12 @@ class CheckpointStore:
         """Live checkpoints of a run, each manifest with ``size_bytes``; expired ones are left out."""
         with self._lock:
             known = self._checkpoints.get((tenant, run_id))
+            changes = self._changes
         if known is None:
             known = self._read_checkpoints(tenant, run_id)
             with self._lock:
-                self._checkpoints[(tenant, run_id)] = known
+                if self._changes == changes:  # else a checkpoint changed while we read: do not keep it
+                    self._checkpoints[(tenant, run_id)] = known
         return [{**m} for m in known if not _expired(m)]
 
     def _read_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
@@ -332,6 +332,7 @@ class CheckpointStore:
         if removed:
             with self._lock:
                 self._checkpoints.clear()
+                self._changes += 1
         return removed
 
     # -- sessions -------------------------------------------------------------------------------
