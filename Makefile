@@ -66,7 +66,7 @@ bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, s
 	$(BIN)/python bench/packing.py
 
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
-	$(BIN)/python tests/service/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
+	$(BIN)/python tests/_support/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
 
 .PHONY: compat-doc
 compat-doc: $(STAMP) ## rewrite docs/tinker-compatibility.md from the Tinker SDK surface suite

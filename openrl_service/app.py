@@ -11,12 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openrl_service.api.auth import AuthMiddleware, KeyRing
+from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
+from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
-from openrl_service.api.tinker import build_router, health, json_response
+from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
@@ -30,6 +31,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.futures.loop = asyncio.get_running_loop()
+        redact_access_log()  # after the server configured logging
         svc.start()
 
         async def sweep():
@@ -38,11 +40,15 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             last_disk_sweep = 0.0
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, settings.future_ttl_s / 4)))
-                svc.engine.forget(svc.futures.sweep())
-                svc.reap_idle_sessions()
-                if time.monotonic() - last_disk_sweep > 300:
-                    last_disk_sweep = time.monotonic()
-                    await asyncio.get_running_loop().run_in_executor(None, svc.store.sweep_expired)
+                # One failed round (a full disk, a vanished folder) is logged; the next one still runs.
+                try:
+                    svc.engine.forget(svc.futures.sweep())
+                    await asyncio.to_thread(svc.reap_idle_sessions)  # writes session records
+                    if time.monotonic() - last_disk_sweep > 300:
+                        last_disk_sweep = time.monotonic()
+                        await asyncio.to_thread(svc.store.sweep_expired)
+                except Exception:
+                    log.exception("housekeeping round failed; retrying in the next round")
 
         sweeper = asyncio.create_task(sweep())
         try:

@@ -43,12 +43,17 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     if settings.auth_enabled and not settings.api_keys:
-        key, path = ensure_generated_key(settings.data_dir)
+        key, path, created = ensure_generated_key(settings.data_dir)
         settings.api_keys[key] = "default"
-        print(
-            f"openrl-service: no API keys configured; using the key in {path} (tenant 'default'):", flush=True
-        )
-        print(f"export TINKER_API_KEY={key}", flush=True)
+        if created:
+            print(f"openrl-service: no API keys configured; created {path} (tenant 'default'):", flush=True)
+            print(f"export TINKER_API_KEY={key}", flush=True)
+        else:  # printed once, when created: logs of a long-running service reach more people
+            print(
+                f"openrl-service: no API keys configured; using the key in {path} (tenant 'default'): "
+                f'export TINKER_API_KEY="$(cat {path})"',
+                flush=True,
+            )
     if not settings.auth_enabled:
         print(
             "openrl-service: authentication is OFF (--no-auth/--insecure): every caller is tenant 'default'",

@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-pytest_plugins = ["tests.strict_skips", "pytester"]
+pytest_plugins = ["tests._support.strict_skips", "pytester"]
 
 ALICE_KEY = "tml-alice-0123456789abcdef"
 BOB_KEY = "tml-bob-0123456789abcdef"
@@ -108,6 +108,18 @@ def make_server(tmp_path, tiny_model_dir):
     yield make
     for live in started:
         live.stop()
+
+
+@pytest.fixture
+def raw(server):
+    """A raw-HTTP Tinker client (tenant alice) on the shared service. The sessions it creates are
+    finished afterwards, pass or fail: runs left live would count against the next test's quota."""
+    from tests._support.raw import RawTinker
+
+    with server.client() as http:
+        client = RawTinker(http)
+        yield client
+        client.finish_sessions()
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ Every route except the health checks needs a key (``X-API-Key: tml-…`` as the 
 it, or ``Authorization: Bearer tml-…``); on ``/metrics`` the key is optional: a scrape without one
 gets aggregates only (no tenant's identifiers), one with a valid key also that tenant's series. Keys
 are kept only as SHA-256 digests and compared in constant time. Requests naming a foreign Host
-(DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused; the
-service sends no CORS headers at all.
+(DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused, except
+on the health checks and ``/metrics`` (probes and scrapes name the pod IP); the service sends no
+CORS headers at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hmac
 import logging
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -52,23 +54,52 @@ class KeyRing:
         return len(self._by_digest)
 
 
-def ensure_generated_key(data_dir: Path) -> tuple[str, Path]:
-    """The key `serve` creates when none is configured: ``<data>/api-key``, mode 0600, reused later."""
+def ensure_generated_key(data_dir: Path) -> tuple[str, Path, bool]:
+    """The key `serve` creates when none is configured: ``<data>/api-key``, mode 0600, reused later.
+    Returns (key, its file, whether it was created just now)."""
     path = Path(data_dir) / "api-key"
     if path.is_file():
         key = path.read_text().strip()
         if key.startswith("tml-"):
-            return key, path
+            return key, path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     key = "tml-" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
+    # A new file (mode 0600 from the start) renamed over the old name: a crash leaves the old file or
+    # the whole new key, never an empty one, and a second name for the old file is not written through.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".api-key.")
     try:
-        os.chmod(path, 0o600)
-    except OSError:
-        pass
-    return key, path
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return key, path, True
+
+
+class RedactDownloadTokens(logging.Filter):
+    """Keeps signed download tokens out of the access log: a token alone authorises its download, so
+    whoever reads the log could fetch the file. The log line keeps the route."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def _redact(text: str) -> str:
+    at = text.find(SIGNED_PREFIX)
+    return text if at < 0 else text[: at + len(SIGNED_PREFIX)] + "<token>"
+
+
+def redact_access_log() -> None:
+    """Install :class:`RedactDownloadTokens` on uvicorn's access logger (once)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactDownloadTokens) for f in access.filters):
+        access.addFilter(RedactDownloadTokens())
 
 
 def allowed_hosts(settings: Settings) -> set[str] | None:
@@ -122,7 +153,10 @@ class AuthMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.hosts is not None:
+        path = scope.get("path", "")
+        # Probes and scrapes name the pod IP as Host (kubelet, Prometheus); nothing a rebinding page
+        # could use sits behind these paths, so they answer any Host.
+        if self.hosts is not None and path not in PUBLIC_PATHS and path != METRICS_PATH:
             host = _host_only(headers.get("host", ""))
             if host not in self.hosts:
                 return await _error(
@@ -135,7 +169,6 @@ class AuthMiddleware:
             origin = headers.get("origin")
             if origin and not self._origin_ok(origin):
                 return await _error(send, 403, f"cross-origin requests from {origin} are refused", "origin")
-        path = scope.get("path", "")
         # Signed download links carry their own authorisation (an HMAC over tenant, file and expiry).
         anonymous_scrape = (
             path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers

@@ -30,7 +30,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from openrl_service.api.tinker import json_response
+from openrl_service.api.http import json_response
 from openrl_service.engine.service import TrainingService
 from openrl_service.models.tiny import TINY_MODEL_NAME
 

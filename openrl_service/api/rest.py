@@ -1,15 +1,17 @@
 """Tinker's RestClient surface (``/api/v1``): training runs, checkpoints, sessions, weights, downloads.
 
 A thin façade over :class:`~openrl_service.engine.catalog.Catalog`; every object belongs to the
-caller's tenant and another tenant gets 404.
+caller's tenant and another tenant gets 404. Catalog calls read and write files, so they run in the
+thread pool (``off``): a slow disk never holds the event loop and its long-polls.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
+from starlette.concurrency import run_in_threadpool as off
 
-from openrl_service.api.tinker import field, json_response, read_json
+from openrl_service.api.http import field, json_response, read_json, tenant
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
@@ -36,15 +38,13 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
 
-    def tenant(request: Request) -> str:
-        return request.state.tenant
-
     # -- training runs -------------------------------------------------------------------------
     @r.get("/training_runs")
     async def list_training_runs(request: Request):
         """The caller's training runs, newest first, paged by limit/offset."""
         return json_response(
-            cat.list_training_runs(
+            await off(
+                cat.list_training_runs,
                 tenant(request),
                 _int(request, "limit", 20),
                 _int(request, "offset", 0),
@@ -55,29 +55,29 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
     @r.get("/training_runs/{run_id}")
     async def get_training_run(run_id: str, request: Request):
         """One training run with its latest checkpoints."""
-        return json_response(cat.training_run(tenant(request), run_id))
+        return json_response(await off(cat.training_run, tenant(request), run_id))
 
     @r.get("/training_runs/{run_id}/checkpoints")
     async def list_checkpoints(run_id: str, request: Request):
         """A run's live checkpoints, newest first."""
-        return json_response(cat.list_checkpoints(tenant(request), run_id))
+        return json_response(await off(cat.list_checkpoints, tenant(request), run_id))
 
     @r.delete(CKPT)
     async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
         """Delete a checkpoint."""
-        cat.delete(tenant(request), run_id, kind, name)
+        await off(cat.delete, tenant(request), run_id, kind, name)
         return Response(status_code=204)
 
     @r.post(CKPT + "/publish")
     async def publish(run_id: str, kind: str, name: str, request: Request):
         """Mark a checkpoint public (recorded; this service shares nothing across tenants)."""
-        cat.set_public(tenant(request), run_id, kind, name, True)
+        await off(cat.set_public, tenant(request), run_id, kind, name, True)
         return Response(status_code=204)
 
     @r.delete(CKPT + "/publish")
     async def unpublish(run_id: str, kind: str, name: str, request: Request):
         """Mark a checkpoint private again."""
-        cat.set_public(tenant(request), run_id, kind, name, False)
+        await off(cat.set_public, tenant(request), run_id, kind, name, False)
         return Response(status_code=204)
 
     @r.put(CKPT + "/ttl")
@@ -86,20 +86,25 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
         body = await read_json(request, max_body)
         if "ttl_seconds" not in body:
             raise UserError("ttl_seconds is required (null clears the expiry)", field="ttl_seconds")
-        cat.set_ttl(tenant(request), run_id, kind, name, body["ttl_seconds"])
+        await off(cat.set_ttl, tenant(request), run_id, kind, name, body["ttl_seconds"])
         return Response(status_code=204)
 
     @r.get(CKPT + "/external_weights_urls")
     async def external_urls(run_id: str, kind: str, name: str, request: Request):
         """Signed download URLs for a checkpoint's files (valid for an hour, no key needed)."""
-        return json_response(cat.external_urls(tenant(request), run_id, kind, name, _base_url(request)))
+        return json_response(
+            await off(cat.external_urls, tenant(request), run_id, kind, name, _base_url(request))
+        )
 
     @r.get("/checkpoints")
     async def list_user_checkpoints(request: Request):
         """All the caller's checkpoints across runs, newest first, paged."""
         return json_response(
-            cat.list_user_checkpoints(
-                tenant(request), _int(request, "limit", 100), _int(request, "offset", 0)
+            await off(
+                cat.list_user_checkpoints,
+                tenant(request),
+                _int(request, "limit", 100),
+                _int(request, "offset", 0),
             )
         )
 
@@ -107,49 +112,53 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
     async def weights_info(request: Request):
         """Base model and LoRA layout of a checkpoint."""
         body = await read_json(request, max_body)
-        return json_response(cat.weights_info(tenant(request), field(body, "tinker_path", str)))
+        return json_response(await off(cat.weights_info, tenant(request), field(body, "tinker_path", str)))
 
     @r.post("/copy_weights")
     async def copy_weights(request: Request):
         """Copy a checkpoint into a session's run slot or a new session of a project."""
         body = await read_json(request, max_body)
-        return json_response(cat.copy(tenant(request), body))
+        return json_response(await off(cat.copy, tenant(request), body))
 
     # -- sessions ------------------------------------------------------------------------------
     @r.get("/sessions")
     async def list_sessions(request: Request):
         """The caller's session ids, newest first, paged."""
         return json_response(
-            cat.list_sessions(tenant(request), _int(request, "limit", 20), _int(request, "offset", 0))
+            await off(
+                cat.list_sessions, tenant(request), _int(request, "limit", 20), _int(request, "offset", 0)
+            )
         )
 
     @r.post("/sessions/search")
     async def search_sessions(request: Request):
         """Sessions matching id, display name, metadata, project or status; newest first."""
-        return json_response(cat.search_sessions(tenant(request), await read_json(request, max_body)))
+        return json_response(
+            await off(cat.search_sessions, tenant(request), await read_json(request, max_body))
+        )
 
     @r.get("/sessions/{session_id}")
     async def get_session(session_id: str, request: Request):
         """A session's runs, samplers and metadata."""
-        return json_response(cat.get_session(tenant(request), session_id))
+        return json_response(await off(cat.get_session, tenant(request), session_id))
 
     @r.put("/sessions/{session_id}/project")
     async def assign_project(session_id: str, request: Request):
         """Move a session and its runs to a project."""
         body = await read_json(request, max_body)
-        cat.assign_project(tenant(request), session_id, body.get("project_id"))
+        await off(cat.assign_project, tenant(request), session_id, body.get("project_id"))
         return Response(status_code=204)
 
     @r.get("/sessions/{session_id}/trace_export")
     async def trace_export(session_id: str, request: Request):
         """A Perfetto-readable trace of the session's executed ops, behind a signed URL."""
-        return json_response(cat.trace_export(tenant(request), session_id, _base_url(request)))
+        return json_response(await off(cat.trace_export, tenant(request), session_id, _base_url(request)))
 
     # -- downloads (signed; no key) ------------------------------------------------------------
     @r.get("/downloads/{token}")
     async def download(token: str):
         """A file behind a signed, expiring URL."""
-        path, name = cat.resolve_download(token)
+        path, name = await off(cat.resolve_download, token)
         if not path.is_file():
             raise NotFound("the file behind this link is gone", field="url")
         return FileResponse(path, filename=name)

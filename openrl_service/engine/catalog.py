@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from openrl_service.checks import integer
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import Gone, NotFound, UserError
 from openrl_service.storage.checkpoints import (
@@ -37,9 +38,8 @@ def iso(t: float) -> str:
 
 
 def page(items: list, limit: Any, offset: Any, *, max_limit: int = 1000) -> tuple[list, dict]:
-    for name, value, lo, hi in (("limit", limit, 1, max_limit), ("offset", offset, 0, 10**9)):
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise UserError(f"{name} must be an integer in [{lo}, {hi}]; got {value!r}", field=name)
+    limit = integer(limit, "limit", 1, max_limit)
+    offset = integer(offset, "offset", 0, 10**9)
     return items[offset : offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
 
 
@@ -113,10 +113,7 @@ class Catalog:
         session_id, seq = body.get("session_id"), body.get("model_seq_id")
         if session_id is not None:
             sess = self.svc.session(tenant, session_id, live=False)
-            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-                raise UserError(
-                    "model_seq_id must be a non-negative integer with session_id", field="model_seq_id"
-                )
+            seq = integer(seq, "model_seq_id", 0)
             project_id = sess.project_id
         else:
             project_id = body.get("destination_project_id")
@@ -235,9 +232,7 @@ class Catalog:
         self.store.write_session(tenant, {**record, "project_id": project_id})
 
     def search_sessions(self, tenant: str, body: dict) -> dict:
-        limit = body.get("limit", 50)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 200:
-            raise UserError(f"limit must be an integer in [1, 200]; got {limit!r}", field="limit")
+        limit = integer(body.get("limit", 50), "limit", 1, 200)
         owner = (body.get("owner") or {"type": "own"}).get("type", "own")
         if owner not in ("own", "accessible"):
             return {"sessions": [], "next_cursor": None}  # other users' sessions are never visible

@@ -11,25 +11,35 @@ Layout (every name below is chosen by the service, never by a client):
         manifest.json               kind, run, base model, LoRA spec, steps, file digests,
                                     expires_at (TTL) and public
 
-A checkpoint is written into a temporary folder beside its final place and renamed into it, so a
-reader never sees a half-written one. Only safetensors and JSON are read back: nothing is unpickled.
+A checkpoint is written into a temporary folder beside its final place and renamed into it (an
+overwrite swaps the two folders in one atomic exchange), so a reader sees the old or the new
+checkpoint, never a half-written one or none. Loading reads every file from one opened folder and
+checks it against the manifest's SHA-256: a corrupted file is refused by name. Only safetensors and JSON are read back: nothing is unpickled.
 A checkpoint past its ``expires_at`` is treated as absent at once and deleted by the next sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 from openrl_service.config import TENANT_RE
 from openrl_service.errors import NotFound, UserError
@@ -90,8 +100,22 @@ def _digest(p: Path) -> str:
 
 
 class CheckpointStore:
+    """Checkpoints, run metadata and session records of every tenant under one data folder.
+
+    Listings are served from memory: a tenant's session and run records are read from disk once (on
+    its first listing) and kept current by this store's own writes; a run's checkpoint listing is
+    read once and dropped whenever one of its checkpoints changes. The service is the only writer
+    of its data folder."""
+
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self._lock = threading.Lock()
+        # tenant → id → record: what this process wrote, plus (once listed) what the disk held
+        self._sessions: dict[str, dict[str, dict]] = {}
+        self._runs: dict[str, dict[str, dict]] = {}
+        self._listed: set[tuple[str, str]] = set()  # ("sessions" | "runs", tenant) read from disk
+        self._checkpoints: dict[tuple[str, str], list[dict]] = {}  # (tenant, run id) → manifests
+        self._changes = 0  # checkpoint writes so far: a listing read across one is not kept
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
@@ -113,9 +137,15 @@ class CheckpointStore:
         d = self.run_dir(tenant, run_id)
         d.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(d / "run.json", json.dumps(meta, indent=2, sort_keys=True))
+        with self._lock:
+            self._runs.setdefault(tenant, {})[run_id] = dict(meta)
 
     def read_run_meta(self, tenant: str, run_id: str) -> dict | None:
         p = self.run_dir(tenant, run_id) / "run.json"
+        with self._lock:
+            known = self._runs.get(tenant, {}).get(run_id)
+        if known is not None:
+            return dict(known)
         try:
             return json.loads(p.read_text()) if p.is_file() else None
         except OSError:
@@ -124,6 +154,28 @@ class CheckpointStore:
     # -- checkpoints ----------------------------------------------------------------------------
     def exists(self, tenant: str, ref: CheckpointRef) -> bool:
         return (self._ckpt_dir(tenant, ref) / "manifest.json").is_file()
+
+    @contextlib.contextmanager
+    def _staged(self, tenant: str, ref: CheckpointRef, *, overwrite: bool, hint: str = ""):
+        """A temporary folder beside ``ref``'s place; the caller fills it, then it is fsynced and
+        renamed into place (over an old one: one atomic exchange, so a reader sees the old checkpoint
+        or the new one, never neither). Removed on failure."""
+        final = self._ckpt_dir(tenant, ref)
+        if final.exists() and not overwrite:
+            raise UserError(f"checkpoint {ref.path} already exists{hint}", field="path")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{ref.name}.tmp-"))
+        try:
+            yield tmp
+            _fsync_dir(tmp)
+            if final.exists():
+                _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
+            else:
+                os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._changed(tenant, ref.run_id)
 
     def save(
         self,
@@ -136,14 +188,9 @@ class CheckpointStore:
         manifest: dict,
         overwrite: bool,
     ) -> Path:
-        final = self._ckpt_dir(tenant, ref)
-        if final.exists() and not overwrite:
-            raise UserError(
-                f"checkpoint {ref.path} already exists; pass overwrite=True to replace it", field="path"
-            )
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{ref.name}.tmp-"))
-        try:
+        with self._staged(
+            tenant, ref, overwrite=overwrite, hint="; pass overwrite=True to replace it"
+        ) as tmp:
             save_file(adapter, str(tmp / "adapter_model.safetensors"))
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
             if optimizer is not None:
@@ -163,18 +210,7 @@ class CheckpointStore:
                 **manifest,
             }
             (tmp / "manifest.json").write_text(json.dumps(full, indent=2, sort_keys=True))
-            _fsync_dir(tmp)
-            if final.exists():
-                trash = final.parent / f".{ref.name}.old-{os.getpid()}-{time.monotonic_ns()}"
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        return final
+        return self._ckpt_dir(tenant, ref)
 
     def manifest(self, tenant: str, ref: CheckpointRef) -> dict:
         """The checkpoint's manifest alone (cheap: no tensors); NotFound for foreign, absent or expired ones."""
@@ -191,6 +227,7 @@ class CheckpointStore:
         _atomic_write_text(
             self._ckpt_dir(tenant, ref) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
         )
+        self._changed(tenant, ref.run_id)
         return manifest
 
     def delete(self, tenant: str, ref: CheckpointRef) -> None:
@@ -198,22 +235,18 @@ class CheckpointStore:
         d = self._ckpt_dir(tenant, ref)
         trash = d.parent / f".{ref.name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
         os.replace(d, trash)
+        self._changed(tenant, ref.run_id)
         shutil.rmtree(trash, ignore_errors=True)
 
     def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
         """Copy a checkpoint to another run/name (atomically); the copy is private and has its own TTL."""
-        self.manifest(tenant, src)
-        final = self._ckpt_dir(tenant, dst)
-        if final.exists():
-            raise UserError(f"checkpoint {dst.path} already exists", field="path")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{dst.name}.tmp-"))
-        try:
+        source = self.manifest(tenant, src)
+        with self._staged(tenant, dst, overwrite=False) as tmp:
             for p in self._ckpt_dir(tenant, src).iterdir():
                 if p.name != "manifest.json":
                     shutil.copy2(p, tmp / p.name)
             manifest = {
-                **self.manifest(tenant, src),
+                **source,
                 "run_id": dst.run_id,
                 "kind": dst.kind,
                 "name": dst.name,
@@ -224,25 +257,51 @@ class CheckpointStore:
                 "copied_from": src.path,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return manifest
 
     # -- listings -------------------------------------------------------------------------------
+    def _changed(self, tenant: str, run_id: str) -> None:
+        with self._lock:
+            self._checkpoints.pop((tenant, run_id), None)
+            self._changes += 1
+
     def list_runs(self, tenant: str) -> list[dict]:
         root = self._tenant_root(tenant) / "runs"
-        out = []
-        for d in root.iterdir() if root.is_dir() else ():
-            try:
-                out.append(json.loads((d / "run.json").read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+        return self._listing("runs", self._runs, tenant, lambda: (d / "run.json" for d in _dirs(root)))
+
+    def _listing(self, what: str, records: dict, tenant: str, files) -> list[dict]:
+        """Every record of a tenant: read from ``files()`` on the first call, from memory after it."""
+        with self._lock:
+            listed = (what, tenant) in self._listed
+        if not listed:
+            read = []
+            for p in files():
+                try:
+                    read.append(json.loads(p.read_text()))
+                except (OSError, ValueError):
+                    continue
+            key = "session_id" if what == "sessions" else "run_id"
+            with self._lock:
+                mine = records.setdefault(tenant, {})
+                for record in read:  # what this process wrote meanwhile is newer than the disk read
+                    mine.setdefault(record[key], record)
+                self._listed.add((what, tenant))
+        with self._lock:
+            return [dict(r) for r in records.get(tenant, {}).values()]
 
     def list_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
         """Live checkpoints of a run, each manifest with ``size_bytes``; expired ones are left out."""
+        with self._lock:
+            known = self._checkpoints.get((tenant, run_id))
+            changes = self._changes
+        if known is None:
+            known = self._read_checkpoints(tenant, run_id)
+            with self._lock:
+                if self._changes == changes:  # else a checkpoint changed while we read: do not keep it
+                    self._checkpoints[(tenant, run_id)] = known
+        return [{**m} for m in known if not _expired(m)]
+
+    def _read_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
         out = []
         run = self.run_dir(tenant, run_id)
         for kind in KINDS:
@@ -255,8 +314,7 @@ class CheckpointStore:
                     size = sum(p.stat().st_size for p in ck.iterdir() if p.is_file())
                 except (OSError, ValueError):
                     continue
-                if not _expired(m):
-                    out.append({**m, "size_bytes": size})
+                out.append({**m, "size_bytes": size})
         return out
 
     def sweep_expired(self, now: float | None = None) -> int:
@@ -271,6 +329,10 @@ class CheckpointStore:
             if _expired(m, now):
                 shutil.rmtree(mpath.parent, ignore_errors=True)
                 removed += 1
+        if removed:
+            with self._lock:
+                self._checkpoints.clear()
+                self._changes += 1
         return removed
 
     # -- sessions -------------------------------------------------------------------------------
@@ -278,20 +340,22 @@ class CheckpointStore:
         d = self._tenant_root(tenant) / "sessions"
         d.mkdir(parents=True, exist_ok=True)
         _atomic_write_text(d / f"{record['session_id']}.json", json.dumps(record, indent=2, sort_keys=True))
+        with self._lock:
+            self._sessions.setdefault(tenant, {})[record["session_id"]] = dict(record)
 
     def list_sessions(self, tenant: str) -> list[dict]:
         d = self._tenant_root(tenant) / "sessions"
-        out = []
-        for p in d.glob("*.json") if d.is_dir() else ():
-            try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
-                continue
-        return out
+        return self._listing(
+            "sessions", self._sessions, tenant, lambda: d.glob("*.json") if d.is_dir() else ()
+        )
 
     def read_session(self, tenant: str, session_id: str) -> dict | None:
         if not _RUN_RE.match(session_id):
             return None
+        with self._lock:
+            known = self._sessions.get(tenant, {}).get(session_id)
+        if known is not None:
+            return dict(known)
         try:
             return json.loads((self._tenant_root(tenant) / "sessions" / f"{session_id}.json").read_text())
         except (OSError, ValueError):
@@ -300,20 +364,42 @@ class CheckpointStore:
     def load(
         self, tenant: str, ref: CheckpointRef, *, with_optimizer: bool = False
     ) -> tuple[dict, dict, dict | None]:
-        """(manifest, adapter tensors, optimizer tensors or None); NotFound for foreign or absent ones."""
-        manifest = self.manifest(tenant, ref)
-        d = self._ckpt_dir(tenant, ref)
-        adapter = load_file(str(d / "adapter_model.safetensors"))
-        optimizer = None
-        if with_optimizer:
-            opath = d / "optimizer.safetensors"
-            if not opath.is_file():
-                raise UserError(
-                    f"checkpoint {ref.path} holds no optimizer state (it is a {ref.kind} checkpoint); "
-                    "load it without the optimizer",
-                    field="path",
-                )
-            optimizer = load_file(str(opath))
+        """(manifest, adapter tensors, optimizer tensors or None); NotFound for foreign or absent ones,
+        UserError naming the file for one whose bytes no longer match the manifest's digest."""
+        for _ in range(3):
+            try:
+                return self._load_once(tenant, ref, with_optimizer)
+            except FileNotFoundError:  # overwritten while we read, the old copy removed: read the new one
+                continue
+        raise NotFound(f"checkpoint {ref.path} not found", field="path")
+
+    def _load_once(
+        self, tenant: str, ref: CheckpointRef, with_optimizer: bool
+    ) -> tuple[dict, dict, dict | None]:
+        # Every file comes from the one directory opened here, so a concurrent overwrite (an atomic
+        # exchange of directories) cannot mix an old manifest with new tensors.
+        folder = _Folder.open(self._ckpt_dir(tenant, ref))
+        if folder is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field="path")
+        with folder:
+            try:
+                manifest = json.loads(folder.read("manifest.json"))
+            except ValueError:
+                raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+            if _expired(manifest):
+                raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
+            digests = manifest.get("files") or {}
+            _verified(folder, "adapter_config.json", digests, ref)
+            adapter = safetensors_load(_verified(folder, "adapter_model.safetensors", digests, ref))
+            optimizer = None
+            if with_optimizer:
+                if "optimizer.safetensors" not in digests:
+                    raise UserError(
+                        f"checkpoint {ref.path} holds no optimizer state (it is a {ref.kind} checkpoint); "
+                        "load it without the optimizer",
+                        field="path",
+                    )
+                optimizer = safetensors_load(_verified(folder, "optimizer.safetensors", digests, ref))
         return manifest, adapter, optimizer
 
     def folder(self, tenant: str, ref: CheckpointRef) -> Path:
@@ -321,6 +407,83 @@ class CheckpointStore:
         if not (d / "manifest.json").is_file():
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         return d
+
+
+class _Folder:
+    """A checkpoint directory held open: files are read relative to it (where the OS allows)."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def open(cls, path: Path) -> _Folder | None:
+        if os.open not in os.supports_dir_fd:
+            return cls(path, None) if path.is_dir() else None
+        try:
+            return cls(path, os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def read(self, name: str) -> bytes:
+        if self.fd is None:
+            return (self.path / name).read_bytes()
+        fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def __enter__(self) -> _Folder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def _verified(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> bytes:
+    """The file's bytes if they match the manifest's SHA-256 (files the manifest does not list are
+    read as they are)."""
+    data = folder.read(name)
+    want = digests.get(name)
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise UserError(
+            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
+            "(the file changed on disk after it was saved); save the checkpoint again",
+            field="path",
+        )
+    return data
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE, macOS renamex_np
+    RENAME_SWAP). Elsewhere two renames, with a moment in which ``b`` is absent."""
+    libc = _libc()
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        at_fdcwd, rename_exchange = -100, 2
+        if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else: this filesystem cannot
+            raise OSError(err, os.strerror(err), str(b))
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rename_swap = 2
+        if libc.renamex_np(os.fsencode(a), os.fsencode(b), rename_swap) == 0:
+            return
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(b))
+    aside = b.parent / f".{b.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+    os.replace(b, aside)
+    os.replace(a, b)
+    os.replace(aside, a)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def _dirs(root: Path):
+    return (d for d in root.iterdir() if d.is_dir()) if root.is_dir() else ()
 
 
 def _expired(manifest: dict, now: float | None = None) -> bool:

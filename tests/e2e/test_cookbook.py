@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.clientenv import client_env, cookbook_python, run_client
+from tests._support.clientenv import client_env, cookbook_python, run_client
 from tests.conftest import ALICE_KEY, TINY
 
 

@@ -26,8 +26,8 @@ import pytest
 import tinker
 
 from openrl_service.api import proto
+from tests._support.raw import result
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY, free_port
-from tests.service.raw import result
 
 PROTO = "application/x-protobuf"
 PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}
@@ -390,7 +390,7 @@ def test_path_traversal_in_a_run_id_does_not_reach_another_tenant(server, alice_
 @pytest.mark.parametrize(
     "host", ["evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.evil.example:1234", ""]
 )
-@pytest.mark.parametrize("path", ["/api/v1/get_server_capabilities", "/readyz"])
+@pytest.mark.parametrize("path", ["/api/v1/get_server_capabilities", "/api/v1/sessions"])
 def test_foreign_host_header_is_refused_even_with_a_valid_key(server, host, path):
     """A DNS-rebinding page reaches 127.0.0.1 under its own name; the Host header gives it away."""
     with server.client(ALICE_KEY) as c:
@@ -414,6 +414,21 @@ def test_allowed_host_setting_adds_a_name(make_server):
             c.get("/api/v1/get_server_capabilities", headers={"Host": "trainer.lan:8000"}).status_code == 200
         )
         assert c.get("/api/v1/get_server_capabilities", headers={"Host": "evil.example"}).status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/api/v1/healthz", "/metrics"])
+def test_probes_and_scrapes_answer_any_host(make_server, path):
+    """kubelet probes and Prometheus scrapes name the pod IP: with --allowed-host on a public bind
+    they still get an answer (no tenant's data is behind these paths), while every other route is
+    still refused under a foreign Host."""
+    live = make_server(host="0.0.0.0", allowed_hosts=["trainer.example"])
+    with live.client(None) as c:
+        r = c.get(path, headers={"Host": "10.1.2.3:8000"})
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        refused = c.get(
+            "/api/v1/get_server_capabilities", headers={"Host": "10.1.2.3:8000", "X-API-Key": ALICE_KEY}
+        )
+        assert refused.status_code == 400 and "--allowed-host" in refused.json()["error"]
 
 
 @pytest.mark.parametrize(
@@ -568,10 +583,32 @@ def test_cli_without_keys_generates_one_prints_it_and_keeps_it(tmp_path, tiny_mo
         caps = tinker.RestClient(base_url=first.url, api_key=key).get_server_capabilities().result()
         assert [m.model_name for m in caps.supported_models] == [TINY]
     assert f"export TINKER_API_KEY={key}" in first.stdout.splitlines()
-    # A restart reuses the same key: notebooks holding it keep working.
+    # A restart reuses the same key: notebooks holding it keep working. It says where the key is, and
+    # never prints it again (logs of a long-running service are read by more people than its owner).
     with serving(data, tiny_model_dir) as second:
         assert status_with(second.url, key) == 200
-    assert f"export TINKER_API_KEY={key}" in second.stdout.splitlines()
+    assert key not in second.stdout
+    assert str(key_file) in second.stdout
+
+
+def test_cli_access_log_never_shows_a_download_token(tmp_path, tiny_model_dir):
+    """Signed download links authorise by their token alone: the access log names the route, not it."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice {ALICE_KEY}\n")
+    data = tmp_path / "data"
+    with (
+        serving(data, tiny_model_dir, "--api-keys-file", str(keys), "--access-log") as served,
+        httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=30) as c,
+    ):
+        sid = new_session(c)
+        url = c.get(f"/api/v1/sessions/{sid}/trace_export").json()["url"]
+        assert httpx.get(url, timeout=30).status_code == 200
+    token = url.rsplit("/", 1)[1]
+    log = served.stdout + (data / "stderr.log").read_text()  # uvicorn's access log goes to stdout
+    assert f"/api/v1/sessions/{sid}/trace_export" in log  # the access log is on
+    assert "/api/v1/downloads/" in log
+    assert token not in log
+    assert token.split(".")[0] not in log  # nor its payload
 
 
 def test_cli_api_keys_file_gives_each_line_a_tenant(tmp_path, tiny_model_dir):

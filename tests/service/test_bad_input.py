@@ -25,8 +25,8 @@ from tinker import types
 
 from openrl_service.api import proto
 from openrl_service.config import Limits
+from tests._support.raw import fb_body, result
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
-from tests.service.raw import fb_body, result
 
 PROTO = "application/x-protobuf"
 VOCAB = 260  # openrl/tiny

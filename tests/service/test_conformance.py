@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.conftest import ALICE_KEY, TINY
 
-SCRIPT = Path(__file__).with_name("tinker_conformance.py")
+SCRIPT = Path(__file__).parents[1] / "_support" / "tinker_conformance.py"
 
 
 def test_tinker_sdk_conformance_script_passes(server):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from openrl_service.config import Limits
-from tests.service.raw import RawTinker, fb_body, sft_datum
+from tests._support.raw import RawTinker, fb_body, sft_datum
 
 PROTO = {"Content-Type": "application/x-protobuf"}
 
@@ -43,8 +43,7 @@ def test_a_failed_forward_backward_leaves_no_partial_gradient(make_server, monke
     assert g_failing == g_clean  # only the successful call's gradient was applied
 
 
-def test_nk_targets_over_the_k_limit_name_it(server):
-    raw = RawTinker(server.client())
+def test_nk_targets_over_the_k_limit_name_it(server, raw):
     m = raw.create_model(raw.session())
     targets = np.zeros((4, 65), dtype=np.int64)
     r = server.client().post(
@@ -121,8 +120,7 @@ def test_checkpoint_samplers_reload_after_eviction_and_recently_used_ones_stay(m
     )
 
 
-def test_default_max_tokens_fits_a_long_prompt(server):
-    raw = RawTinker(server.client())
+def test_default_max_tokens_fits_a_long_prompt(server, raw):
     sid = raw.session()
     sampler = raw.post(
         "create_sampling_session", session_id=sid, sampling_session_seq_id=0, base_model="openrl/tiny"

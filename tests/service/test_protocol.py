@@ -3,7 +3,7 @@
 import zstandard
 from google.protobuf import descriptor_pb2
 
-from tests.service.raw import RawTinker, fb_body, sft_datum
+from tests._support.raw import RawTinker, fb_body, sft_datum
 
 
 def test_protobuf_schema_matches_the_sdk():
@@ -18,8 +18,7 @@ def test_protobuf_schema_matches_the_sdk():
         assert ours == theirs, name
 
 
-def test_zstd_compressed_forward_backward(server):
-    raw = RawTinker(server.client())
+def test_zstd_compressed_forward_backward(server, raw):
     m = raw.create_model(raw.session())
     body = zstandard.ZstdCompressor().compress(fb_body(m, 1, [sft_datum([11, 12, 13], [21, 22])]))
     r = server.client().post(
@@ -40,8 +39,7 @@ def test_health_and_readiness_need_no_key(server):
     assert ready["status"] == "ready" and ready["model"] == "openrl/tiny"
 
 
-def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server):
-    raw = RawTinker(server.client())
+def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server, raw):
     sid = raw.session()
     m = raw.create_model(sid)
     path = raw.result(raw.post("save_weights", model_id=m, seq_id=1, path="keep").json()["request_id"])[
@@ -57,8 +55,7 @@ def test_finishing_a_session_frees_runs_but_keeps_checkpoints(server):
     assert raw.result(r.json()["request_id"])["model_id"] == f"{sid2}:train:0"
 
 
-def test_every_executed_op_is_recorded(server):
-    raw = RawTinker(server.client())
+def test_every_executed_op_is_recorded(server, raw):
     m = raw.create_model(raw.session())
     start = __import__("time").time()
     raw.result(raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])]))
@@ -108,3 +105,18 @@ def test_retries_are_remembered_as_long_as_results(make_server):
     live.service.engine.forget(live.service.futures.sweep(now=__import__("time").time() + 10))
     late = raw.submit_fb(m, 1, [sft_datum([11, 12, 13], [21, 22])])
     assert late != first and "arrived after" in raw.result(late)["error"]  # never applied a second time
+
+
+def test_each_retrieve_gets_its_own_response():
+    """A result fetched twice is sent as two responses: a header one reply gained (as middleware adds
+    them) does not ride along on the next, and the body is the same."""
+    from openrl_service.api.codec import encode_result
+    from openrl_service.engine.futures import FutureRecord
+
+    rec = FutureRecord("r1", "alice", "optim_step", done=True, result={"metrics": {"loss:mean": 1.5}})
+    first = encode_result(rec, False)
+    first.headers["x-added-by-middleware"] = "1"
+    second = encode_result(rec, False)
+    assert second is not first
+    assert "x-added-by-middleware" not in second.headers
+    assert second.body == first.body and second.media_type == "application/json"

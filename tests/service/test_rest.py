@@ -103,13 +103,16 @@ def test_ttl_bounds_are_checked(server, alice_world):
 def test_listing_pages(server):
     sc = tinker.ServiceClient(base_url=server.url, api_key=BOB_KEY)
     rest = tinker.RestClient(base_url=server.url, api_key=BOB_KEY)
-    ids = [sc.create_lora_training_client(base_model=TINY, rank=2).result().model_id for _ in range(3)]
-    first = rest.list_training_runs(limit=2, offset=0).result()
-    second = rest.list_training_runs(limit=2, offset=2).result()
-    assert first.cursor.total_count >= 3 and first.cursor.limit == 2 and len(first.training_runs) == 2
-    seen = [r.training_run_id for r in first.training_runs + second.training_runs]
-    assert set(ids) <= set(seen) and len(seen) == len(set(seen))  # newest first, no repeats across pages
-    sc.close("success").result()
+    try:  # the session is finished even if an assert fails: its runs leave Bob's live-run quota
+        ids = [sc.create_lora_training_client(base_model=TINY, rank=2).result().model_id for _ in range(3)]
+        first = rest.list_training_runs(limit=2, offset=0).result()
+        second = rest.list_training_runs(limit=2, offset=2).result()
+        assert first.cursor.total_count >= 3 and first.cursor.limit == 2 and len(first.training_runs) == 2
+        seen = [r.training_run_id for r in first.training_runs + second.training_runs]
+        # Newest first: Bob's three newest runs are this test's, on the first two pages, no repeats.
+        assert set(ids) <= set(seen) and len(seen) == len(set(seen))
+    finally:
+        sc.close("success").result()
 
 
 def test_signed_download_links_work_without_a_key_and_expire_when_forged(server, alice_world):

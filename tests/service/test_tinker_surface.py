@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._support import tinker_surface as surface
 from tests.conftest import ALICE_KEY, BOB_KEY, start_server
-from tests.service import tinker_surface as surface
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "tinker-compatibility.md"
 WRITE_DOC = os.environ.get("OPENRL_WRITE_COMPAT_DOC") == "1"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from openrl_service.api import hub
-from tests.clientenv import client_env, cookbook_python, run_client
+from tests._support.clientenv import client_env, cookbook_python, run_client
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 
 HERE = Path(__file__).parent
@@ -172,7 +172,9 @@ def _interpreters():
 def test_autotokenizer_and_sdk_get_tokenizer_through_the_mirror(server, tmp_path, python, hub_major):
     hf_home = tmp_path / "hf-home"
     env = client_env(server.url, ALICE_KEY, hf_home)
-    proc = run_client(python(), [str(HERE / "hub_client.py"), server.url, TINY], env, cwd=tmp_path)
+    proc = run_client(
+        python(), [str(HERE.parent / "_support" / "hub_client.py"), server.url, TINY], env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["hub"].startswith(hub_major), out["hub"]

@@ -1,7 +1,7 @@
 """The part of the Tinker surface suite that needs a fresh process (run by tinker_surface.py).
 
     HF_ENDPOINT=<service> HF_TOKEN=<key> HF_HOME=<empty> TINKER_API_KEY=<key> \
-        python tests/service/tinker_surface_child.py '{"url": ..., "handle": ..., ...}'
+        python tests/_support/tinker_surface_child.py '{"url": ..., "handle": ..., ...}'
 
 ``SamplingClient.from_sampler_handle`` is meant for another process; ``get_tokenizer`` reads
 HF_ENDPOINT when huggingface_hub is first imported, so the caller sets it (and an empty HF_HOME)

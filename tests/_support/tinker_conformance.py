@@ -1,6 +1,6 @@
 """The Tinker conformance script (reference/tinker-protocol.md §11), run with the unmodified SDK.
 
-    TINKER_API_KEY=tml-... python tests/service/tinker_conformance.py http://127.0.0.1:8000 openrl/tiny
+    TINKER_API_KEY=tml-... python tests/_support/tinker_conformance.py http://127.0.0.1:8000 openrl/tiny
 
 It needs only ``tinker==0.38.0`` on the client: no torch, no model hub. Prints ``PASS`` on success.
 """

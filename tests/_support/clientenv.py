@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COOKBOOK_PYTHON = Path(os.environ.get("OPENRL_COOKBOOK_PYTHON") or ROOT / ".venv-cookbook" / "bin" / "python")
 
 # Variables of the test process that must not leak into a client: offline switches, caches, SDK targets.

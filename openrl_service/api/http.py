@@ -1,0 +1,123 @@
+"""HTTP plumbing every router shares: bounded (zstd) bodies, JSON in and out, typed fields, 429s.
+
+``rest.py``, ``hub.py``, ``native.py`` and the Tinker router (``tinker.py``) build on these; nothing
+here knows the Tinker protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+import zstandard
+from fastapi import Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+
+from openrl_service.engine.scheduler import QueueFull
+from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
+
+
+def json_bytes(data: Any) -> bytes:
+    return orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(json_bytes(data), status_code=status, media_type="application/json")
+
+
+def backpressure_response(e: QueueFull) -> Response:
+    """429 with the JSON error (naming the limit) and when to retry, in seconds and milliseconds."""
+    resp = json_response(e.to_json(), status=429)
+    resp.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
+    resp.headers["retry-after-ms"] = str(max(1, round(e.retry_after_s * 1000)))
+    return resp
+
+
+class BackpressureRoute(APIRoute):
+    """A route whose :class:`QueueFull` becomes :func:`backpressure_response` (the app-wide error
+    handler knows no Retry-After for 429)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except QueueFull as e:
+                return backpressure_response(e)
+
+        return route
+
+
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"decompressed body exceeds {max_bytes} bytes (OPENRL_MAX_BODY_BYTES)", field="body"
+    )
+
+
+def inflate_zstd(body: bytes, max_bytes: int) -> bytes:
+    """Decompress in bounded chunks: a frame that declares (or inflates to) more than the limit is refused
+    before it is allocated."""
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as e:
+        raise UserError(
+            f"body: Content-Encoding zstd but the body is not valid zstd ({e})", field="body"
+        ) from e
+    if declared > max_bytes:
+        raise _too_large(max_bytes)
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while chunk := reader.read(1 << 20):
+                out += chunk
+                if len(out) > max_bytes:
+                    raise _too_large(max_bytes)
+    except zstandard.ZstdError as e:
+        raise UserError(
+            f"body: Content-Encoding zstd but the body is not valid zstd ({e})", field="body"
+        ) from e
+    return bytes(out)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    body = await request.body()
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        body = inflate_zstd(body, max_bytes)
+    return body
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    body = await read_body(request, max_bytes)
+    if body and "json" not in request.headers.get("content-type", "").lower():
+        # Also keeps "simple" cross-site form/text posts out: browsers cannot send JSON without CORS.
+        raise UnsupportedMediaType(
+            "this route takes a JSON body (Content-Type: application/json)", field="body"
+        )
+    try:
+        data = orjson.loads(body) if body else {}
+    except orjson.JSONDecodeError as e:
+        raise UserError(f"request body is not valid JSON: {e}", field="body") from e
+    if not isinstance(data, dict):
+        raise UserError("request body must be a JSON object", field="body")
+    return data
+
+
+def field(data: dict, name: str, kind: type | tuple, *, required: bool = True, default: Any = None) -> Any:
+    value = data.get(name, default)
+    if value is None:
+        if required:
+            raise UserError(f"{name} is required", field=name)
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (bool not in kinds and isinstance(value, bool)) or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise UserError(f"{name} must be {names}; got {type(value).__name__}", field=name)
+    return value
+
+
+def tenant(request: Request) -> str:
+    """The tenant the API key named (set by the auth middleware)."""
+    return request.state.tenant
