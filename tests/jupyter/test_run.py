@@ -303,3 +303,36 @@ def test_load_prompts_from_text_file(tmp_path):
     src = tmp_path / "p.txt"
     src.write_text("one\n\ntwo\n")
     assert [p["prompt"] for p in load_prompts(str(src))] == ["one", "two"]
+
+
+def test_a_function_reward_is_pinned_to_its_run_and_leaves_the_named_rewards_alone(session):
+    """train(reward=fn) keeps calling fn: a later train(reward=lambda ...) does not swap it, and a
+    function that shares a registered reward's name does not become that reward's next version."""
+    name = unique("letters")
+    registry.register(name, letters)  # what a %%openrl reward NAME cell would have made
+    names_before = registry.names()
+    first_call, release = threading.Event(), threading.Event()
+
+    def gated(prompt, completion, **info):
+        first_call.set()
+        assert release.wait(60)
+        return 0.25
+
+    gated.__name__ = "<lambda>"  # as anonymous as the lambda that follows
+    a = session.train(reward=gated, prompts=PROMPTS, steps=2, **SMALL)
+    assert first_call.wait(60)  # a is inside its first step
+    b = session.train(reward=lambda prompt, completion, **info: 0.75, prompts=PROMPTS, steps=2, **SMALL)
+    release.set()
+    a.wait(120)
+    b.wait(120)
+    assert [r["reward_mean"] for r in a.history] == [0.25, 0.25]
+    assert [r["reward_mean"] for r in b.history] == [0.75, 0.75]
+
+    def same_name(prompt, completion, **info):
+        return 0.5
+
+    same_name.__name__ = name  # a function that happens to share the registered reward's name
+    c = session.train(reward=same_name, prompts=PROMPTS, steps=1, **SMALL).wait(120)
+    assert [r["reward_mean"] for r in c.history] == [0.5]
+    assert registry.names() == names_before
+    assert registry.latest(name).version == 1 and registry.latest(name).fn is letters
