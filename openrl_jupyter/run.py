@@ -6,7 +6,8 @@
 
 Each step, on the shared runner thread (see ``runner.py``):
 
-1. picks the newest version of the reward (so a re-defined reward applies from the next step);
+1. picks the newest version of the named reward (so a re-defined reward applies from the next
+   step); a function given as ``train(reward=fn)`` is pinned to the run and always used;
 2. samples ``group`` completions for each of ``batch`` prompts from the run's current weights;
 3. scores them in the runner's thread pool (``async def`` rewards on the runner loop);
 4. turns rewards into group-relative advantages (reward − group mean, optionally ÷ group std),
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import NotFoundError, OpenRLError
-from openrl_jupyter.rewards import RewardVersion, registry, score
+from openrl_jupyter.rewards import RewardVersion, pinned, registry, score
 from openrl_jupyter.runner import get_runner, notify
 from openrl_jupyter.session import UsageError
 
@@ -88,6 +89,7 @@ class TrainConfig:
     seed: int | None = 0
     overlap: int = 0
     extra: dict = field(default_factory=dict)
+    reward_fn: RewardVersion | None = None  # train(reward=<function>): pinned to this run
 
 
 # -- prompt sources --------------------------------------------------------------------------------
@@ -169,15 +171,14 @@ def make_config(
     overlap: int = 0,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
+    fixed: RewardVersion | None = None
     if callable(reward):
-        fn = reward
-        reward = getattr(fn, "__name__", "reward")
-        if reward in ("reward", "reward_group", "<lambda>"):
-            reward = "reward"
-        registry.register(reward, fn)
-    if not isinstance(reward, str):
+        fixed = pinned(reward)  # this run's own: the registry's named rewards stay as they are
+        reward = fixed.name
+    elif not isinstance(reward, str):
         raise UsageError(f"reward must be a registered reward's name or a function; got {reward!r}")
-    registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
+    else:
+        registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
     loaded = load_prompts(prompts)
     steps = _positive_int("steps", steps, 1_000_000)
     group = _positive_int("group", group if group is not None else defaults.get("group_size", 8), 256)
@@ -205,6 +206,7 @@ def make_config(
         raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
     return TrainConfig(
         reward=reward,
+        reward_fn=fixed,
         prompts=loaded,
         steps=steps,
         group=group,
@@ -597,7 +599,7 @@ class Run:
         (``overlap``), else None."""
         cfg = self.config
         t0 = time.time()
-        version: RewardVersion = registry.latest(cfg.reward)
+        version: RewardVersion = cfg.reward_fn or registry.latest(cfg.reward)
         off_policy = 0
         if self._prefetch is not None and self._prefetch[0] == step:
             _, task, prompts = self._prefetch
