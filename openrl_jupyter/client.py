@@ -9,7 +9,9 @@
         for event in c.events():        # SSE: telemetry ticks and run events
             ...
 
-Works in a plain script: no IPython, no torch. Retries with exponential backoff on connection
+The API is one table (``REQUESTS``: a function per call that says which request it is); ``Client``
+and ``AsyncClient`` get one method per entry, so the two cannot drift apart. Works in a plain
+script: no IPython, no torch. Retries with exponential backoff on connection
 errors, 429 and 5xx for idempotent calls (GET, DELETE); a POST is retried only when the connection
 failed before the request was sent, so a train step is never applied twice. The key is sent as
 ``X-API-Key`` and never appears in a repr or an error message.
@@ -18,8 +20,10 @@ failed before the request was sent, so a train step is never applied twice. The 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -122,6 +126,10 @@ class _Base:
         self._raise_for(method, path, response)
         return None
 
+    def _result(self, call: Call, response: httpx.Response) -> Any:
+        body = self._decode(call.method, call.path, response)
+        return body[call.field] if call.field is not None else body
+
     def _decode(self, method: str, path: str, response: httpx.Response) -> Any:
         if not response.content:
             return None
@@ -141,8 +149,126 @@ class _Base:
         )
 
 
+# -- the API: one table of requests, sent by both clients ------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """One request of the API: what to send, and which part of the JSON reply the caller gets."""
+
+    method: str
+    path: str
+    json: Any = None
+    params: dict | None = None
+    field: str | None = None  # return reply[field] instead of the whole reply
+
+
+def ready() -> Call:
+    """The service's readiness (``{"status": "ready", ...}``)."""
+    return Call("GET", "/readyz")
+
+
+def capabilities() -> Call:
+    """The served models, each with its training defaults."""
+    return Call("GET", "/api/v1/get_server_capabilities", field="supported_models")
+
+
+def create_run(**fields: Any) -> Call:
+    """Create a run (name, rank, base_model, seed...); returns its description."""
+    return Call("POST", f"{API}/runs", json=fields)
+
+
+def list_runs() -> Call:
+    """This key's runs."""
+    return Call("GET", f"{API}/runs", field="runs")
+
+
+def get_run(run_id: str) -> Call:
+    """One run's description."""
+    return Call("GET", f"{API}/runs/{run_id}")
+
+
+def delete_run(run_id: str) -> Call:
+    """Forget a run (its saved checkpoints stay)."""
+    return Call("DELETE", f"{API}/runs/{run_id}")
+
+
+def sample(run_id: str, prompts: list, **params: Any) -> Call:
+    """Sample completions of ``prompts`` from the run's current weights."""
+    return Call("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
+
+
+def train_step(
+    run_id: str,
+    samples: list[dict],
+    *,
+    loss: str = "importance_sampling",
+    loss_config: dict | None = None,
+    optimizer: dict | None = None,
+) -> Call:
+    """One RL update from sampled ``{"sample_id", "advantage"}`` pairs; returns its statistics."""
+    body = {"samples": samples, "loss": loss, "loss_config": loss_config or {}, "optimizer": optimizer or {}}
+    return Call("POST", f"{API}/runs/{run_id}/train_step", json=body)
+
+
+def save(run_id: str, name: str, **fields: Any) -> Call:
+    """Save the run's weights as checkpoint ``name``; returns its tinker:// path."""
+    return Call("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields}, field="path")
+
+
+def checkpoints(run_id: str) -> Call:
+    """The run's saved checkpoints."""
+    return Call("GET", f"{API}/runs/{run_id}/checkpoints", field="checkpoints")
+
+
+def add_metrics(run_id: str, step: int, **metrics: Any) -> Call:
+    """Store one step's statistics with the run."""
+    return Call("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
+
+
+def metrics(run_id: str) -> Call:
+    """The statistics stored with the run, one row per step."""
+    return Call("GET", f"{API}/runs/{run_id}/metrics", field="metrics")
+
+
+REQUESTS: dict[str, Callable[..., Call]] = {
+    f.__name__: f
+    for f in (
+        ready,
+        capabilities,
+        create_run,
+        list_runs,
+        get_run,
+        delete_run,
+        sample,
+        train_step,
+        save,
+        checkpoints,
+        add_metrics,
+        metrics,
+    )
+}
+
+
+def _sync_method(build: Callable[..., Call]) -> Callable:
+    @functools.wraps(build)
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self.send(build(*args, **kwargs))
+
+    method.__annotations__ = {k: v for k, v in build.__annotations__.items() if k != "return"}
+    return method
+
+
+def _async_method(build: Callable[..., Call]) -> Callable:
+    @functools.wraps(build)
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self.send(build(*args, **kwargs))
+
+    method.__annotations__ = {k: v for k, v in build.__annotations__.items() if k != "return"}
+    return method
+
+
 class Client(_Base):
-    """Blocking client; one connection pool, closed by ``close()`` or a ``with`` block."""
+    """Blocking client; one connection pool, closed by ``close()`` or a ``with`` block.
+    Its API methods are those of ``REQUESTS`` (``create_run``, ``sample``, ``train_step``...)."""
 
     def __init__(
         self,
@@ -166,70 +292,26 @@ class Client(_Base):
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+    def send(self, call: Call) -> Any:
+        """Send one request of the API (retried as the class docstring says); the decoded reply."""
         attempt = 0
         while True:
             response, exc = None, None
             try:
-                response = self._http.request(method, path, json=json, params=params, headers=self._headers())
+                response = self._http.request(
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers()
+                )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(method, path, attempt, response, exc)
+            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
             if delay is None:
-                return self._decode(method, path, response)
+                return self._result(call, response)
             time.sleep(delay)
             attempt += 1
 
-    # -- the API --------------------------------------------------------------------------------
-    def ready(self) -> dict:
-        return self.request("GET", "/readyz")
-
-    def capabilities(self) -> list[dict]:
-        return self.request("GET", "/api/v1/get_server_capabilities")["supported_models"]
-
-    def create_run(self, **fields: Any) -> dict:
-        return self.request("POST", f"{API}/runs", json=fields)
-
-    def list_runs(self) -> list[dict]:
-        return self.request("GET", f"{API}/runs")["runs"]
-
-    def get_run(self, run_id: str) -> dict:
-        return self.request("GET", f"{API}/runs/{run_id}")
-
-    def delete_run(self, run_id: str) -> dict:
-        return self.request("DELETE", f"{API}/runs/{run_id}")
-
-    def sample(self, run_id: str, prompts: list, **params: Any) -> dict:
-        return self.request("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
-
-    def train_step(
-        self,
-        run_id: str,
-        samples: list[dict],
-        *,
-        loss: str = "importance_sampling",
-        loss_config: dict | None = None,
-        optimizer: dict | None = None,
-    ) -> dict:
-        body = {
-            "samples": samples,
-            "loss": loss,
-            "loss_config": loss_config or {},
-            "optimizer": optimizer or {},
-        }
-        return self.request("POST", f"{API}/runs/{run_id}/train_step", json=body)
-
-    def save(self, run_id: str, name: str, **fields: Any) -> str:
-        return self.request("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields})["path"]
-
-    def checkpoints(self, run_id: str) -> list[dict]:
-        return self.request("GET", f"{API}/runs/{run_id}/checkpoints")["checkpoints"]
-
-    def add_metrics(self, run_id: str, step: int, **metrics: Any) -> dict:
-        return self.request("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
-
-    def metrics(self, run_id: str) -> list[dict]:
-        return self.request("GET", f"{API}/runs/{run_id}/metrics")["metrics"]
+    def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        """Any path of the service, with the same retries and errors as the API methods."""
+        return self.send(Call(method, path, json, params))
 
     def events(self) -> Iterator[dict]:
         """Telemetry ticks and run events as dicts (``type`` is "tick" or "run"), until closed."""
@@ -276,64 +358,26 @@ class AsyncClient(_Base):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+    async def send(self, call: Call) -> Any:
+        """Send one request of the API (retried as ``Client.send``); the decoded reply."""
         attempt = 0
         while True:
             response, exc = None, None
             try:
                 response = await self._http.request(
-                    method, path, json=json, params=params, headers=self._headers()
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers()
                 )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(method, path, attempt, response, exc)
+            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
             if delay is None:
-                return self._decode(method, path, response)
+                return self._result(call, response)
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def create_run(self, **fields: Any) -> dict:
-        return await self.request("POST", f"{API}/runs", json=fields)
-
-    async def list_runs(self) -> list[dict]:
-        return (await self.request("GET", f"{API}/runs"))["runs"]
-
-    async def get_run(self, run_id: str) -> dict:
-        return await self.request("GET", f"{API}/runs/{run_id}")
-
-    async def delete_run(self, run_id: str) -> dict:
-        return await self.request("DELETE", f"{API}/runs/{run_id}")
-
-    async def sample(self, run_id: str, prompts: list, **params: Any) -> dict:
-        return await self.request("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
-
-    async def train_step(
-        self,
-        run_id: str,
-        samples: list[dict],
-        *,
-        loss: str = "importance_sampling",
-        loss_config: dict | None = None,
-        optimizer: dict | None = None,
-    ) -> dict:
-        body = {
-            "samples": samples,
-            "loss": loss,
-            "loss_config": loss_config or {},
-            "optimizer": optimizer or {},
-        }
-        return await self.request("POST", f"{API}/runs/{run_id}/train_step", json=body)
-
-    async def save(self, run_id: str, name: str, **fields: Any) -> str:
-        return (
-            await self.request("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields})
-        )["path"]
-
-    async def add_metrics(self, run_id: str, step: int, **metrics: Any) -> dict:
-        return await self.request("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
-
-    async def metrics(self, run_id: str) -> list[dict]:
-        return (await self.request("GET", f"{API}/runs/{run_id}/metrics"))["metrics"]
+    async def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        """Any path of the service, with the same retries and errors as the API methods."""
+        return await self.send(Call(method, path, json, params))
 
     async def events(self) -> AsyncIterator[dict]:
         """Telemetry ticks and run events as dicts, until the caller stops iterating."""
@@ -353,3 +397,9 @@ class AsyncClient(_Base):
                         yield sse.json()
         except httpx.TransportError as e:
             raise self._unreachable("GET", f"{API}/events", e) from None
+
+
+for _name, _build in REQUESTS.items():
+    setattr(Client, _name, _sync_method(_build))
+    setattr(AsyncClient, _name, _async_method(_build))
+del _name, _build

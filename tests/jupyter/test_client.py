@@ -158,3 +158,27 @@ def test_idempotent_calls_retry_but_train_steps_never_repeat():
     ):
         c.train_step("r", [{"sample_id": "s", "advantage": 1.0}])
     assert calls == ["POST"]
+
+
+def test_client_and_async_client_expose_the_same_api():
+    """Both are built from one table of requests, so neither can lack a call the other has."""
+    import inspect
+
+    from openrl_jupyter.client import REQUESTS
+
+    def api(cls):
+        return {
+            name: inspect.signature(getattr(cls, name)).parameters
+            for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))
+        }
+
+    lifecycle = {"close", "aclose"}
+    sync_api, async_api = api(Client), api(AsyncClient)
+    assert set(sync_api) - lifecycle == set(async_api) - lifecycle
+    assert {"ready", "capabilities", "checkpoints"} <= set(async_api) and set(REQUESTS) <= set(async_api)
+    for name in set(sync_api) - lifecycle:
+        assert sync_api[name] == async_api[name], name
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) or inspect.isasyncgenfunction(
+            getattr(AsyncClient, name)
+        ), name
