@@ -186,3 +186,43 @@ def test_nvml_utilisation_is_reported_where_a_gpu_exists_else_engine_busy(monkey
     reading = NvmlReader.for_device("cuda:1").read()
     assert reading["label"] == "GPU utilisation (NVML)" and reading["value"] == pytest.approx(0.73)
     assert reading["memory_used_bytes"] == 3 << 30 and reading["device"] == "FakeGPU"
+
+
+def _native_runs(svc):
+    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
+    from openrl_service.engine.native import NativeRuns
+
+    return next(
+        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
+    )
+
+
+def test_heartbeat_keeps_an_idle_run_alive_and_a_reaped_run_leaves_memory(make_server):
+    """A paused notebook heartbeats its run; a run nobody heartbeats is finished by the idle reaper
+    and forgotten (its metric rows and samples too)."""
+    live = make_server(session_idle_timeout_s=60.0)
+    svc = live.service
+    with live.client(ALICE_KEY) as c:
+        kept, lost = (c.post(f"{V1}/runs", json={"name": n, "seed": 0}).json() for n in ("kept", "lost"))
+        assert kept["idle_timeout_s"] == 60.0
+        for run in (kept, lost):
+            c.post(f"{V1}/runs/{run['run_id']}/sample", json={"prompts": ["a"], "max_tokens": 2})
+            c.post(f"{V1}/runs/{run['run_id']}/metrics", json={"step": 0, "reward_mean": 0.5})
+        # Both went quiet long ago (backdated rather than slept)...
+        for run in (kept, lost):
+            rec = svc.runs[run["run_id"]]
+            rec.last_request_time -= 1000
+            svc.sessions[rec.session_id].last_heartbeat -= 1000
+        # ...then the notebook of "kept" heartbeats it.
+        hb = c.post(f"{V1}/runs/{kept['run_id']}/heartbeat")
+        assert hb.status_code == 200, hb.text
+        assert hb.json()["run_id"] == kept["run_id"] and hb.json()["idle_timeout_s"] == 60.0
+        assert len(svc.reap_idle_sessions()) == 1
+        assert c.get(f"{V1}/runs/{kept['run_id']}").status_code == 200
+        assert c.get(f"{V1}/runs/{lost['run_id']}").status_code == 404
+        assert c.post(f"{V1}/runs/{lost['run_id']}/heartbeat").status_code == 404
+        native = _native_runs(svc)
+        assert set(native.runs) == {kept["run_id"]}
+        assert {s.run_id for s in native.samples.values()} == {kept["run_id"]}
+        c.delete(f"{V1}/runs/{kept['run_id']}")
+        assert native.runs == {} and not native.samples
