@@ -4,6 +4,7 @@
     GET    /openrl/v1/runs                          the caller's runs
     GET    /openrl/v1/runs/{run_id}                 one run
     DELETE /openrl/v1/runs/{run_id}                 free it (checkpoints stay)
+    POST   /openrl/v1/runs/{run_id}/heartbeat       keep it alive while the notebook is idle
     POST   /openrl/v1/runs/{run_id}/sample          text prompts → completions with sample ids
     POST   /openrl/v1/runs/{run_id}/train_step      sample ids + advantages → loss, ratio/KL/clip stats
     POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
@@ -56,6 +57,11 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     async def get_run(run_id: str, request: Request):
         """One run: name, model, rank, step."""
         return json_response(native.describe(native.get(tenant(request), run_id)))
+
+    @r.post("/runs/{run_id}/heartbeat")
+    async def heartbeat(run_id: str, request: Request):
+        """Keep the run alive (no request for ``idle_timeout_s`` finishes it); answers the run."""
+        return json_response(native.describe(native.heartbeat(tenant(request), run_id)))
 
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):

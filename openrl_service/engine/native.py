@@ -111,6 +111,7 @@ class NativeRuns:
         self.events = EventBus()
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
+        svc.session_listeners.append(self._session_finished)
 
     # -- runs -----------------------------------------------------------------------------------
     def get(self, tenant: str, run_id: str) -> NativeRun:
@@ -160,6 +161,8 @@ class NativeRuns:
             "snapshot": nr.steps,
             "created_at": run.created_at,
             "metrics_count": len(nr.metrics),
+            # without a heartbeat or a request for this long, the run's session is finished
+            "idle_timeout_s": self.svc.settings.session_idle_timeout_s,
         }
 
     def list(self, tenant: str) -> list[dict]:
@@ -169,12 +172,26 @@ class NativeRuns:
             if nr.run.tenant == tenant and nr.run.run_id in self.svc.runs
         ]
 
+    def heartbeat(self, tenant: str, run_id: str) -> NativeRun:
+        """Keep the run's session alive (a paused notebook is not an abandoned one)."""
+        nr = self.get(tenant, run_id)
+        self.svc.heartbeat(tenant, nr.run.session_id)
+        return nr
+
     def delete(self, tenant: str, run_id: str) -> None:
         nr = self.get(tenant, run_id)
-        self.svc.finish_session(tenant, nr.run.session_id)
-        with self._lock:
-            self.runs.pop(run_id, None)
+        self.svc.finish_session(tenant, nr.run.session_id)  # _session_finished forgets the run
         self.events.publish(tenant, {"event": "deleted", "run_id": run_id})
+
+    def _session_finished(self, tenant: str, session_id: str, run_ids: list[str]) -> None:
+        """Forget the runs of a finished session (deleted, or reaped when idle), their metric rows
+        and their stored samples."""
+        gone = set(run_ids)
+        with self._lock:
+            if not any(self.runs.pop(r, None) for r in run_ids):
+                return
+            for sid in [sid for sid, s in self.samples.items() if s.run_id in gone]:
+                del self.samples[sid]
 
     # -- sampling -------------------------------------------------------------------------------
     def _encode(self, prompt: Any, i: int, chat: bool) -> list[int]:

@@ -167,6 +167,9 @@ class TrainingService:
         self._evicted: dict[str, str] = {}  # sampler id -> tenant, to explain a 404
         self._ended: dict[str, str] = {}  # forgotten finished session id -> tenant, to answer 410
         self._lock = threading.Lock()
+        # Called as fn(tenant, session_id, run_ids) when a session finishes (by its client or the idle
+        # reaper), so layers above the engine (the notebook API) drop what they keep for its runs.
+        self.session_listeners: list[Callable[[str, str, list[str]], None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,6 +287,8 @@ class TrainingService:
                 self.samplers.pop(sid, None)
         for rid in run_ids:
             self.engine.close_lane(f"run:{rid}")
+        for listener in self.session_listeners:
+            listener(tenant, session_id, list(sess.run_ids))
 
     def reap_idle_sessions(self, now: float | None = None) -> list[str]:
         """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client
