@@ -336,3 +336,34 @@ def test_a_function_reward_is_pinned_to_its_run_and_leaves_the_named_rewards_alo
     assert [r["reward_mean"] for r in c.history] == [0.5]
     assert registry.names() == names_before
     assert registry.latest(name).version == 1 and registry.latest(name).fn is letters
+
+
+def test_a_paused_run_heartbeats_so_its_session_outlives_the_idle_timeout(make_server):
+    """A run paused for longer than the service's idle timeout is still there to resume: the
+    notebook heartbeats it (every third of the timeout) while it exists, paused or not."""
+    idle_s = 6.0
+    live = make_server(session_idle_timeout_s=idle_s, future_ttl_s=4.0)  # the reaper looks every 1 s
+    svc = live.service
+    s = sess.connect(live.url, token=ALICE_KEY, name="heartbeat")
+    try:
+        name = unique("hb")
+        registry.register(name, letters)
+        run = s.train(reward=name, prompts=PROMPTS, steps=3, **SMALL)
+        run.wait(120, step=1)
+        run.pause(wait=True, timeout=60)
+        session = svc.sessions[svc.runs[run.run_id].session_id]
+        paused_at = time.time()
+        # The service's own clock says when it last heard of the run; wait until that is well past
+        # the idle timeout after pausing (or the reaper finished the session).
+        wait_until(
+            lambda: session.finished or session.last_heartbeat > paused_at + 2 * idle_s,
+            timeout=120,
+            what="heartbeats past the idle timeout",
+        )
+        assert not session.finished, "the paused run's session was reaped as idle"
+        assert run.state == RunState.PAUSED
+        run.resume()
+        run.wait(120)
+        assert run.state == RunState.FINISHED and [r["step"] for r in run.history] == [1, 2, 3]
+    finally:
+        sess.disconnect("heartbeat")
