@@ -191,6 +191,11 @@ def delete_run(run_id: str) -> Call:
     return Call("DELETE", f"{API}/runs/{run_id}")
 
 
+def heartbeat(run_id: str) -> Call:
+    """Keep the run alive while the notebook is idle (``idle_timeout_s`` in its description)."""
+    return Call("POST", f"{API}/runs/{run_id}/heartbeat")
+
+
 def sample(run_id: str, prompts: list, **params: Any) -> Call:
     """Sample completions of ``prompts`` from the run's current weights."""
     return Call("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
@@ -238,6 +243,7 @@ REQUESTS: dict[str, Callable[..., Call]] = {
         list_runs,
         get_run,
         delete_run,
+        heartbeat,
         sample,
         train_step,
         save,

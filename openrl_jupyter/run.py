@@ -19,7 +19,9 @@ Each step, on the shared runner thread (see ``runner.py``):
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
 trained is lost and ``resume()`` retries the step (with the newest reward version). Pausing and
-stopping take effect between steps.
+stopping take effect between steps. While the run is not done (paused included) it heartbeats the
+service every third of the service's ``idle_timeout_s`` (at most 2 min apart), so a paused run is
+not reaped as abandoned.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ if TYPE_CHECKING:
 
 LOSSES = ("importance_sampling", "ppo")
 MAX_KEPT_SAMPLES = 512
+HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
+
+
+def heartbeat_interval(idle_timeout_s: Any) -> float:
+    """How often a run heartbeats: a third of the service's idle timeout, between 0.5 s and 2 min."""
+    if (
+        isinstance(idle_timeout_s, bool)
+        or not isinstance(idle_timeout_s, (int, float))
+        or idle_timeout_s <= 0
+    ):
+        return HEARTBEAT_MAX_S
+    return max(0.5, min(HEARTBEAT_MAX_S, idle_timeout_s / 3))
 
 
 class RunState(str, enum.Enum):
@@ -294,6 +308,7 @@ class Run:
         self._order: list[int] = []
         self._runner = get_runner()
         self._future = None
+        self._heartbeat_s = HEARTBEAT_MAX_S
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -303,6 +318,7 @@ class Run:
             self._set_state(RunState.FAILED, _one_line(exc))
             raise
         self.run_id = created["run_id"]
+        self._heartbeat_s = heartbeat_interval(created.get("idle_timeout_s"))
         self._future = self._runner.submit(self._main())
         return self
 
@@ -530,6 +546,24 @@ class Run:
         )
 
     async def _main(self) -> None:
+        beating = asyncio.ensure_future(self._heartbeat())
+        try:
+            await self._steps()
+        finally:
+            beating.cancel()
+
+    async def _heartbeat(self) -> None:
+        """While the run exists and is not done (paused included), tell the service it is wanted,
+        so an idle notebook's run is not reaped as abandoned."""
+        client = self.session.async_client()
+        while not self.done:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                await client.heartbeat(self.run_id)
+            except OpenRLError as exc:  # a lost run shows at the next step; a blip is retried next beat
+                self._log(f"heartbeat: {_one_line(exc)}")
+
+    async def _steps(self) -> None:
         client = self.session.async_client()
         cfg = self.config
         self._log(f"created run {self.run_id} on {self.session.url}")
