@@ -3,6 +3,7 @@ save, stop, several runs at once, reward failures, and bad arguments."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -12,6 +13,7 @@ from openrl_jupyter import OpenRLError
 from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunPaused, RunState, group_advantages, load_prompts
+from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY
 
 PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
@@ -367,3 +369,35 @@ def test_a_paused_run_heartbeats_so_its_session_outlives_the_idle_timeout(make_s
         assert run.state == RunState.FINISHED and [r["step"] for r in run.history] == [1, 2, 3]
     finally:
         sess.disconnect("heartbeat")
+
+
+def test_a_train_step_whose_reply_is_lost_is_sent_again_not_resampled_on_resume(server):
+    """The reply to step 1's train_step is lost and the client does not retry: the run pauses; on
+    resume() it re-sends that same train_step (same key) instead of sampling and training again, so
+    the service applies exactly the updates the notebook recorded."""
+    from openrl_jupyter import AsyncClient
+
+    lossy = DropReply("/train_step")
+    s = sess.connect(server.url, token=ALICE_KEY, name="lossy")
+    s._aclient = AsyncClient(server.url, token=ALICE_KEY, retries=0, transport=lossy)
+    counter = itertools.count()
+    try:
+        run = s.train(
+            reward=lambda prompt, completion, **info: float(next(counter)), prompts=PROMPTS, steps=2, **SMALL
+        )
+        with pytest.raises(RunPaused, match="reply arrived"):
+            run.wait(120)
+        assert run.step == 0 and lossy.dropped == 1
+        assert s.client.get_run(run.run_id)["step"] == 1  # the service did apply it
+        run.resume()
+        run.wait(120)
+        assert [r["step"] for r in run.history] == [1, 2] and all(r["trained"] for r in run.history)
+        assert s.client.get_run(run.run_id)["step"] == 2  # one update per recorded step
+        samples = [p for p, _ in lossy.sent if p.endswith("/sample")]
+        steps = [k for p, k in lossy.sent if p.endswith("/train_step")]
+        assert len(samples) == 2  # step 1 was not sampled again
+        assert len(steps) == 3 and steps[0] == steps[1] != steps[2] and steps[0]
+    finally:
+        for run in s.runs.values():
+            s.client.delete_run(run.run_id)
+        sess.disconnect("lossy")
