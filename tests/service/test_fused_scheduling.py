@@ -488,34 +488,44 @@ def test_other_runs_join_before_the_lanes_own_backlog():
         engine.stop()
 
 
-def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length():
+def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length(tmp_path):
     """Sampling pads every row to the longest prompt + longest decode: a long-prompt request and a
     many-sample one that fit by their own sizes do not fit together; nor does a decode more than
-    twice as long as another's (the short one would wait for it)."""
-    from openrl_service.engine.scheduler import Fusable, Op
+    twice as long as another's (the short one would wait for it); a prompt-logprob request runs alone.
+    The Fusables come from the service's own producer (``sample_fusable``), as in production."""
+    from openrl_service.config import Settings
+    from openrl_service.engine.scheduler import Op
+    from openrl_service.engine.service import TrainingService
+    from openrl_service.sampling.base import SampleJob, SamplingParams
 
+    svc = TrainingService(Settings(data_dir=tmp_path))  # not started: only its fusion producer is used
     engine, futures, recorder, calls = fused_engine(fusion_max_tokens=1000)
 
-    def op(lane, value, rows, width, decode):
-        f = Fusable(key="k", size=rows * width, rows=rows, width=width, decode=decode, prepare=lambda: value)
+    def op(lane, value, prompt, max_tokens, num_samples=1, **job):
+        jobs = [SampleJob([1] * prompt, num_samples, SamplingParams(max_tokens=max_tokens), None, **job)]
+        fuse = svc.sample_fusable(lambda: value, jobs, lambda part: part)
         return Op(
-            kind="work", lane=lane, fn=lambda: value * 2, future=futures.new("t", "w"), run_id=lane, fuse=f
+            kind="work", lane=lane, fn=lambda: value * 2, future=futures.new("t", "w"), run_id=lane, fuse=fuse
         )
 
     try:
         with held_worker(engine, futures):
             ops = [
-                op("sampler:long", 1, rows=1, width=900, decode=50),  # 900 tokens alone
-                op("sampler:many", 2, rows=8, width=60, decode=50),  # 480 alone; 9 x 900 together
-                op("sampler:short", 3, rows=1, width=60, decode=50),  # fits with "many": 9 x 60
-                op("sampler:slow", 4, rows=1, width=200, decode=150),  # 3x the others' decode
+                op("sampler:long", 1, prompt=850, max_tokens=50),  # 1 row x 900 alone
+                op("sampler:many", 2, prompt=10, max_tokens=50, num_samples=8),  # 8 x 60; with "long" 9 x 900
+                op("sampler:short", 3, prompt=10, max_tokens=50),  # fits with "many": 9 x 60
+                op("sampler:slow", 4, prompt=50, max_tokens=150),  # 3x the others' decode
+                op("sampler:lp", 5, prompt=10, max_tokens=50, prompt_logprobs=True),
+                op("sampler:topk", 6, prompt=10, max_tokens=50, topk_prompt_logprobs=2),
             ]
+            assert ops[1].fuse.rows == 8 and ops[1].fuse.width == 60 and ops[1].fuse.decode == 50
+            assert ops[4].fuse is None and ops[5].fuse is None  # prompt-logprob requests run alone
             for o in ops:
                 engine.submit(o)
         for o in ops:
             assert futures.wait_sync(o.future, 10)
-        assert calls == [[2, 3]]  # "long" and "slow" ran alone, through their own work
-        assert [o.future.result for o in ops] == [2, 4, 6, 8]
+        assert calls == [[2, 3]]  # the others ran alone, through their own work
+        assert [o.future.result for o in ops] == [2, 4, 6, 8, 10, 12]
     finally:
         engine.stop()
 
