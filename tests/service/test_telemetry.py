@@ -205,6 +205,7 @@ def fake_service(device: str) -> types.SimpleNamespace:
         base=types.SimpleNamespace(device=device),
         runs={},
         samplers={},
+        session_listeners=[],
     )
 
 
