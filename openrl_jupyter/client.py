@@ -11,19 +11,21 @@
 
 The API is one table (``REQUESTS``: a function per call that says which request it is); ``Client``
 and ``AsyncClient`` get one method per entry, so the two cannot drift apart. Works in a plain
-script: no IPython, no torch. Retries with exponential backoff on connection
-errors, 429 and 5xx for idempotent calls (GET, DELETE); a POST is retried only when the connection
-failed before the request was sent, so a train step is never applied twice. The key is sent as
-``X-API-Key`` and never appears in a repr or an error message.
+script: no IPython, no torch. Retries with exponential backoff (or the reply's
+``Retry-After``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
+errors, 429 and 503 for a POST: every POST carries an ``X-Idempotency-Key``, one per logical call
+and the same on each retry, so the service applies a train step once even when its reply was lost.
+The API key is sent as ``X-API-Key`` and never appears in a repr or an error message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,7 +39,8 @@ from openrl_jupyter._exceptions import (
 )
 
 API = "/openrl/v1"
-RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_STATUS = {429, 500, 502, 503, 504}  # reads are retried on these
+POST_RETRY_STATUS = {429, 503}  # a POST only on these: the service did not do the work (nor keep its reply)
 IDEMPOTENT = {"GET", "HEAD", "DELETE", "PUT"}
 SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this long means a dead stream
 
@@ -67,17 +70,18 @@ class _Base:
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(url={self.url!r})"
 
-    def _headers(self) -> dict[str, str]:
-        return {"X-API-Key": self._token} if self._token else {}
+    def _headers(self, call: Call | None = None) -> dict[str, str]:
+        headers = {"X-API-Key": self._token} if self._token else {}
+        if call is not None and call.method == "POST":
+            headers["X-Idempotency-Key"] = call.key
+        return headers
 
     def _should_retry(self, method: str, attempt: int, exc: Exception | None, status: int | None) -> bool:
         if attempt >= self.retries:
             return False
-        if isinstance(exc, httpx.ConnectError):
-            return True  # nothing was sent: safe for any method
-        if method not in IDEMPOTENT:
-            return False
-        return exc is not None or status in RETRY_STATUS
+        if exc is not None:
+            return True  # the connection failed; a POST carries its key, so a re-send is applied once
+        return status in (RETRY_STATUS if method in IDEMPOTENT else POST_RETRY_STATUS)
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
         if response is not None and response.headers.get("retry-after", "").isdigit():
@@ -150,7 +154,7 @@ class _Base:
 
 
 # -- the API: one table of requests, sent by both clients ------------------------------------------
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Call:
     """One request of the API: what to send, and which part of the JSON reply the caller gets."""
 
@@ -159,6 +163,9 @@ class Call:
     json: Any = None
     params: dict | None = None
     field: str | None = None  # return reply[field] instead of the whole reply
+    # Sent as X-Idempotency-Key with a POST: one per logical call, the same on each of its retries,
+    # so the service does the work once however often the request arrives.
+    key: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def ready() -> Call:
@@ -208,10 +215,13 @@ def train_step(
     loss: str = "importance_sampling",
     loss_config: dict | None = None,
     optimizer: dict | None = None,
+    idempotency_key: str | None = None,
 ) -> Call:
-    """One RL update from sampled ``{"sample_id", "advantage"}`` pairs; returns its statistics."""
+    """One RL update from sampled ``{"sample_id", "advantage"}`` pairs; returns its statistics.
+    Sent again with the same ``idempotency_key`` (e.g. after a lost reply), it is applied once."""
     body = {"samples": samples, "loss": loss, "loss_config": loss_config or {}, "optimizer": optimizer or {}}
-    return Call("POST", f"{API}/runs/{run_id}/train_step", json=body)
+    call = Call("POST", f"{API}/runs/{run_id}/train_step", json=body)
+    return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
 
 
 def save(run_id: str, name: str, **fields: Any) -> Call:
@@ -305,7 +315,7 @@ class Client(_Base):
             response, exc = None, None
             try:
                 response = self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers()
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
                 )
             except httpx.TransportError as e:
                 exc = e
@@ -371,7 +381,7 @@ class AsyncClient(_Base):
             response, exc = None, None
             try:
                 response = await self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers()
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
                 )
             except httpx.TransportError as e:
                 exc = e

@@ -42,8 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import NotFoundError, OpenRLError
-from openrl_jupyter.rewards import RewardVersion, pinned, registry, score
+from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError
+from openrl_jupyter.rewards import RewardVersion, Scored, pinned, registry, score
 from openrl_jupyter.runner import get_runner, notify
 from openrl_jupyter.session import UsageError
 
@@ -258,6 +258,32 @@ def group_advantages(rewards: Sequence[float | None], *, normalize_std: bool = F
     return out
 
 
+REPORTED = (
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "reward_name",
+    "reward_version",
+    "failed",
+)
+
+
+@dataclass
+class _Prepared:
+    """A step sampled and scored, waiting for (or re-sending) its train_step."""
+
+    step: int
+    version: RewardVersion
+    n: int  # samples drawn
+    scored: Scored
+    chosen: list[dict]  # {"sample_id", "advantage"} of the samples the update trains on
+    off_policy: int
+    next_prompts: list[dict] | None  # already being sampled (overlap)
+    times: tuple[float, float, float]  # started, sampled, scored
+    key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
+
+
 class _StepPaused(Exception):
     """Internal: the step cannot complete; pause with this message."""
 
@@ -309,6 +335,7 @@ class Run:
         self._runner = get_runner()
         self._future = None
         self._heartbeat_s = HEARTBEAT_MAX_S
+        self._pending: _Prepared | None = None  # a step whose train_step has not been answered
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -630,41 +657,74 @@ class Run:
 
     async def _one_step(self, client, step: int, prompts: list[dict]) -> list[dict] | None:
         """One step; returns the prompts of the next step when they are already being sampled
-        (``overlap``), else None."""
-        cfg = self.config
+        (``overlap``), else None. A step whose train_step got no answer (the service may have
+        applied it) is kept and, on the next attempt, sent again with the same key instead of
+        being sampled and trained anew."""
+        pending = self._pending
+        if pending is None or pending.step != step:
+            pending = self._pending = await self._prepare(client, step, prompts)
+        trained = await self._train(client, pending)
+        self._pending = None
+        row = self._row(pending, trained)
+        await self._report(client, row)
+        self._record(row, pending.version)
+        return pending.next_prompts
+
+    async def _prepare(self, client, step: int, prompts: list[dict]) -> _Prepared:
+        """Sample, score and compute advantages: everything of a step before its update."""
         t0 = time.time()
-        version: RewardVersion = cfg.reward_fn or registry.latest(cfg.reward)
-        off_policy = 0
+        version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
+        out, prompts, off_policy = await self._draw(client, step, prompts)
+        next_prompts = self._prefetch_next(client, step)
+        t_sampled = time.time()
+        samples = out["samples"]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s["prompt_index"], []).append(i)
+        scored = await self._score(version, step, prompts, samples, list(groups.values()))
+        return _Prepared(
+            step=step,
+            version=version,
+            n=len(samples),
+            scored=scored,
+            chosen=self._advantages(samples, scored, groups.values()),
+            off_policy=off_policy,
+            next_prompts=next_prompts,
+            times=(t0, t_sampled, time.time()),
+            key=uuid.uuid4().hex,
+        )
+
+    async def _draw(self, client, step: int, prompts: list[dict]) -> tuple[dict, list[dict], int]:
+        """This step's samples (and their prompts), taken from the prefetch when ``overlap`` drew them
+        one step ahead (then off-policy by one update, which the ratio corrects for)."""
         if self._prefetch is not None and self._prefetch[0] == step:
             _, task, prompts = self._prefetch
             self._prefetch = None
             try:
-                out = await task
+                return await task, prompts, 1
             except OpenRLError:  # the early sample failed: draw this step's samples now instead
-                out = await self._sample(client, step, prompts)
-            else:
-                off_policy = 1  # drawn before the previous step's update; the ratio corrects for it
-        else:
-            self._drop_prefetch()
-            out = await self._sample(client, step, prompts)
-        next_prompts = None
-        if cfg.overlap and step < cfg.steps:
-            # Sample step k+1 now, from the weights before step k's update, while step k is scored.
-            next_prompts = self._next_prompts()
-            task = asyncio.ensure_future(self._sample(client, step + 1, next_prompts))
-            self._prefetch = (step + 1, task, next_prompts)
-        t_sampled = time.time()
-        samples = out["samples"]
+                return await self._sample(client, step, prompts), prompts, 0
+        self._drop_prefetch()
+        return await self._sample(client, step, prompts), prompts, 0
+
+    def _prefetch_next(self, client, step: int) -> list[dict] | None:
+        """With ``overlap``, sample step k+1 now, from the weights before step k's update, while step k
+        is scored; returns its prompts."""
+        if not self.config.overlap or step >= self.config.steps:
+            return None
+        next_prompts = self._next_prompts()
+        task = asyncio.ensure_future(self._sample(client, step + 1, next_prompts))
+        self._prefetch = (step + 1, task, next_prompts)
+        return next_prompts
+
+    async def _score(
+        self, version: RewardVersion, step: int, prompts: list[dict], samples: list[dict], groups: list
+    ) -> Scored:
+        """Score in the runner's pool; keep and show the samples; pause if every one failed."""
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
         infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
         completions = [s["text"] for s in samples]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            groups.setdefault(s["prompt_index"], []).append(i)
-        scored = await score(
-            version, texts, completions, infos, groups=list(groups.values()), pool=self._runner.pool
-        )
-        t_scored = time.time()
+        scored = await score(version, texts, completions, infos, groups=groups, pool=self._runner.pool)
         if scored.stdout:
             self._log(scored.stdout.rstrip("\n"))
         kept = [
@@ -683,37 +743,59 @@ class Run:
             )
         if failures:
             self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
+        return scored
+
+    def _advantages(self, samples: list[dict], scored: Scored, groups) -> list[dict]:
+        """The samples worth training on, each with its group-relative advantage (non-zero)."""
         advantages: list[float] = [0.0] * len(samples)
-        for idx in groups.values():
+        for idx in groups:
+            rewards = [scored.rewards[i] for i in idx]
             for i, a in zip(
-                idx,
-                group_advantages([scored.rewards[i] for i in idx], normalize_std=cfg.normalize_std),
-                strict=True,
+                idx, group_advantages(rewards, normalize_std=self.config.normalize_std), strict=True
             ):
                 advantages[i] = a
-        chosen = [
+        return [
             {"sample_id": s["sample_id"], "advantage": a}
             for s, a in zip(samples, advantages, strict=True)
             if a != 0.0 and s["tokens"]
         ]
-        optimizer = {"learning_rate": cfg.lr} if cfg.lr is not None else {}
-        trained: dict = {}
-        if chosen:
-            trained = await client.train_step(self.run_id, chosen, loss=cfg.loss, optimizer=optimizer)
+
+    async def _train(self, client, pending: _Prepared) -> dict:
+        """The step's update (none when no sample carries an advantage). A refusal (4xx) drops the
+        prepared step, so a retry samples afresh; a lost or failed reply keeps it for re-sending."""
+        if not pending.chosen:
+            return {}
+        optimizer = {"learning_rate": self.config.lr} if self.config.lr is not None else {}
+        try:
+            return await client.train_step(
+                self.run_id,
+                pending.chosen,
+                loss=self.config.loss,
+                optimizer=optimizer,
+                idempotency_key=pending.key,
+            )
+        except RequestError:
+            self._pending = None
+            raise
+
+    def _row(self, pending: _Prepared, trained: dict) -> dict:
+        """The step's history row: reward statistics, the update's statistics, timings."""
+        t0, t_sampled, t_scored = pending.times
         t_trained = time.time()
+        scored, version = pending.scored, pending.version
         valid = [r for r in scored.rewards if r is not None]
-        row = {
-            "step": step,
+        return {
+            "step": pending.step,
             "reward_mean": statistics.fmean(valid),
             "reward_std": statistics.pstdev(valid) if len(valid) > 1 else 0.0,
             "reward_min": min(valid),
             "reward_max": max(valid),
             "reward_name": version.name,
             "reward_version": version.version,
-            "failed": len(failures),
-            "n": len(samples),
-            "off_policy": off_policy,
-            "trained": len(chosen),
+            "failed": len(scored.rewards) - len(valid),
+            "n": pending.n,
+            "off_policy": pending.off_policy,
+            "trained": len(pending.chosen),
             "loss": trained.get("loss"),
             "ratio_mean": trained.get("ratio_mean"),
             "ratio_min": trained.get("ratio_min"),
@@ -728,23 +810,23 @@ class Run:
             "time": t_trained,
             "elapsed_s": t_trained - self.started_at,
         }
-        reported = {
-            k: v
-            for k, v in row.items()
-            if k in ("reward_mean", "reward_std", "reward_min", "reward_max", "reward_version", "failed")
-            or k == "reward_name"
-        }
+
+    async def _report(self, client, row: dict) -> None:
+        """Store the step's reward statistics with the run on the service."""
+        reported = {k: v for k, v in row.items() if k in REPORTED}
         try:
-            await client.add_metrics(self.run_id, step, **reported)
+            await client.add_metrics(self.run_id, row["step"], **reported)
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics
-            self._log(f"step {step}: the service did not store its metrics ({_one_line(exc)})")
+            self._log(f"step {row['step']}: the service did not store its metrics ({_one_line(exc)})")
+
+    def _record(self, row: dict, version: RewardVersion) -> None:
+        """The step is done: history, step counter, listeners (the dashboard)."""
         with self._lock:
             self._history.append(row)
-            self._step = step
+            self._step = row["step"]
             self.reward_version = version.version
             self._changed.notify_all()
         self._emit({"kind": "step", "row": dict(row)})
-        return next_prompts
 
 
 def _one_line(exc: BaseException) -> str:
