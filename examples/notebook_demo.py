@@ -43,7 +43,7 @@ def execute(notebook: Path, out: Path, env: dict[str, str], timeout_s: int = 180
         )
         client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(out)}})
         try:
-            client.execute()
+            client.execute(cleanup_kc=True)  # a kernel manager given to nbclient is not shut down otherwise
         finally:
             nbformat.write(nb, out / notebook.name)
     finally:
