@@ -19,8 +19,8 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
+from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.run import LOSSES
 from openrl_jupyter.session import UsageError
 
 HELP = """Train LLMs with RL from this notebook against an openrl service.

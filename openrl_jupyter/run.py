@@ -29,8 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
-import os
 import random
 import statistics
 import threading
@@ -38,19 +36,20 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError
-from openrl_jupyter.rewards import RewardVersion, Scored, pinned, registry, score
+from openrl_jupyter.advantages import group_advantages
+from openrl_jupyter.config import TrainConfig
+from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
 from openrl_jupyter.runner import get_runner, notify
 from openrl_jupyter.session import UsageError
 
 if TYPE_CHECKING:
     from openrl_jupyter.session import Session
 
-LOSSES = ("importance_sampling", "ppo")
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
 
@@ -81,181 +80,6 @@ class RunState(str, enum.Enum):
 
 
 ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
-
-
-@dataclass
-class TrainConfig:
-    """What ``train`` was asked for, after defaults from the model's capability entry."""
-
-    reward: str
-    prompts: list[dict]
-    steps: int
-    group: int
-    batch: int
-    lr: float | None
-    rank: int
-    max_tokens: int
-    temperature: float
-    loss: str = "importance_sampling"
-    name: str | None = None
-    model: str | None = None
-    normalize_std: bool = False
-    seed: int | None = 0
-    overlap: int = 0
-    extra: dict = field(default_factory=dict)
-    reward_fn: RewardVersion | None = None  # train(reward=<function>): pinned to this run
-
-
-# -- prompt sources --------------------------------------------------------------------------------
-def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
-    """A list of strings, or of dicts with "prompt" (other fields go to the reward as ``info``),
-    or a path to a .txt (one prompt per line) or .jsonl file."""
-    if isinstance(src, (str, os.PathLike)) and str(src).endswith((".txt", ".jsonl")):
-        path = os.fspath(src)
-        if not os.path.isfile(path):
-            raise UsageError(f"{where}: no such file {path!r}")
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".txt"):
-                items: list = [line.rstrip("\n") for line in f if line.strip()]
-            else:
-                items = []
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            items.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise UsageError(f"{where}: {path} line {n} is not JSON ({e.msg})") from None
-    elif isinstance(src, str):
-        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got the string {src!r}")
-    elif hasattr(src, "to_dict") and hasattr(src, "columns"):  # a pandas DataFrame
-        if "prompt" not in src.columns:
-            raise UsageError(f'{where}: a DataFrame needs a "prompt" column; it has {list(src.columns)}')
-        items = src.to_dict("records")
-    elif isinstance(src, Mapping):
-        raise UsageError(
-            f"{where} must be a list of prompts, not a {type(src).__name__} (its keys are not prompts)"
-        )
-    elif isinstance(src, Sequence) or hasattr(src, "__iter__"):
-        items = list(src)
-    else:
-        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got {type(src).__name__}")
-    if not items:
-        raise UsageError(f"{where} is empty: give at least one prompt")
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            if not item.strip():
-                raise UsageError(f"{where}[{i}] is an empty prompt")
-            out.append({"prompt": item, "info": {}})
-        elif isinstance(item, dict):
-            p = item.get("prompt")
-            if not isinstance(p, str) or not p.strip():
-                raise UsageError(f'{where}[{i}] needs a non-empty "prompt" string; got keys {sorted(item)}')
-            out.append({"prompt": p, "info": {k: v for k, v in item.items() if k != "prompt"}})
-        else:
-            raise UsageError(
-                f"{where}[{i}] must be a string or a dict with a prompt; got {type(item).__name__}"
-            )
-    return out
-
-
-def _positive_int(name: str, value: Any, limit: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise UsageError(f"{name} must be an integer from 1 to {limit}; got {value!r}")
-    return value
-
-
-def make_config(
-    defaults: dict,
-    *,
-    reward: str | Callable,
-    prompts: Any,
-    model: str | None = None,
-    steps: int = 60,
-    group: int | None = None,
-    batch: int | None = None,
-    lr: float | None = None,
-    rank: int | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    loss: str = "importance_sampling",
-    name: str | None = None,
-    normalize_std: bool = False,
-    seed: int | None = 0,
-    overlap: int = 0,
-) -> TrainConfig:
-    """Check the arguments of ``train`` (each error names the argument and its limit)."""
-    fixed: RewardVersion | None = None
-    if callable(reward):
-        fixed = pinned(reward)  # this run's own: the registry's named rewards stay as they are
-        reward = fixed.name
-    elif not isinstance(reward, str):
-        raise UsageError(f"reward must be a registered reward's name or a function; got {reward!r}")
-    else:
-        registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
-    loaded = load_prompts(prompts)
-    steps = _positive_int("steps", steps, 1_000_000)
-    group = _positive_int("group", group if group is not None else defaults.get("group_size", 8), 256)
-    batch = _positive_int("batch", batch if batch is not None else defaults.get("batch_size", 8), 1024)
-    rank = _positive_int("rank", rank if rank is not None else defaults.get("lora_rank", 8), 512)
-    max_tokens = _positive_int(
-        "max_tokens", max_tokens if max_tokens is not None else defaults.get("max_tokens", 64), 1_000_000
-    )
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= 1):
-        raise UsageError(f"lr must be a number in (0, 1]; got {lr!r}")
-    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not 0 <= temperature <= 10
-    ):
-        raise UsageError(f"temperature must be a number from 0 to 10; got {temperature!r}")
-    if loss not in LOSSES:
-        raise UsageError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
-    if overlap not in (0, 1) or isinstance(overlap, bool):
-        raise UsageError(
-            f"overlap must be 0 (on-policy) or 1 (sample the next step while scoring); got {overlap!r}"
-        )
-    if group < 2:
-        raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
-    return TrainConfig(
-        reward=reward,
-        reward_fn=fixed,
-        prompts=loaded,
-        steps=steps,
-        group=group,
-        batch=batch,
-        lr=float(lr) if lr is not None else None,
-        rank=rank,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        loss=loss,
-        name=name,
-        model=model,
-        normalize_std=normalize_std,
-        seed=seed,
-        overlap=overlap,
-    )
-
-
-# -- advantages ------------------------------------------------------------------------------------
-def group_advantages(rewards: Sequence[float | None], *, normalize_std: bool = False) -> list[float]:
-    """reward − mean of the group's successful samples (÷ their std if asked); 0 for failed ones."""
-    valid = [r for r in rewards if r is not None]
-    if len(valid) < 2:
-        return [0.0] * len(rewards)
-    mean = statistics.fmean(valid)
-    std = statistics.pstdev(valid)
-    out = []
-    for r in rewards:
-        if r is None:
-            out.append(0.0)
-            continue
-        a = r - mean
-        if normalize_std:
-            a = a / (std + 1e-6) if std > 0 else 0.0
-        out.append(a)
-    return out
 
 
 REPORTED = (

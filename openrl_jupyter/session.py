@@ -90,7 +90,8 @@ class Session:
         normalize_std, seed, overlap (1: sample step k+1 while step k is scored); unset ones come
         from the model's capability entry.
         """
-        from openrl_jupyter.run import Run, make_config
+        from openrl_jupyter.config import make_config
+        from openrl_jupyter.run import Run
 
         model = options.get("model")
         if model is not None and self.model is not None and model not in (self.model, "tiny"):

@@ -11,8 +11,10 @@ import pytest
 
 from openrl_jupyter import OpenRLError
 from openrl_jupyter import session as sess
+from openrl_jupyter.advantages import group_advantages
+from openrl_jupyter.config import load_prompts
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.run import RunPaused, RunState, group_advantages, load_prompts
+from openrl_jupyter.run import RunPaused, RunState
 from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY
 
@@ -217,11 +219,13 @@ def test_info_fields_reach_the_reward(session, tmp_path):
         ({"prompts": ["ok", ""]}, r"prompts\[1\] is an empty prompt"),
         ({"prompts": [{"text": "x"}]}, r'prompts\[0\] needs a non-empty "prompt"'),
         ({"prompts": "missing.txt"}, "no such file"),
-        ({"steps": 0}, "steps must be an integer from 1"),
+        ({"steps": 0}, r"steps must be an integer in \[1, 1000000\]; got 0"),
         ({"group": 1}, "group must be at least 2"),
-        ({"lr": -1.0}, r"lr must be a number in \(0, 1\]"),
+        ({"lr": -1.0}, r"lr must be a finite number in \[0, 1\]; got -1.0"),
+        ({"lr": 0}, r"lr must be a number in \(0, 1\]; got 0"),
+        ({"batch": 2.5}, r"batch must be an integer in \[1, 1024\]; got 2.5"),
         ({"loss": "sft"}, "loss must be one of importance_sampling, ppo"),
-        ({"temperature": 99}, "temperature must be a number from 0 to 10"),
+        ({"temperature": 99}, r"temperature must be a finite number in \[0, 10\]; got 99"),
     ],
 )
 def test_bad_arguments_are_one_clear_usage_error(session, kwargs, message):
