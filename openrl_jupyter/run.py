@@ -317,7 +317,7 @@ class Run:
         )
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from openrl_jupyter.dashboard import summary_html
+        from openrl_jupyter.summary import summary_html
 
         bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
         if _widgets_frontend():
