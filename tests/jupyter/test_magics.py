@@ -74,6 +74,22 @@ def test_help_and_docstring(shell):
     assert cell.ok and "--reward" in cell.out and "--max-tokens" in cell.out
 
 
+def test_the_help_names_every_option_of_every_subcommand(shell):
+    """The manual is written from the parsers, so an option added to one cannot be missing from it."""
+    from openrl_jupyter.magics import _parsers
+
+    manual = shell.find_line_magic("openrl").__doc__
+    printed = run(shell, "%openrl help").out
+    for verb, parser in _parsers().items():
+        assert f"%openrl {verb}" in manual, verb
+        for action in parser._actions:
+            names = action.option_strings or [action.metavar or action.dest]
+            for name in names:
+                if name not in ("-h", "--help"):
+                    assert name in manual and name in printed, f"%openrl {verb} {name}"
+    assert all(o in manual for o in ("--normalize-std", "--seed", "--model", "--overlap"))
+
+
 def test_connect_precedence_and_errors(shell, server, monkeypatch):
     one_error_line(run(shell, "%openrl connect"), "UsageError", "OPENRL_URL", "--local")
     dead = f"http://127.0.0.1:{free_port()}"
