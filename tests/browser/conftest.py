@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.browser.lab import VIEWPORT, launch_chromium, missing, screenshot, start_lab
+from tests._support.lab import VIEWPORT, launch_chromium, missing, screenshot, start_lab
 
 
 @pytest.fixture(scope="package")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.kernel import Kernel, of_type, parent_id
+from tests._support.kernel import Kernel, of_type, parent_id
 
 
 @pytest.fixture

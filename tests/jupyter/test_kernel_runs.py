@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from tests._support.kernel import Kernel, of_type
 from tests.conftest import ALICE_KEY
-from tests.kernel import Kernel, of_type
 
 REWARD_V1 = """%%openrl reward gated
 def reward(prompt, completion, **info):
