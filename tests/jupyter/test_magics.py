@@ -11,6 +11,7 @@ from IPython.utils.capture import capture_output
 from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunState
+from tests._support.runs import forget_runs
 from tests.conftest import ALICE_KEY, free_port
 
 
@@ -27,7 +28,8 @@ def clean(monkeypatch):
     monkeypatch.delenv("OPENRL_URL", raising=False)
     monkeypatch.delenv("OPENRL_TOKEN", raising=False)
     yield
-    for name in list(sess.sessions()):
+    for name, session in list(sess.sessions().items()):
+        forget_runs(session)
         sess.disconnect(name)
 
 

@@ -15,6 +15,7 @@ from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.config import load_prompts
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunPaused, RunState
+from tests._support.runs import forget_runs
 from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY
 
@@ -30,8 +31,7 @@ def letters(prompt, completion, **info):
 def session(server):
     s = sess.connect(server.url, token=ALICE_KEY, name="runs")
     yield s
-    for run in s.runs.values():
-        run.stop()
+    forget_runs(s)
     sess.disconnect("runs")
 
 
@@ -49,11 +49,21 @@ def wait_until(predicate, timeout=60.0, what="condition"):
 
 def test_a_run_trains_in_the_background_and_reports_every_step(session):
     name = unique("letters")
-    registry.register(name, letters)
-    t0 = time.monotonic()
+    scoring, release = threading.Event(), threading.Event()
+
+    def gated(prompt, completion, **info):
+        scoring.set()
+        assert release.wait(60)
+        return letters(prompt, completion)
+
+    registry.register(name, gated)
     run = session.train(reward=name, prompts=PROMPTS, steps=4, **SMALL)
-    assert time.monotonic() - t0 < 1.0, "train() must return at once"
-    assert run.state in (RunState.STARTING, RunState.RUNNING)
+    try:
+        # train() returned while the first step's reward cannot finish: it does not wait for steps
+        assert run.step == 0 and run.state in (RunState.STARTING, RunState.RUNNING)
+        assert scoring.wait(60) and run.step == 0 and run.state == RunState.RUNNING
+    finally:
+        release.set()
     run.wait(120)
     assert run.state == RunState.FINISHED and run.step == 4
     rows = run.history
@@ -63,7 +73,7 @@ def test_a_run_trains_in_the_background_and_reports_every_step(session):
         assert r["reward_name"] == name and r["reward_version"] == 1 and r["n"] == 8
         if r["trained"]:
             assert r["loss"] is not None and r["ratio_mean"] == pytest.approx(1.0, abs=0.05)
-            assert r["tokens"] > 0 and r["grad_norm"] >= 0
+            assert r["tokens"] > 0 and r["grad_norm"] > 0
     # the step statistics are stored with the run on the service too
     stored = session.client.metrics(run.run_id)
     assert [m["step"] for m in stored] == [1, 2, 3, 4]
@@ -110,9 +120,10 @@ def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(sess
     run.pause(wait=True, timeout=60)
     assert run.state == RunState.PAUSED
     held = run.step
-    time.sleep(1.5)
-    assert run.step == held and run.state == RunState.PAUSED
     path = run.save("paused")
+    # the save queued behind anything the run had sent: the service trained exactly the held steps
+    assert session.client.get_run(run.run_id)["step"] == held
+    assert run.step == held and run.state == RunState.PAUSED
     assert path.startswith("tinker://") and path.endswith("/weights/paused")
     run.resume()
     wait_until(lambda: run.step >= held + 2, what="two steps after resume")
@@ -127,17 +138,30 @@ def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(sess
 
 
 def test_two_runs_in_one_process_progress_together(session):
-    name = unique("two")
-    registry.register(name, letters)
-    a = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("a"), **SMALL)
-    b = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("b"), **SMALL)
+    """Each run's second step waits (in its reward) for the other run's first step: run one after
+    the other, they would never finish."""
+    runs: dict[str, object] = {}
+    both_started = threading.Event()
+
+    def waits_for(other: str):
+        def reward(prompt, completion, **info):
+            assert both_started.wait(60)
+            if reward.calls >= SMALL["batch"] * SMALL["group"]:  # a sample of this run's second step
+                wait_until(lambda: runs[other].step >= 1, timeout=60, what=f"run {other}'s first step")
+            reward.calls += 1
+            return letters(prompt, completion)
+
+        reward.calls = 0
+        return reward
+
+    a = session.train(reward=waits_for("b"), prompts=PROMPTS, steps=3, name=unique("a"), **SMALL)
+    runs["a"] = a
+    b = session.train(reward=waits_for("a"), prompts=PROMPTS, steps=3, name=unique("b"), **SMALL)
+    runs["b"] = b
+    both_started.set()
     a.wait(180)
     b.wait(180)
     assert a.state == b.state == RunState.FINISHED
-    ta = [r["time"] for r in a.history]
-    tb = [r["time"] for r in b.history]
-    # interleaved, not one after the other: each run finished a step while the other was mid-way
-    assert ta[0] < tb[-1] and tb[0] < ta[-1]
     assert a.run_id != b.run_id
 
 
