@@ -52,6 +52,8 @@ def _short(text: str, limit: int = 160) -> str:
 
 
 class _Base:
+    _http_class: type[httpx.Client] | type[httpx.AsyncClient]
+
     def __init__(
         self,
         url: str,
@@ -60,12 +62,14 @@ class _Base:
         timeout_s: float = 120.0,
         retries: int = 4,
         backoff_s: float = 0.5,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._http = self._http_class(base_url=self.url, timeout=timeout_s, transport=transport)
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(url={self.url!r})"
@@ -286,18 +290,7 @@ class Client(_Base):
     """Blocking client; one connection pool, closed by ``close()`` or a ``with`` block.
     Its API methods are those of ``REQUESTS`` (``create_run``, ``sample``, ``train_step``...)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 120.0,
-        retries: int = 4,
-        backoff_s: float = 0.5,
-        transport: httpx.BaseTransport | None = None,
-    ):
-        super().__init__(url, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+    _http_class = httpx.Client  # ``transport``: an httpx.BaseTransport
 
     def __enter__(self) -> Client:
         return self
@@ -352,18 +345,7 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The same API for asyncio code (the notebook runner's loop)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 120.0,
-        retries: int = 4,
-        backoff_s: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ):
-        super().__init__(url, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+    _http_class = httpx.AsyncClient  # ``transport``: an httpx.AsyncBaseTransport
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -18,7 +18,9 @@ Each step, on the shared runner thread (see ``runner.py``):
    (the dashboard).
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
-trained is lost and ``resume()`` retries the step (with the newest reward version). Pausing and
+trained is lost and ``resume()`` retries the step (with the newest reward version). A step whose
+train_step got no answer (the service may have applied it) is not sampled again: ``resume()`` re-sends
+that same train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
 stopping take effect between steps. While the run is not done (paused included) it heartbeats the
 service every third of the service's ``idle_timeout_s`` (at most 2 min apart), so a paused run is
 not reaped as abandoned.
