@@ -698,11 +698,26 @@ class TrainingService:
     def sample_fusable(
         self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
     ) -> Fusable | None:
-        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker."""
+        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker.
+
+        None (it runs alone) with fusion off or when a job asks for prompt logprobs (a full-prompt
+        pass the others would wait on). Otherwise its rows are its samples, each padded to the longest
+        prompt + decode of the call, and ``decode`` its longest decode (members stay within 2x)."""
         if not self.settings.fusion:
             return None
-        size = sum(j.num_samples * (len(j.prompt) + (j.params.max_tokens or 0)) for j in sizes)
-        return Fusable(key="sample", size=size, prepare=jobs, finish=finish)
+        if any(j.prompt_logprobs or j.topk_prompt_logprobs for j in sizes):
+            return None
+        rows = sum(j.num_samples for j in sizes)
+        width = max(len(j.prompt) + (j.params.max_tokens or 0) for j in sizes)
+        return Fusable(
+            key="sample",
+            size=rows * width,
+            rows=rows,
+            width=width,
+            decode=max(j.params.max_tokens or 0 for j in sizes),
+            prepare=jobs,
+            finish=finish,
+        )
 
     def _fused_sample(self, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
         """Every member's jobs in one ``sample_many``, ordered so each adapter's rows are one block."""

@@ -353,7 +353,7 @@ def test_fusion_setting_is_validated():
 
 
 # -- the engine alone: which ops join a fused call ------------------------------------------------
-def fused_engine(**kw):
+def fused_engine(key: str = "k", **kw):
     from openrl_service.engine.futures import FutureStore
     from openrl_service.engine.scheduler import Engine
     from openrl_service.telemetry import OpRecorder
@@ -367,7 +367,7 @@ def fused_engine(**kw):
     futures = FutureStore(ttl_s=60)
     recorder = OpRecorder()
     engine = Engine(
-        futures=futures, seq_gap_timeout_s=60, recorder=recorder, fusion=True, fusers={"k": double}, **kw
+        futures=futures, seq_gap_timeout_s=60, recorder=recorder, fusion=True, fusers={key: double}, **kw
     )
     engine.start()
     engine.ready.wait(10)
@@ -499,7 +499,7 @@ def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length(tmp_pat
     from openrl_service.sampling.base import SampleJob, SamplingParams
 
     svc = TrainingService(Settings(data_dir=tmp_path))  # not started: only its fusion producer is used
-    engine, futures, recorder, calls = fused_engine(fusion_max_tokens=1000)
+    engine, futures, recorder, calls = fused_engine("sample", fusion_max_tokens=1000)
 
     def op(lane, value, prompt, max_tokens, num_samples=1, **job):
         jobs = [SampleJob([1] * prompt, num_samples, SamplingParams(max_tokens=max_tokens), None, **job)]
