@@ -278,3 +278,28 @@ def test_an_idempotent_create_returns_the_same_run_and_an_overlong_key_is_refuse
     long = alice.post(f"{V1}/runs", json={"name": "x"}, headers={"X-Idempotency-Key": "k" * 129})
     assert long.status_code == 400 and "X-Idempotency-Key" in long.json()["error"], long.text
     assert "128" in long.json()["error"]
+
+
+def test_a_native_request_answers_503_when_the_device_worker_has_died(make_server):
+    """A request queued when the worker dies, and one sent after, answer 503 naming the worker
+    instead of waiting forever."""
+    from tests.service.test_scheduling import held_worker, wait_for
+
+    live = make_server()
+    svc = live.service
+    with httpx.Client(base_url=live.url, headers={"X-API-Key": ALICE_KEY}, timeout=20) as c:
+        run = c.post(f"{V1}/runs", json={"name": "doomed"}).json()["run_id"]
+        body = {"prompts": ["a"], "max_tokens": 2}
+        replies = []
+        with held_worker(svc.engine, svc.futures):
+            depth = svc.engine.queue_depth()
+            t = threading.Thread(target=lambda: replies.append(c.post(f"{V1}/runs/{run}/sample", json=body)))
+            t.start()
+            wait_for(lambda: svc.engine.queue_depth() == depth + 1)
+            svc.engine._stop = True  # the worker exits after the held op, leaving the sample queued
+        svc.engine._thread.join(10)
+        assert not svc.engine.alive
+        t.join(30)
+        after = c.post(f"{V1}/runs/{run}/sample", json=body)
+        for r in [*replies, after]:
+            assert r.status_code == 503 and "device worker" in r.json()["error"], r.text
