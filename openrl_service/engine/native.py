@@ -449,8 +449,9 @@ class NativeRuns:
         }
 
     async def _result(self, rec):
-        while not await self.svc.futures.wait(rec, 30.0):
-            pass
+        """The op's result; a 503 naming the worker (not an endless wait) if the worker has died."""
+        while not await self.svc.futures.wait(rec, 1.0):
+            self.svc.engine.require_alive()
         if rec.error is not None:
             raise rec.error
         return rec.result
