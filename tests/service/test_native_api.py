@@ -303,3 +303,36 @@ def test_a_native_request_answers_503_when_the_device_worker_has_died(make_serve
         after = c.post(f"{V1}/runs/{run}/sample", json=body)
         for r in [*replies, after]:
             assert r.status_code == 503 and "device worker" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("call", ["create", "delete"])
+def test_a_slow_session_write_does_not_stall_other_requests(make_server, call):
+    """Creating or deleting a run writes (and fsyncs) its session file; while that disk write hangs,
+    the service still answers other requests (the write runs off the event loop)."""
+    live = make_server()
+    store = live.service.store
+    entered, release = threading.Event(), threading.Event()
+    real = store.write_session
+    with live.client(ALICE_KEY) as c, httpx.Client(base_url=live.url, timeout=10) as probe:
+        run = c.post(f"{V1}/runs", json={"name": "slow"}).json()["run_id"] if call == "delete" else None
+
+        def slow(*args, **kw):
+            entered.set()
+            release.wait(30)
+            return real(*args, **kw)
+
+        store.write_session = slow
+        replies = []
+        if call == "create":
+            t = threading.Thread(target=lambda: replies.append(c.post(f"{V1}/runs", json={"name": "x"})))
+        else:
+            t = threading.Thread(target=lambda: replies.append(c.delete(f"{V1}/runs/{run}")))
+        t.start()
+        try:
+            assert entered.wait(30)
+            assert probe.get("/healthz").status_code == 200  # answered while the write hangs
+        finally:
+            release.set()
+            t.join(30)
+            store.write_session = real
+        assert replies[0].status_code in (200, 201), replies[0].text
