@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -78,7 +79,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):
         """Free a run's adapter and optimizer; its checkpoints stay."""
-        native.delete(tenant(request), run_id)
+        await native.delete(tenant(request), run_id)
         return json_response({"run_id": run_id, "deleted": True})
 
     @r.post("/runs/{run_id}/sample")
@@ -126,7 +127,8 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     async def checkpoints(run_id: str, request: Request):
         """The run's checkpoints, newest first."""
         native.get(tenant(request), run_id)
-        return json_response(cat.list_checkpoints(tenant(request), run_id))
+        listing = await anyio.to_thread.run_sync(cat.list_checkpoints, tenant(request), run_id)  # reads disk
+        return json_response(listing)
 
     @r.post("/runs/{run_id}/metrics")
     async def add_metrics(run_id: str, request: Request):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from types import GeneratorType
 from typing import Any
 
+import anyio
 import numpy as np
 
 from openrl_service.engine.service import Run, TrainingService
@@ -132,7 +133,12 @@ class NativeRuns:
             body.get("train_mlp", True),
             body.get("train_unembed", defaults.get("train_unembed", True)),
         )
-        sess = self.svc.create_session(tenant, display_name=name, user_metadata=body.get("user_metadata"))
+        # The session file is written and fsynced: off the event loop, so a slow disk stalls no one else.
+        sess = await anyio.to_thread.run_sync(
+            lambda: self.svc.create_session(
+                tenant, display_name=name, user_metadata=body.get("user_metadata")
+            )
+        )
         rec = self.svc.create_model(
             tenant,
             session_id=sess.session_id,
@@ -178,9 +184,10 @@ class NativeRuns:
         self.svc.heartbeat(tenant, nr.run.session_id)
         return nr
 
-    def delete(self, tenant: str, run_id: str) -> None:
+    async def delete(self, tenant: str, run_id: str) -> None:
         nr = self.get(tenant, run_id)
-        self.svc.finish_session(tenant, nr.run.session_id)  # _session_finished forgets the run
+        # _session_finished forgets the run; the session file write runs off the event loop.
+        await anyio.to_thread.run_sync(lambda: self.svc.finish_session(tenant, nr.run.session_id))
         self.events.publish(tenant, {"event": "deleted", "run_id": run_id})
 
     def _session_finished(self, tenant: str, session_id: str, run_ids: list[str]) -> None:
