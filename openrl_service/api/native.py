@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from openrl_service.api.idempotency import IdempotentReplies
-from openrl_service.api.tinker import BackpressureRoute, field, json_response, read_json
+from openrl_service.api.tinker import BackpressureRoute, json_response, read_json
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
@@ -108,18 +108,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
         async def make():
             body = await read_json(request, max_body)
-            nr = native.get(tenant(request), run_id)
-            rec = svc.save_state(
-                tenant(request),
-                run_id,
-                nr.next_seq(),
-                field(body, "name", str),
-                bool(body.get("overwrite", False)),
-                body.get("user_metadata"),
-                None,
-                ttl_seconds=body.get("ttl_seconds"),
-            )
-            return json_response(await native._result(rec), status=201)
+            return json_response(await native.save_checkpoint(tenant(request), run_id, body), status=201)
 
         return await once(request, make)
 

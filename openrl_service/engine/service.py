@@ -5,8 +5,8 @@ tensor work as an :class:`~openrl_service.engine.scheduler.Op` for the device wo
 future. Sessions, runs and samplers all belong to a tenant; another tenant gets "not found".
 
 Vocabulary:
-    Session  a client connection (Tinker ServiceClient); owns runs and samplers
-    Run      one LoRA training run: adapter + optimizer + gradients, ordered by seq_id
+    SessionRecord  a client connection (Tinker ServiceClient); owns runs and samplers
+    RunState       one LoRA training run: adapter + optimizer + gradients, ordered by seq_id
     Sampler  an immutable adapter snapshot (or the bare base model) that can be sampled
 
 Sharing the device: a forward/backward whose datums need several padded micro-batches runs as a
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Session:
+class SessionRecord:
     session_id: str
     tenant: str
     created_at: float = field(default_factory=time.time)
@@ -107,7 +107,7 @@ class Session:
 
 
 @dataclass
-class Run:
+class RunState:
     run_id: str
     tenant: str
     session_id: str
@@ -168,8 +168,8 @@ class TrainingService:
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
         self.sampler: TorchSampler | None = None
-        self.sessions: dict[str, Session] = {}
-        self.runs: dict[str, Run] = {}
+        self.sessions: dict[str, SessionRecord] = {}
+        self.runs: dict[str, RunState] = {}
         self.samplers: dict[str, SamplerEntry] = {}
         self._evicted: dict[str, str] = {}  # sampler id -> tenant, to explain a 404
         self._ended: dict[str, str] = {}  # forgotten finished session id -> tenant, to answer 410
@@ -240,14 +240,14 @@ class TrainingService:
 
     def create_session(
         self, tenant: str, *, tags=None, user_metadata=None, display_name=None, project_id=None
-    ) -> Session:
+    ) -> SessionRecord:
         if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
             raise UserError("tags must be a list of strings", field="tags")
         for name, value in (("display_name", display_name), ("project_id", project_id)):
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise UserError(f"{name} must be a string of at most 256 characters", field=name)
         self.check_metadata({"tags": tags or []}, "tags")
-        sess = Session(
+        sess = SessionRecord(
             session_id=f"s{uuid.uuid4().hex[:16]}",
             tenant=tenant,
             tags=list(tags or []),
@@ -260,7 +260,7 @@ class TrainingService:
         self.store.write_session(tenant, sess.record())
         return sess
 
-    def session(self, tenant: str, session_id: str, *, live: bool = True) -> Session:
+    def session(self, tenant: str, session_id: str, *, live: bool = True) -> SessionRecord:
         sess = self.sessions.get(session_id)
         if sess is None or sess.tenant != tenant:
             raise NotFound(f"unknown session_id {session_id!r}", field="session_id")
@@ -325,7 +325,7 @@ class TrainingService:
         return [s.session_id for s in idle]
 
     # -- runs -----------------------------------------------------------------------------------
-    def run(self, tenant: str, model_id: str) -> Run:
+    def run(self, tenant: str, model_id: str) -> RunState:
         run = self.runs.get(model_id)
         if run is None or run.tenant != tenant:
             raise NotFound(f"unknown model_id {model_id!r}", field="model_id")
@@ -373,12 +373,12 @@ class TrainingService:
     def _register_run(
         self,
         tenant: str,
-        session: Session,
+        session: SessionRecord,
         model_seq_id: int,
         spec: LoraSpec,
         seed: int,
         user_metadata: dict | None,
-    ) -> Run:
+    ) -> RunState:
         if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
             raise UserError(
                 f"model_seq_id must be a non-negative integer; got {model_seq_id!r}", field="model_seq_id"
@@ -390,7 +390,7 @@ class TrainingService:
             if existing is not None:
                 return existing
             self._check_run_quota(tenant)
-            run = Run(
+            run = RunState(
                 run_id=run_id,
                 tenant=tenant,
                 session_id=session.session_id,
@@ -404,7 +404,7 @@ class TrainingService:
         self.engine.open_ordered_lane(run_id, next_seq=0)
         return run
 
-    def _write_run_meta(self, run: Run, **extra) -> None:
+    def _write_run_meta(self, run: RunState, **extra) -> None:
         self.store.write_run_meta(
             run.tenant,
             run.run_id,
@@ -524,7 +524,7 @@ class TrainingService:
 
     def _submit_run(
         self,
-        run: Run,
+        run: RunState,
         seq_id: Any,
         kind: str,
         work: Callable[[], Any] | None,
@@ -562,7 +562,7 @@ class TrainingService:
         model_id: str,
         seq_id: Any,
         kind: str,
-        prepare: Callable[[Run], Callable[[], Any]],
+        prepare: Callable[[RunState], Callable[[], Any]],
         idem: str | None,
         tokens: Callable[[Any], int] | None = None,
     ) -> FutureRecord:
@@ -580,7 +580,7 @@ class TrainingService:
             work, error = None, e
         return self._submit_run(run, seq_id, kind, work, idem, error=error, tokens=tokens, fuse=fuse)
 
-    def _state(self, run: Run) -> TrainState:
+    def _state(self, run: RunState) -> TrainState:
         if run.state is None:
             raise UserError(f"model {run.run_id} failed to initialise; create a new one", field="model_id")
         return run.state
@@ -677,7 +677,7 @@ class TrainingService:
         forward_only: bool,
         idem: str | None,
     ) -> FutureRecord:
-        def prepare(run: Run):
+        def prepare(run: RunState):
             if isinstance(data, UserError):
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
@@ -697,7 +697,7 @@ class TrainingService:
 
     def train_fusable(
         self,
-        run: Run,
+        run: RunState,
         data: list[DatumArrays],
         loss_fn: str,
         config: dict,
@@ -719,6 +719,26 @@ class TrainingService:
             limit=self.trainer.microbatch_tokens,  # the trainer's own cap (fp32 logits ≤ 2 GiB) included
             prepare=lambda: FusedItem(self._state(run), data, loss_fn, config, forward_only),
             finish=finish or (lambda result: result),
+        )
+
+    def sample_run(
+        self, tenant: str, model_id: str, seq_id: Any, jobs: list[SampleJob], idem: str | None
+    ) -> FutureRecord:
+        """Sample from a training run's current weights, in its lane (a sample sees every train step
+        submitted before it): the notebook API's sampling. The jobs decode as one batch; with fusion
+        on, other runs' ready sampling joins it."""
+
+        def prepare(run: RunState):
+            def resolved() -> list[SampleJob]:  # on the worker: the adapter as of this seq_id
+                adapter = self._state(run).adapter
+                return [dataclasses.replace(j, adapter=adapter) for j in jobs]
+
+            return lambda: self.sampler.sample_many(resolved()), self.sample_fusable(
+                resolved, jobs, lambda outs: outs
+            )
+
+        return self.run_op(
+            tenant, model_id, seq_id, "sample", prepare, idem, tokens=lambda outs: sum(o.tokens for o in outs)
         )
 
     def sample_fusable(
@@ -812,14 +832,14 @@ class TrainingService:
     def optim_step(
         self, tenant: str, model_id: str, seq_id: Any, adam: AdamParams | UserError, idem: str | None
     ) -> FutureRecord:
-        def prepare(run: Run):
+        def prepare(run: RunState):
             if isinstance(adam, UserError):
                 raise adam
             return lambda: {"metrics": self.trainer.optim_step(self._state(run), adam)}
 
         return self.run_op(tenant, model_id, seq_id, "optim_step", prepare, idem)
 
-    def _manifest(self, run: Run) -> dict:
+    def _manifest(self, run: RunState) -> dict:
         st = run.state
         return {
             "base_model": run.base_model,
@@ -839,7 +859,7 @@ class TrainingService:
         idem: str | None,
         ttl_seconds: Any = None,
     ) -> FutureRecord:
-        def prepare(run: Run):
+        def prepare(run: RunState):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
             meta = self.check_metadata(user_metadata)
             expires_at = self.expiry(ttl_seconds)
@@ -864,7 +884,7 @@ class TrainingService:
     def load_state(
         self, tenant: str, model_id: str, seq_id: Any, path: Any, optimizer: bool, idem: str | None
     ) -> FutureRecord:
-        def prepare(run: Run):
+        def prepare(run: RunState):
             ref = parse_tinker_path(path)
             manifest = self.store.manifest(run.tenant, ref)
             if manifest.get("base_model") != run.base_model:
@@ -914,7 +934,7 @@ class TrainingService:
         idem: str | None,
         ttl_seconds: Any = None,
     ) -> FutureRecord:
-        def prepare(run: Run):
+        def prepare(run: RunState):
             if name is None:
                 if isinstance(sampling_session_seq_id, bool) or not isinstance(sampling_session_seq_id, int):
                     raise UserError(
@@ -954,7 +974,7 @@ class TrainingService:
     ) -> FutureRecord:
         """save_weights_external: the adapter as a PEFT folder to download (external_weights checkpoint)."""
 
-        def prepare(run: Run):
+        def prepare(run: RunState):
             if recipients:
                 raise UserError(
                     "age_encryption_recipients: encrypted exports are not supported by this service; "
@@ -966,7 +986,7 @@ class TrainingService:
         return self.run_op(tenant, model_id, seq_id, "save_weights_external", prepare, idem)
 
     def _export(
-        self, run: Run, kind: str, name: Any, user_metadata: Any, ttl_seconds: Any
+        self, run: RunState, kind: str, name: Any, user_metadata: Any, ttl_seconds: Any
     ) -> Callable[[], dict]:
         """Adapter-only checkpoint work (sampler or external weights); validated now, written on the worker."""
         ref = CheckpointRef(run.run_id, kind, check_name(name))

@@ -263,7 +263,7 @@ def native_round(live, n_runs: int = 3) -> dict:
     )
     out["samples"] = [first, second]
     out["steps"] = steps
-    ours = lambda recs: [r for r in recs if r.kind in ("sample", "train_step")]  # noqa: E731
+    ours = lambda recs: [r for r in recs if r.kind in ("sample", "forward_backward")]  # noqa: E731
     out["records"] = ours(svc.recorder.wait_for(lambda recs: len(ours(recs)) >= 3 * n_runs, since=t0))
     for c in clients:
         c.close()
@@ -277,7 +277,9 @@ def test_native_sample_and_train_step_fuse_across_runs(make_server):
     for r in fused["records"]:
         assert r.fused_id is not None, r
         calls.setdefault(r.fused_id, set()).add((r.kind, r.run))
-    assert len(calls) == 3  # sample, train_step, sample: one fused op each, covering the three runs
+    assert (
+        len(calls) == 3
+    )  # sample, train_step's forward_backward, sample: one fused op each, covering the three runs
     assert sorted(len(v) for v in calls.values()) == [3, 3, 3]
     assert all(r.fused_id is None for r in unfused["records"])
     for rnd in range(2):

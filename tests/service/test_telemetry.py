@@ -189,7 +189,7 @@ def test_metrics_unauthenticated_scrape_is_aggregates_only(server, runs):
     assert value["openrl_tokens_trained_total"] > 0 and value["openrl_tokens_sampled_total"] > 0
     assert value["openrl_engine_busy_seconds_total"] > 0 and value["openrl_queue_wait_seconds_count"] > 0
     kinds = {s.labels["kind"] for s in fams["openrl_ops"].samples}
-    assert {"sample", "train_step"} <= kinds
+    assert {"sample", "forward_backward", "optim_step"} <= kinds  # a native train_step is these two ops
     # no tenant's identifiers anywhere: not a run id, sampler id or tenant name
     labels = {v for f in fams.values() for s in f.samples for v in s.labels.values()}
     for secret in (runs["alice"], runs["bob"], "alice", "bob", "telemetry-alice", *server.service.samplers):
