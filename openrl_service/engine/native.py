@@ -20,7 +20,6 @@ train step submitted before it; ``snapshot`` in replies is the run's optimizer-s
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 import uuid
@@ -31,6 +30,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from openrl_service.checks import integer, number
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.errors import ApiError, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
@@ -309,11 +309,7 @@ class NativeRuns:
                     f"(samples are kept {SAMPLE_TTL_S:.0f} s)",
                     field=f"{where}.sample_id",
                 )
-            adv = item.get("advantage")
-            if isinstance(adv, bool) or not isinstance(adv, (int, float)) or not math.isfinite(adv):
-                raise UserError(
-                    f"{where}.advantage must be a finite number; got {adv!r}", field=f"{where}.advantage"
-                )
+            adv = number(item.get("advantage"), f"{where}.advantage")
             if not stored.tokens:
                 continue
             full = stored.prompt + stored.tokens
@@ -396,21 +392,19 @@ class NativeRuns:
     # -- metrics --------------------------------------------------------------------------------
     def add_metrics(self, tenant: str, run_id: str, body: dict) -> dict:
         nr = self.get(tenant, run_id)
-        step = body.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise UserError(f"step must be a non-negative integer; got {step!r}", field="step")
+        step = integer(body.get("step"), "step", 0)
         row = {"step": step}
         for k, v in body.items():
             if k == "step":
                 continue
-            if k in ("reward_name",) and isinstance(v, str) and len(v) <= 128:
+            if k == "reward_name":
+                if not isinstance(v, str) or len(v) > 128:
+                    raise UserError(
+                        f"reward_name must be a string of at most 128 characters; got {v!r}", field=k
+                    )
                 row[k] = v
-            elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                row[k] = float(v) if not isinstance(v, int) else v
-            else:
-                raise UserError(
-                    f"metrics.{k} must be a finite number (or reward_name a short string); got {v!r}", field=k
-                )
+            else:  # whole numbers stay whole (a reward version), others are floats
+                row[k] = v if isinstance(v, int) and not isinstance(v, bool) else number(v, f"metrics.{k}")
         if len(nr.metrics) >= 100_000:
             raise UserError("a run holds at most 100000 metric rows", field="step")
         nr.metrics.append(row)

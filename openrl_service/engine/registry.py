@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.scheduler import Engine
 from openrl_service.errors import NotFound, UserError
@@ -253,10 +254,7 @@ class Registry:
         seed: int,
         user_metadata: dict | None,
     ) -> RunState:
-        if isinstance(model_seq_id, bool) or not isinstance(model_seq_id, int) or model_seq_id < 0:
-            raise UserError(
-                f"model_seq_id must be a non-negative integer; got {model_seq_id!r}", field="model_seq_id"
-            )
+        integer(model_seq_id, "model_seq_id", 0)
         run_id = f"{session.session_id}:train:{model_seq_id}"
         base = self.require_ready()
         with self._lock:
@@ -366,11 +364,7 @@ class Registry:
         """A sampler on the base model or on a saved checkpoint; returns its id at once (the checkpoint's
         tensors load on the worker with its first sample request)."""
         sess = self.session(tenant, session_id)
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:
-            raise UserError(
-                f"sampling_session_seq_id must be a non-negative integer; got {seq_id!r}",
-                field="sampling_session_seq_id",
-            )
+        integer(seq_id, "sampling_session_seq_id", 0)
         sampler_id = f"{sess.session_id}:sample:{seq_id}"
         existing = self.samplers.get(sampler_id)
         if existing is not None and existing.tenant == tenant:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.futures import FutureRecord, FutureStore
 from openrl_service.engine.registry import Registry, RunState, SamplerEntry, spec_from_manifest
@@ -134,7 +135,7 @@ class TrainingService(Registry, Validation):
         sess = self.session(tenant, session_id)
         self._check_base_model(base_model)
         user_metadata = self.check_metadata(user_metadata)
-        seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
+        seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata)
 
         def work():
@@ -199,8 +200,7 @@ class TrainingService(Registry, Validation):
         fuse: Fusable | None = None,
         **extra,
     ) -> FutureRecord:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 0:
-            raise UserError(f"seq_id must be a non-negative integer; got {seq_id!r}", field="seq_id")
+        integer(seq_id, "seq_id", 0)
         prior = self.engine.idempotent(run.tenant, idem)
         if prior is not None:
             return prior

@@ -9,7 +9,6 @@ Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provid
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import orjson
 from safetensors import safe_open
 
+from openrl_service.checks import integer, number
 from openrl_service.config import Limits, Settings
 from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
@@ -41,14 +41,11 @@ class Validation:
         """ttl_seconds (None: never) as an absolute expiry time; bounds as Tinker's: 1 hour to 10 years."""
         if ttl_seconds is None:
             return None
-        lo, hi = self.settings.min_ttl_s, 10 * 365 * 24 * 3600
-        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not lo <= ttl_seconds <= hi:
-            raise UserError(
-                f"{field_name} must be null or an integer in [{lo:g}, {hi}] seconds (OPENRL_MIN_TTL_S); "
-                f"got {ttl_seconds!r}",
-                field=field_name,
-            )
-        return time.time() + ttl_seconds
+        lo = self.settings.min_ttl_s
+        lo = int(lo) if float(lo).is_integer() else lo
+        return time.time() + integer(
+            ttl_seconds, field_name, lo, 10 * 365 * 24 * 3600, setting="OPENRL_MIN_TTL_S"
+        )
 
     def check_metadata(self, value: Any, field_name: str = "user_metadata") -> dict:
         """user_metadata must be a JSON object of at most ``max_metadata_bytes``."""
@@ -70,11 +67,7 @@ class Validation:
     def lora_spec(
         self, rank: Any, train_attn: Any = True, train_mlp: Any = True, train_unembed: Any = True
     ) -> LoraSpec:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.limits.max_rank:
-            raise UserError(
-                f"lora_config.rank must be an integer in [1, {self.limits.max_rank}] (OPENRL_MAX_RANK); got {rank!r}",
-                field="lora_config.rank",
-            )
+        integer(rank, "lora_config.rank", 1, self.limits.max_rank, setting="OPENRL_MAX_RANK")
         spec = LoraSpec(
             rank=rank,
             train_attn=bool(train_attn),
@@ -174,41 +167,28 @@ class Validation:
         lim = self.limits
         raw = raw or {}
         max_tokens = raw.get("max_tokens")  # None: as many as fit (resolved against the prompt in sample)
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool)
-            or not isinstance(max_tokens, int)
-            or not 1 <= max_tokens <= lim.max_tokens
-        ):
-            raise UserError(
-                f"sampling_params.max_tokens must be an integer in [1, {lim.max_tokens}] "
-                f"(OPENRL_MAX_TOKENS); got {max_tokens!r}",
-                field="sampling_params.max_tokens",
-            )
+        if max_tokens is not None:
+            integer(max_tokens, "sampling_params.max_tokens", 1, lim.max_tokens, setting="OPENRL_MAX_TOKENS")
         temperature = raw.get("temperature", 1.0)
-        temperature = 1.0 if temperature is None else temperature
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise UserError(
-                f"sampling_params.temperature must be a finite number >= 0; got {temperature!r}",
-                field="sampling_params.temperature",
-            )
+        temperature = number(1.0 if temperature is None else temperature, "sampling_params.temperature", 0)
         top_p = raw.get("top_p", 1.0)
         top_p = 1.0 if top_p is None else top_p
-        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        try:
+            in_range = number(top_p, "sampling_params.top_p", 0, 1) > 0  # (0, 1]: zero leaves nothing
+        except UserError:
+            in_range = False
+        if not in_range:
             raise UserError(
-                f"sampling_params.top_p must be in (0, 1]; got {top_p!r}", field="sampling_params.top_p"
+                f"sampling_params.top_p must be a finite number in (0, 1]; got {top_p!r}",
+                field="sampling_params.top_p",
             )
         top_k = raw.get("top_k", -1)
         top_k = -1 if top_k is None else top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k != -1 and top_k < 1):
-            raise UserError(
-                f"sampling_params.top_k must be -1 (off) or a positive integer; got {top_k!r}",
-                field="sampling_params.top_k",
-            )
+        if top_k != -1 or not isinstance(top_k, int):
+            integer(top_k, "sampling_params.top_k", 1, setting="or -1 for off")
         seed = raw.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise UserError(
-                f"sampling_params.seed must be an integer; got {seed!r}", field="sampling_params.seed"
-            )
+        if seed is not None:
+            integer(seed, "sampling_params.seed")
         stop = raw.get("stop", None)
         stop_ids: tuple[int, ...] = ()
         stop_strs: tuple[str, ...] = ()
@@ -266,22 +246,9 @@ class Validation:
         ``max_tokens`` resolved (when omitted: as many as fit the context, up to OPENRL_MAX_TOKENS)."""
         base = self.require_ready()
         lim = self.limits
-        if (
-            isinstance(num_samples, bool)
-            or not isinstance(num_samples, int)
-            or not 1 <= num_samples <= lim.max_num_samples
-        ):
-            raise UserError(
-                f"num_samples must be an integer in [1, {lim.max_num_samples}] (OPENRL_MAX_NUM_SAMPLES); "
-                f"got {num_samples!r}",
-                field="num_samples",
-            )
+        integer(num_samples, "num_samples", 1, lim.max_num_samples, setting="OPENRL_MAX_NUM_SAMPLES")
         for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample)):
-            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= lim.max_topk:
-                raise UserError(
-                    f"{name} must be an integer in [0, {lim.max_topk}] (OPENRL_MAX_TOPK); got {k!r}",
-                    field=name,
-                )
+            integer(k, name, 0, lim.max_topk, setting="OPENRL_MAX_TOPK")
         if not prompt:
             raise UserError("prompt is empty", field="prompt")
         if params.max_tokens is None:
