@@ -305,67 +305,6 @@ class TrainingService(Registry, Validation):
             finish=finish or (lambda result: result),
         )
 
-    def sample_run(
-        self, tenant: str, model_id: str, seq_id: Any, jobs: list[SampleJob], idem: str | None
-    ) -> FutureRecord:
-        """Sample from a training run's current weights, in its lane (a sample sees every train step
-        submitted before it): the notebook API's sampling. The jobs decode as one batch; with fusion
-        on, other runs' ready sampling joins it."""
-
-        def prepare(run: RunState):
-            def resolved() -> list[SampleJob]:  # on the worker: the adapter as of this seq_id
-                adapter = self._state(run).adapter
-                return [dataclasses.replace(j, adapter=adapter) for j in jobs]
-
-            return lambda: self.sampler.sample_many(resolved()), self.sample_fusable(
-                resolved, jobs, lambda outs: outs
-            )
-
-        return self.run_op(
-            tenant, model_id, seq_id, "sample", prepare, idem, tokens=lambda outs: sum(o.tokens for o in outs)
-        )
-
-    def sample_fusable(
-        self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
-    ) -> Fusable | None:
-        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker.
-
-        None (it runs alone) with fusion off or when a job asks for prompt logprobs (a full-prompt
-        pass the others would wait on). Otherwise its rows are its samples, each padded to the longest
-        prompt + decode of the call, and ``decode`` its longest decode (members stay within 2x)."""
-        if not self.settings.fusion:
-            return None
-        if any(j.prompt_logprobs or j.topk_prompt_logprobs for j in sizes):
-            return None
-        rows = sum(j.num_samples for j in sizes)
-        width = max(len(j.prompt) + (j.params.max_tokens or 0) for j in sizes)
-        return Fusable(
-            key="sample",
-            size=rows * width,
-            rows=rows,
-            width=width,
-            decode=max(j.params.max_tokens or 0 for j in sizes),
-            prepare=jobs,
-            finish=finish,
-        )
-
-    def _fused_sample(self, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
-        """Every member's jobs in one ``sample_many``, ordered so each adapter's rows are one block."""
-        jobs = [j for part in parts for j in part]
-        first: dict[int, int] = {}
-        for j in jobs:
-            first.setdefault(id(j.adapter), len(first))
-        order = sorted(range(len(jobs)), key=lambda i: first[id(jobs[i].adapter)])
-        outs = self.sampler.sample_many([jobs[i] for i in order])
-        by_job: list[SampleOutput | None] = [None] * len(jobs)
-        for out, i in zip(outs, order, strict=True):
-            by_job[i] = out
-        split, k = [], 0
-        for part in parts:
-            split.append(by_job[k : k + len(part)])
-            k += len(part)
-        return split
-
     def _forward_backward(
         self,
         state: TrainState,
@@ -594,6 +533,67 @@ class TrainingService(Registry, Validation):
         return work
 
     # -- sampling -------------------------------------------------------------------------------
+    def sample_run(
+        self, tenant: str, model_id: str, seq_id: Any, jobs: list[SampleJob], idem: str | None
+    ) -> FutureRecord:
+        """Sample from a training run's current weights, in its lane (a sample sees every train step
+        submitted before it): the notebook API's sampling. The jobs decode as one batch; with fusion
+        on, other runs' ready sampling joins it."""
+
+        def prepare(run: RunState):
+            def resolved() -> list[SampleJob]:  # on the worker: the adapter as of this seq_id
+                adapter = self._state(run).adapter
+                return [dataclasses.replace(j, adapter=adapter) for j in jobs]
+
+            return lambda: self.sampler.sample_many(resolved()), self.sample_fusable(
+                resolved, jobs, lambda outs: outs
+            )
+
+        return self.run_op(
+            tenant, model_id, seq_id, "sample", prepare, idem, tokens=lambda outs: sum(o.tokens for o in outs)
+        )
+
+    def sample_fusable(
+        self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
+    ) -> Fusable | None:
+        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker.
+
+        None (it runs alone) with fusion off or when a job asks for prompt logprobs (a full-prompt
+        pass the others would wait on). Otherwise its rows are its samples, each padded to the longest
+        prompt + decode of the call, and ``decode`` its longest decode (members stay within 2x)."""
+        if not self.settings.fusion:
+            return None
+        if any(j.prompt_logprobs or j.topk_prompt_logprobs for j in sizes):
+            return None
+        rows = sum(j.num_samples for j in sizes)
+        width = max(len(j.prompt) + (j.params.max_tokens or 0) for j in sizes)
+        return Fusable(
+            key="sample",
+            size=rows * width,
+            rows=rows,
+            width=width,
+            decode=max(j.params.max_tokens or 0 for j in sizes),
+            prepare=jobs,
+            finish=finish,
+        )
+
+    def _fused_sample(self, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
+        """Every member's jobs in one ``sample_many``, ordered so each adapter's rows are one block."""
+        jobs = [j for part in parts for j in part]
+        first: dict[int, int] = {}
+        for j in jobs:
+            first.setdefault(id(j.adapter), len(first))
+        order = sorted(range(len(jobs)), key=lambda i: first[id(jobs[i].adapter)])
+        outs = self.sampler.sample_many([jobs[i] for i in order])
+        by_job: list[SampleOutput | None] = [None] * len(jobs)
+        for out, i in zip(outs, order, strict=True):
+            by_job[i] = out
+        split, k = [], 0
+        for part in parts:
+            split.append(by_job[k : k + len(part)])
+            k += len(part)
+        return split
+
     def _sampler_adapter(self, entry: SamplerEntry) -> Adapter | None:
         """On the worker: the entry's adapter, reloaded from its checkpoint if the budget dropped it."""
         adapter = entry.adapter
