@@ -8,10 +8,16 @@ the Tinker API's guarantees hold for it too. What this layer adds:
 - a sample store: each completion gets a ``sample_id``; the service keeps it (prompt tokens,
   completion tokens, sampler logprobs) for ``SAMPLE_TTL_S`` so a train step can name samples
   instead of re-sending tokens;
-- one ``train_step`` = importance-sampling (or another RL loss) forward/backward over the named
-  samples with their advantages, then AdamW, returning the ratio / KL / clip statistics;
+- one ``train_step`` = the engine's own ``forward_backward`` (importance sampling or another RL
+  loss over the named samples with their advantages) then its ``optim_step`` (AdamW), back to back
+  in the run's lane, returning the ratio / KL / clip statistics; sampling is the engine's
+  ``sample_run``: this layer calls the same public operations as the Tinker façade;
 - client-reported metrics per step, stored with the run;
 - an event bus for run events, read by the SSE stream with telemetry ticks.
+
+A run lives as long as its session: ``heartbeat`` keeps it alive while the notebook is idle; when
+the client deletes it or the idle reaper finishes it (no heartbeat or request for
+OPENRL_SESSION_IDLE_TIMEOUT_S), this layer forgets it with its metric rows and stored samples.
 
 Sampling and training of one run share its lane, so a sample always sees the weights of every
 train step submitted before it; ``snapshot`` in replies is the run's optimizer-step count.
@@ -46,6 +52,8 @@ RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 
 @dataclass
 class StoredSample:
+    """A completion kept for a later train step to name by its sample id."""
+
     run_id: str
     tenant: str
     prompt: list[int]
@@ -56,6 +64,8 @@ class StoredSample:
 
 @dataclass
 class NativeRunState:
+    """What the notebook API keeps beside an engine run: its name, seq counter, steps and metrics."""
+
     run: RunState
     name: str
     seq: int = 0

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SessionRecord:
+    """A client connection (a Tinker ServiceClient, or one notebook run): owns runs and samplers."""
+
     session_id: str
     tenant: str
     created_at: float = field(default_factory=time.time)
@@ -71,6 +73,8 @@ class SessionRecord:
 
 @dataclass
 class RunState:
+    """One LoRA training run: its owner, LoRA spec and seed; ``state`` holds the tensors once created."""
+
     run_id: str
     tenant: str
     session_id: str
@@ -85,6 +89,8 @@ class RunState:
 
 @dataclass
 class SamplerEntry:
+    """A sampler: an adapter snapshot, a checkpoint (tensors loaded on demand) or the bare base model."""
+
     sampler_id: str
     tenant: str
     session_id: str | None
