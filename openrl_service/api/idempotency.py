@@ -35,7 +35,7 @@ MAX_KEY_CHARS = 128
 class _Entry:
     digest: bytes  # of the request body: a key reused for another body is refused
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    created_at: float = field(default_factory=time.monotonic)
+    created_at: float = field(default_factory=lambda: time.monotonic())
     reply: tuple[int, bytes, str | None] | None = None  # status, body, media type
     error: UserError | None = None
 
@@ -45,6 +45,7 @@ class IdempotentReplies:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[str, str, str, str], _Entry] = OrderedDict()
+        self.waiting = 0  # duplicates now waiting for their first request to finish
 
     async def reply(self, request: Request, tenant: str, make: Callable[[], Awaitable[Response]]) -> Response:
         """``make()``'s response, or the remembered one when this request's key was seen before."""
@@ -61,7 +62,11 @@ class IdempotentReplies:
                     f"{HEADER} {key!r} was already used for a different request to {request.url.path}",
                     field=HEADER,
                 )
-            await entry.done.wait()
+            self.waiting += 1
+            try:
+                await entry.done.wait()
+            finally:
+                self.waiting -= 1
             if entry.reply is not None or entry.error is not None:
                 return self._replay(entry)
             # The first attempt failed in a way worth retrying (429, 503, a server error): try again.

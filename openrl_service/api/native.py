@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 
+import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from openrl_service.api.idempotency import IdempotentReplies
-from openrl_service.api.tinker import BackpressureRoute, field, json_response, read_json
+from openrl_service.api.tinker import BackpressureRoute, json_response, read_json
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
@@ -49,6 +51,15 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     async def once(request: Request, make):
         """``make()``, or the first reply of this request's X-Idempotency-Key."""
         return await replies.reply(request, tenant(request), make)
+
+    async def post(request: Request, run_id: str, op, status: int = 200):
+        """An idempotent POST on a run: ``op(tenant, run_id, body)`` (sync or async) as JSON."""
+
+        async def make():
+            out = op(tenant(request), run_id, await read_json(request, max_body))
+            return json_response(await out if inspect.isawaitable(out) else out, status=status)
+
+        return await once(request, make)
 
     @r.post("/runs")
     async def create_run(request: Request):
@@ -78,65 +89,35 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):
         """Free a run's adapter and optimizer; its checkpoints stay."""
-        native.delete(tenant(request), run_id)
+        await native.delete(tenant(request), run_id)
         return json_response({"run_id": run_id, "deleted": True})
 
     @r.post("/runs/{run_id}/sample")
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
-
-        async def make():
-            body = await read_json(request, max_body)
-            return json_response(await native.sample(tenant(request), run_id, body))
-
-        return await once(request, make)
+        return await post(request, run_id, native.sample)
 
     @r.post("/runs/{run_id}/train_step")
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
-
-        async def make():
-            body = await read_json(request, max_body)
-            return json_response(await native.train_step(tenant(request), run_id, body))
-
-        return await once(request, make)
+        return await post(request, run_id, native.train_step)
 
     @r.post("/runs/{run_id}/checkpoints")
     async def save(run_id: str, request: Request):
         """Save weights + optimizer; the path loads with the Tinker SDK."""
-
-        async def make():
-            body = await read_json(request, max_body)
-            nr = native.get(tenant(request), run_id)
-            rec = svc.save_state(
-                tenant(request),
-                run_id,
-                nr.next_seq(),
-                field(body, "name", str),
-                bool(body.get("overwrite", False)),
-                body.get("user_metadata"),
-                None,
-                ttl_seconds=body.get("ttl_seconds"),
-            )
-            return json_response(await native._result(rec), status=201)
-
-        return await once(request, make)
+        return await post(request, run_id, native.save_checkpoint, status=201)
 
     @r.get("/runs/{run_id}/checkpoints")
     async def checkpoints(run_id: str, request: Request):
         """The run's checkpoints, newest first."""
         native.get(tenant(request), run_id)
-        return json_response(cat.list_checkpoints(tenant(request), run_id))
+        listing = await anyio.to_thread.run_sync(cat.list_checkpoints, tenant(request), run_id)  # reads disk
+        return json_response(listing)
 
     @r.post("/runs/{run_id}/metrics")
     async def add_metrics(run_id: str, request: Request):
         """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
-
-        async def make():
-            body = await read_json(request, max_body)
-            return json_response(native.add_metrics(tenant(request), run_id, body), status=201)
-
-        return await once(request, make)
+        return await post(request, run_id, native.add_metrics, status=201)
 
     @r.get("/runs/{run_id}/metrics")
     async def get_metrics(run_id: str, request: Request):

@@ -263,7 +263,7 @@ def native_round(live, n_runs: int = 3) -> dict:
     )
     out["samples"] = [first, second]
     out["steps"] = steps
-    ours = lambda recs: [r for r in recs if r.kind in ("sample", "train_step")]  # noqa: E731
+    ours = lambda recs: [r for r in recs if r.kind in ("sample", "forward_backward")]  # noqa: E731
     out["records"] = ours(svc.recorder.wait_for(lambda recs: len(ours(recs)) >= 3 * n_runs, since=t0))
     for c in clients:
         c.close()
@@ -277,7 +277,9 @@ def test_native_sample_and_train_step_fuse_across_runs(make_server):
     for r in fused["records"]:
         assert r.fused_id is not None, r
         calls.setdefault(r.fused_id, set()).add((r.kind, r.run))
-    assert len(calls) == 3  # sample, train_step, sample: one fused op each, covering the three runs
+    assert (
+        len(calls) == 3
+    )  # sample, train_step's forward_backward, sample: one fused op each, covering the three runs
     assert sorted(len(v) for v in calls.values()) == [3, 3, 3]
     assert all(r.fused_id is None for r in unfused["records"])
     for rnd in range(2):
@@ -353,7 +355,7 @@ def test_fusion_setting_is_validated():
 
 
 # -- the engine alone: which ops join a fused call ------------------------------------------------
-def fused_engine(**kw):
+def fused_engine(key: str = "k", **kw):
     from openrl_service.engine.futures import FutureStore
     from openrl_service.engine.scheduler import Engine
     from openrl_service.telemetry import OpRecorder
@@ -367,7 +369,7 @@ def fused_engine(**kw):
     futures = FutureStore(ttl_s=60)
     recorder = OpRecorder()
     engine = Engine(
-        futures=futures, seq_gap_timeout_s=60, recorder=recorder, fusion=True, fusers={"k": double}, **kw
+        futures=futures, seq_gap_timeout_s=60, recorder=recorder, fusion=True, fusers={key: double}, **kw
     )
     engine.start()
     engine.ready.wait(10)
@@ -499,7 +501,7 @@ def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length(tmp_pat
     from openrl_service.sampling.base import SampleJob, SamplingParams
 
     svc = TrainingService(Settings(data_dir=tmp_path))  # not started: only its fusion producer is used
-    engine, futures, recorder, calls = fused_engine(fusion_max_tokens=1000)
+    engine, futures, recorder, calls = fused_engine("sample", fusion_max_tokens=1000)
 
     def op(lane, value, prompt, max_tokens, num_samples=1, **job):
         jobs = [SampleJob([1] * prompt, num_samples, SamplingParams(max_tokens=max_tokens), None, **job)]
