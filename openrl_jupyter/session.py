@@ -58,6 +58,9 @@ class Session:
     def train(self, *, reward: Any, prompts: Any, **options: Any) -> Run:
         """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
 
+        ``reward``: a registered reward's name (its newest version applies at each step), or a
+        function, which is pinned to this run alone (it is not registered under its name).
+
         Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
         normalize_std, seed, overlap (1: sample step k+1 while step k is scored); unset ones come
         from the model's capability entry.
