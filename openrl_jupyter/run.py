@@ -413,7 +413,10 @@ class Run:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 await client.heartbeat(self.run_id)
-            except OpenRLError as exc:  # a lost run shows at the next step; a blip is retried next beat
+            except NotFoundError as exc:  # the service lost the run: the next step fails with this
+                self._log(f"heartbeat: {_one_line(exc)}")
+                return
+            except OpenRLError as exc:  # a blip: the next beat tries again
                 self._log(f"heartbeat: {_one_line(exc)}")
 
     async def _steps(self) -> None:
