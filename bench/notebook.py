@@ -4,7 +4,7 @@ Measured: the latency a trivial cell gains while three runs train, and the rate 
 messages each run's live dashboard sends.
 
 Method. Start ``openrl-service`` as a child (``openrl_jupyter.session.start_local``: a free loopback
-port, a fresh key passed through the environment) and a real ipykernel (``tests/kernel.py``) with
+port, a fresh key passed through the environment) and a real ipykernel (``tests/_support/kernel.py``) with
 ``OPENRL_URL``/``OPENRL_TOKEN``. In the kernel: ``%load_ext openrl_jupyter``, ``%openrl connect``, a
 cheap per-sample reward (``%%openrl reward letters``) and a prompt list.
 
@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.kernel import Kernel, Msg, of_type  # noqa: E402
+from tests._support.kernel import Kernel, Msg, of_type  # noqa: E402
 
 RUNS = ("r1", "r2", "r3")
 TARGET_ADDED_P95_MS = 50.0

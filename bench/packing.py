@@ -68,7 +68,6 @@ import platform
 import queue
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -166,14 +165,8 @@ class BenchError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Service:
-    """``openrl-service serve`` as a child on a free loopback port; stdin held open so it exits with us."""
+    """``openrl-service serve`` as a child on a free loopback port (``openrl_jupyter.local``), no keys."""
 
     def __init__(
         self,
@@ -185,63 +178,30 @@ class Service:
     ):
         import httpx
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = data_dir / "service.log"
-        env = dict(os.environ)
+        from openrl_jupyter.local import start_service
+
+        env = {}
         if fusion is not None:
             env["OPENRL_FUSION"] = fusion
         if torch_threads is not None:
             env["OPENRL_TORCH_THREADS"] = str(torch_threads)
-        self.env_fusion = env.get("OPENRL_FUSION")
-        self.env_threads = env.get("OPENRL_TORCH_THREADS")
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.env_fusion = env.get("OPENRL_FUSION", os.environ.get("OPENRL_FUSION"))
+        self.env_threads = env.get("OPENRL_TORCH_THREADS", os.environ.get("OPENRL_TORCH_THREADS"))
         extra = (["--model", model] if model else []) + (["--device", device] if device else [])
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "openrl_service.cli",
-                "serve",
-                "--no-auth",
-                "--port",
-                str(self.port),
-                "--data-dir",
-                str(data_dir / "service"),
-                "--log-level",
-                "warning",
-                "--exit-with-parent",
-                *extra,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
+        try:
+            self.local = start_service(data_dir=data_dir / "service", auth=False, args=extra, env=env)
+        except Exception as exc:  # noqa: BLE001 - the bench reports it as its own error
+            raise BenchError(str(exc)) from None
+        self.process = self.local.process
+        self.url = self.local.url
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> dict:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise BenchError(f"the service exited ({self.process.returncode}):\n{self.log_tail()}")
-            try:
-                r = self.http.get("/readyz", timeout=2)
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise BenchError(f"the service was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+    def wait_ready(self) -> dict:
+        """The service's /readyz (it is ready once constructed)."""
+        return self.http.get("/readyz").json()
 
     def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return "\n".join(self.local.log_tail(20_000).splitlines()[-n:])
 
     def counters(self) -> dict[str, float | None]:
         """Cumulative /metrics counters: engine busy seconds, fused calls and the ops inside them
@@ -281,16 +241,7 @@ class Service:
 
     def stop(self) -> None:
         self.http.close()
-        if self.process.poll() is None:
-            self.process.terminate()  # uvicorn shuts down gracefully on SIGTERM
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        if self.process.stdin:
-            self.process.stdin.close()
-        self._log.close()
+        self.local.stop(15)
 
 
 class Clients:

@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,21 +27,27 @@ NOTEBOOK = ROOT / "notebooks" / "01-quickstart.ipynb"
 def execute(notebook: Path, out: Path, env: dict[str, str], timeout_s: int = 1800):
     """Run every cell of ``notebook`` in a fresh kernel (cwd = out); returns the executed notebook."""
     import nbformat
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
     out.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(notebook, as_version=4)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
+    sockets = tempfile.TemporaryDirectory(prefix="openrl-demo-kernel-")
     try:
-        client = NotebookClient(
-            nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(out)}}
+        # IPC sockets in a private folder: no TCP ports on this machine, and no "running over TCP
+        # without encryption" warning from the kernel.
+        km = KernelManager(
+            kernel_name="python3", transport="ipc", connection_file=os.path.join(sockets.name, "kernel.json")
         )
+        client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(out)}})
         try:
-            client.execute()
+            client.execute(cleanup_kc=True)  # a kernel manager given to nbclient is not shut down otherwise
         finally:
             nbformat.write(nb, out / notebook.name)
     finally:
+        sockets.cleanup()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

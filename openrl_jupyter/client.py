@@ -9,17 +9,23 @@
         for event in c.events():        # SSE: telemetry ticks and run events
             ...
 
-Works in a plain script: no IPython, no torch. Retries with exponential backoff on connection
-errors, 429 and 5xx for idempotent calls (GET, DELETE); a POST is retried only when the connection
-failed before the request was sent, so a train step is never applied twice. The key is sent as
-``X-API-Key`` and never appears in a repr or an error message.
+The API is one table (``REQUESTS``: a function per call that says which request it is); ``Client``
+and ``AsyncClient`` get one method per entry, so the two cannot drift apart. Works in a plain
+script: no IPython, no torch. Retries with exponential backoff (or the reply's
+``Retry-After``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
+errors, 429 and 503 for a POST: every POST carries an ``X-Idempotency-Key``, one per logical call
+and the same on each retry, so the service applies a train step once even when its reply was lost.
+The API key is sent as ``X-API-Key`` and never appears in a repr or an error message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -33,7 +39,8 @@ from openrl_jupyter._exceptions import (
 )
 
 API = "/openrl/v1"
-RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_STATUS = {429, 500, 502, 503, 504}  # reads are retried on these
+POST_RETRY_STATUS = {429, 503}  # a POST only on these: the service did not do the work (nor keep its reply)
 IDEMPOTENT = {"GET", "HEAD", "DELETE", "PUT"}
 SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this long means a dead stream
 
@@ -45,6 +52,8 @@ def _short(text: str, limit: int = 160) -> str:
 
 
 class _Base:
+    _http_class: type[httpx.Client] | type[httpx.AsyncClient]
+
     def __init__(
         self,
         url: str,
@@ -53,27 +62,30 @@ class _Base:
         timeout_s: float = 120.0,
         retries: int = 4,
         backoff_s: float = 0.5,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._http = self._http_class(base_url=self.url, timeout=timeout_s, transport=transport)
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(url={self.url!r})"
 
-    def _headers(self) -> dict[str, str]:
-        return {"X-API-Key": self._token} if self._token else {}
+    def _headers(self, call: Call | None = None) -> dict[str, str]:
+        headers = {"X-API-Key": self._token} if self._token else {}
+        if call is not None and call.method == "POST":
+            headers["X-Idempotency-Key"] = call.key
+        return headers
 
     def _should_retry(self, method: str, attempt: int, exc: Exception | None, status: int | None) -> bool:
         if attempt >= self.retries:
             return False
-        if isinstance(exc, httpx.ConnectError):
-            return True  # nothing was sent: safe for any method
-        if method not in IDEMPOTENT:
-            return False
-        return exc is not None or status in RETRY_STATUS
+        if exc is not None:
+            return True  # the connection failed; a POST carries its key, so a re-send is applied once
+        return status in (RETRY_STATUS if method in IDEMPOTENT else POST_RETRY_STATUS)
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
         if response is not None and response.headers.get("retry-after", "").isdigit():
@@ -122,6 +134,10 @@ class _Base:
         self._raise_for(method, path, response)
         return None
 
+    def _result(self, call: Call, response: httpx.Response) -> Any:
+        body = self._decode(call.method, call.path, response)
+        return body[call.field] if call.field is not None else body
+
     def _decode(self, method: str, path: str, response: httpx.Response) -> Any:
         if not response.content:
             return None
@@ -141,21 +157,140 @@ class _Base:
         )
 
 
-class Client(_Base):
-    """Blocking client; one connection pool, closed by ``close()`` or a ``with`` block."""
+# -- the API: one table of requests, sent by both clients ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One request of the API: what to send, and which part of the JSON reply the caller gets."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 120.0,
-        retries: int = 4,
-        backoff_s: float = 0.5,
-        transport: httpx.BaseTransport | None = None,
-    ):
-        super().__init__(url, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+    method: str
+    path: str
+    json: Any = None
+    params: dict | None = None
+    field: str | None = None  # return reply[field] instead of the whole reply
+    # Sent as X-Idempotency-Key with a POST: one per logical call, the same on each of its retries,
+    # so the service does the work once however often the request arrives.
+    key: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def ready() -> Call:
+    """The service's readiness (``{"status": "ready", ...}``)."""
+    return Call("GET", "/readyz")
+
+
+def capabilities() -> Call:
+    """The served models, each with its training defaults."""
+    return Call("GET", "/api/v1/get_server_capabilities", field="supported_models")
+
+
+def create_run(**fields: Any) -> Call:
+    """Create a run (name, rank, base_model, seed...); returns its description."""
+    return Call("POST", f"{API}/runs", json=fields)
+
+
+def list_runs() -> Call:
+    """This key's runs."""
+    return Call("GET", f"{API}/runs", field="runs")
+
+
+def get_run(run_id: str) -> Call:
+    """One run's description."""
+    return Call("GET", f"{API}/runs/{run_id}")
+
+
+def delete_run(run_id: str) -> Call:
+    """Forget a run (its saved checkpoints stay)."""
+    return Call("DELETE", f"{API}/runs/{run_id}")
+
+
+def heartbeat(run_id: str) -> Call:
+    """Keep the run alive while the notebook is idle (``idle_timeout_s`` in its description)."""
+    return Call("POST", f"{API}/runs/{run_id}/heartbeat")
+
+
+def sample(run_id: str, prompts: list, **params: Any) -> Call:
+    """Sample completions of ``prompts`` from the run's current weights."""
+    return Call("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
+
+
+def train_step(
+    run_id: str,
+    samples: list[dict],
+    *,
+    loss: str = "importance_sampling",
+    loss_config: dict | None = None,
+    optimizer: dict | None = None,
+    idempotency_key: str | None = None,
+) -> Call:
+    """One RL update from sampled ``{"sample_id", "advantage"}`` pairs; returns its statistics.
+    Sent again with the same ``idempotency_key`` (e.g. after a lost reply), it is applied once."""
+    body = {"samples": samples, "loss": loss, "loss_config": loss_config or {}, "optimizer": optimizer or {}}
+    call = Call("POST", f"{API}/runs/{run_id}/train_step", json=body)
+    return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
+
+
+def save(run_id: str, name: str, **fields: Any) -> Call:
+    """Save the run's weights as checkpoint ``name``; returns its tinker:// path."""
+    return Call("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields}, field="path")
+
+
+def checkpoints(run_id: str) -> Call:
+    """The run's saved checkpoints."""
+    return Call("GET", f"{API}/runs/{run_id}/checkpoints", field="checkpoints")
+
+
+def add_metrics(run_id: str, step: int, **metrics: Any) -> Call:
+    """Store one step's statistics with the run."""
+    return Call("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
+
+
+def metrics(run_id: str) -> Call:
+    """The statistics stored with the run, one row per step."""
+    return Call("GET", f"{API}/runs/{run_id}/metrics", field="metrics")
+
+
+REQUESTS: dict[str, Callable[..., Call]] = {
+    f.__name__: f
+    for f in (
+        ready,
+        capabilities,
+        create_run,
+        list_runs,
+        get_run,
+        delete_run,
+        heartbeat,
+        sample,
+        train_step,
+        save,
+        checkpoints,
+        add_metrics,
+        metrics,
+    )
+}
+
+
+def _sync_method(build: Callable[..., Call]) -> Callable:
+    @functools.wraps(build)
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self.send(build(*args, **kwargs))
+
+    method.__annotations__ = {k: v for k, v in build.__annotations__.items() if k != "return"}
+    return method
+
+
+def _async_method(build: Callable[..., Call]) -> Callable:
+    @functools.wraps(build)
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self.send(build(*args, **kwargs))
+
+    method.__annotations__ = {k: v for k, v in build.__annotations__.items() if k != "return"}
+    return method
+
+
+class Client(_Base):
+    """Blocking client; one connection pool, closed by ``close()`` or a ``with`` block.
+    Its API methods are those of ``REQUESTS`` (``create_run``, ``sample``, ``train_step``...)."""
+
+    _http_class = httpx.Client  # ``transport``: an httpx.BaseTransport
 
     def __enter__(self) -> Client:
         return self
@@ -166,70 +301,26 @@ class Client(_Base):
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+    def send(self, call: Call) -> Any:
+        """Send one request of the API (retried as the class docstring says); the decoded reply."""
         attempt = 0
         while True:
             response, exc = None, None
             try:
-                response = self._http.request(method, path, json=json, params=params, headers=self._headers())
+                response = self._http.request(
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
+                )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(method, path, attempt, response, exc)
+            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
             if delay is None:
-                return self._decode(method, path, response)
+                return self._result(call, response)
             time.sleep(delay)
             attempt += 1
 
-    # -- the API --------------------------------------------------------------------------------
-    def ready(self) -> dict:
-        return self.request("GET", "/readyz")
-
-    def capabilities(self) -> list[dict]:
-        return self.request("GET", "/api/v1/get_server_capabilities")["supported_models"]
-
-    def create_run(self, **fields: Any) -> dict:
-        return self.request("POST", f"{API}/runs", json=fields)
-
-    def list_runs(self) -> list[dict]:
-        return self.request("GET", f"{API}/runs")["runs"]
-
-    def get_run(self, run_id: str) -> dict:
-        return self.request("GET", f"{API}/runs/{run_id}")
-
-    def delete_run(self, run_id: str) -> dict:
-        return self.request("DELETE", f"{API}/runs/{run_id}")
-
-    def sample(self, run_id: str, prompts: list, **params: Any) -> dict:
-        return self.request("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
-
-    def train_step(
-        self,
-        run_id: str,
-        samples: list[dict],
-        *,
-        loss: str = "importance_sampling",
-        loss_config: dict | None = None,
-        optimizer: dict | None = None,
-    ) -> dict:
-        body = {
-            "samples": samples,
-            "loss": loss,
-            "loss_config": loss_config or {},
-            "optimizer": optimizer or {},
-        }
-        return self.request("POST", f"{API}/runs/{run_id}/train_step", json=body)
-
-    def save(self, run_id: str, name: str, **fields: Any) -> str:
-        return self.request("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields})["path"]
-
-    def checkpoints(self, run_id: str) -> list[dict]:
-        return self.request("GET", f"{API}/runs/{run_id}/checkpoints")["checkpoints"]
-
-    def add_metrics(self, run_id: str, step: int, **metrics: Any) -> dict:
-        return self.request("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
-
-    def metrics(self, run_id: str) -> list[dict]:
-        return self.request("GET", f"{API}/runs/{run_id}/metrics")["metrics"]
+    def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        """Any path of the service, with the same retries and errors as the API methods."""
+        return self.send(Call(method, path, json, params))
 
     def events(self) -> Iterator[dict]:
         """Telemetry ticks and run events as dicts (``type`` is "tick" or "run"), until closed."""
@@ -254,18 +345,7 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The same API for asyncio code (the notebook runner's loop)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 120.0,
-        retries: int = 4,
-        backoff_s: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ):
-        super().__init__(url, token=token, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, transport=transport)
+    _http_class = httpx.AsyncClient  # ``transport``: an httpx.AsyncBaseTransport
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -276,64 +356,26 @@ class AsyncClient(_Base):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+    async def send(self, call: Call) -> Any:
+        """Send one request of the API (retried as ``Client.send``); the decoded reply."""
         attempt = 0
         while True:
             response, exc = None, None
             try:
                 response = await self._http.request(
-                    method, path, json=json, params=params, headers=self._headers()
+                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
                 )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(method, path, attempt, response, exc)
+            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
             if delay is None:
-                return self._decode(method, path, response)
+                return self._result(call, response)
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def create_run(self, **fields: Any) -> dict:
-        return await self.request("POST", f"{API}/runs", json=fields)
-
-    async def list_runs(self) -> list[dict]:
-        return (await self.request("GET", f"{API}/runs"))["runs"]
-
-    async def get_run(self, run_id: str) -> dict:
-        return await self.request("GET", f"{API}/runs/{run_id}")
-
-    async def delete_run(self, run_id: str) -> dict:
-        return await self.request("DELETE", f"{API}/runs/{run_id}")
-
-    async def sample(self, run_id: str, prompts: list, **params: Any) -> dict:
-        return await self.request("POST", f"{API}/runs/{run_id}/sample", json={"prompts": prompts, **params})
-
-    async def train_step(
-        self,
-        run_id: str,
-        samples: list[dict],
-        *,
-        loss: str = "importance_sampling",
-        loss_config: dict | None = None,
-        optimizer: dict | None = None,
-    ) -> dict:
-        body = {
-            "samples": samples,
-            "loss": loss,
-            "loss_config": loss_config or {},
-            "optimizer": optimizer or {},
-        }
-        return await self.request("POST", f"{API}/runs/{run_id}/train_step", json=body)
-
-    async def save(self, run_id: str, name: str, **fields: Any) -> str:
-        return (
-            await self.request("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields})
-        )["path"]
-
-    async def add_metrics(self, run_id: str, step: int, **metrics: Any) -> dict:
-        return await self.request("POST", f"{API}/runs/{run_id}/metrics", json={"step": step, **metrics})
-
-    async def metrics(self, run_id: str) -> list[dict]:
-        return (await self.request("GET", f"{API}/runs/{run_id}/metrics"))["metrics"]
+    async def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
+        """Any path of the service, with the same retries and errors as the API methods."""
+        return await self.send(Call(method, path, json, params))
 
     async def events(self) -> AsyncIterator[dict]:
         """Telemetry ticks and run events as dicts, until the caller stops iterating."""
@@ -353,3 +395,9 @@ class AsyncClient(_Base):
                         yield sse.json()
         except httpx.TransportError as e:
             raise self._unreachable("GET", f"{API}/events", e) from None
+
+
+for _name, _build in REQUESTS.items():
+    setattr(Client, _name, _sync_method(_build))
+    setattr(AsyncClient, _name, _async_method(_build))
+del _name, _build

@@ -34,7 +34,6 @@ import bisect
 import contextlib
 import html
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -46,7 +45,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["RunDashboard", "ServiceDashboard", "downsample", "summary_html", "summary_text"]
+from openrl_jupyter.summary import STATE_COLOURS, clip, fmt, missing, plural, summary_pair
+
+__all__ = ["RunDashboard", "ServiceDashboard", "downsample"]
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +57,8 @@ CallLater = Callable[[float, Callable[[], None]], Any]
 LOG_LINES = 200
 UTIL_WINDOW = 900  # ticks (one a second): the utilisation panel shows the last 15 to 30 minutes
 SAMPLE_ROWS = 8
-SAMPLE_CHARS = 300
 ACTIVE_STATES = ("starting", "running", "pausing", "paused")
-STATE_COLOURS = {"running": "#1a7f37", "finished": "#0969da", "failed": "#cf222e", "paused": "#9a6700"}
 BAR_STYLES = {"finished": "success", "failed": "danger", "paused": "warning", "stopped": "warning"}
-
-
-def _missing(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def _downsample_indices(ys: Sequence[float | None], max_points: int) -> list[int]:
@@ -83,7 +78,7 @@ def _downsample_indices(ys: Sequence[float | None], max_points: int) -> list[int
         lo_i = hi_i = -1
         for i in range(lo, hi):
             v = ys[i]
-            if _missing(v):
+            if missing(v):
                 continue
             if lo_i < 0 or v < ys[lo_i]:
                 lo_i = i
@@ -116,61 +111,6 @@ def downsample(
     if len(idx) == len(ys):
         return list(xs), list(ys)
     return [xs[i] for i in idx], [ys[i] for i in idx]
-
-
-def _fmt(v: Any, spec: str = ".4g") -> str:
-    if _missing(v):
-        return "–"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _clip(text: Any, limit: int = SAMPLE_CHARS) -> str:
-    text = "" if text is None else str(text)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _summary(
-    name: str, state: str, step: int, total: int | None, reward_mean: Any, reward_name: Any, version: Any
-) -> tuple[str, str]:
-    reward = f"{reward_name or 'reward'}" + (f" v{version}" if version is not None else "")
-    plain = f"openrl run {name!r}: {state}, step {step}/{total}, {reward} mean {_fmt(reward_mean)}"
-    colour = STATE_COLOURS.get(state, "#57606a")
-    rich = (
-        f"<div><b>{html.escape(name)}</b> · <span style='color:{colour}'>{html.escape(state)}</span>"
-        f" · step {step}/{html.escape(str(total))} · {html.escape(reward)}"
-        f" mean {html.escape(_fmt(reward_mean))}</div>"
-    )
-    return plain, rich
-
-
-def _run_summary(run: Any) -> tuple[str, str]:
-    history = run.history
-    last = history[-1] if history else {}
-    return _summary(
-        str(run.name),
-        str(run.state),
-        int(run.step),
-        run.total_steps,
-        last.get("reward_mean"),
-        last.get("reward_name") or run.reward_name,
-        last.get("reward_version", run.reward_version),
-    )
-
-
-def summary_text(run: Any) -> str:
-    """One line about a run: name, state, step/total, reward version and its last mean."""
-    return _run_summary(run)[0]
-
-
-def summary_html(run: Any) -> str:
-    """The same summary as a small HTML block (escaped), for frontends without widgets."""
-    return _run_summary(run)[1]
 
 
 class _Rows:
@@ -557,7 +497,7 @@ class RunDashboard(_LiveDashboard):
         lines = [
             f"<b>{html.escape(str(self.run.name))}</b>{run_id} · {html.escape(str(self.run.model))}"
             f" · step {self._step}/{total} · <span style='color:{colour}'>{html.escape(self._state)}</span>"
-            f" · reward {reward} · mean {html.escape(_fmt(self._rows.last().get('reward_mean')))}"
+            f" · reward {reward} · mean {html.escape(fmt(self._rows.last().get('reward_mean')))}"
         ]
         if self._error:
             lines.append(f"<span style='color:#cf222e'>error: {html.escape(self._error)}</span>")
@@ -624,12 +564,12 @@ class RunDashboard(_LiveDashboard):
         cells = []
         for s in self._samples:
             if s.get("error"):
-                outcome = f"<span style='color:#cf222e'>{html.escape(_clip(s['error'], 200))}</span>"
+                outcome = f"<span style='color:#cf222e'>{html.escape(clip(s['error'], 200))}</span>"
             else:
-                outcome = html.escape(_fmt(s.get("reward")))
+                outcome = html.escape(fmt(s.get("reward")))
             cells.append(
-                f"<tr><td style='text-align:left'>{html.escape(_clip(s.get('prompt')))}</td>"
-                f"<td style='text-align:left;white-space:pre-wrap'>{html.escape(_clip(s.get('completion')))}</td>"
+                f"<tr><td style='text-align:left'>{html.escape(clip(s.get('prompt')))}</td>"
+                f"<td style='text-align:left;white-space:pre-wrap'>{html.escape(clip(s.get('completion')))}</td>"
                 f"<td>{outcome}</td></tr>"
             )
         return (
@@ -641,7 +581,7 @@ class RunDashboard(_LiveDashboard):
 
     def _summary(self) -> tuple[str, str]:
         name, version = self._reward()
-        return _summary(
+        return summary_pair(
             str(self.run.name),
             self._state,
             self._step,
@@ -740,7 +680,7 @@ class ServiceDashboard(_LiveDashboard):
     def _draw(self) -> None:
         live = self._live_runs()
         util = self._util
-        parts = [f"<b>{_count(len(live), 'run')}</b>"]
+        parts = [f"<b>{plural(len(live), 'run')}</b>"]
         if util.value is not None:
             parts.append(f"{html.escape(util.label or 'utilisation')} {util.value:.0%}")
         if util.fused_share:
@@ -749,8 +689,8 @@ class ServiceDashboard(_LiveDashboard):
             parts.append(f"queue {html.escape(str(util.queue_depth))}")
         table = "".join(
             f"<tr><td>{html.escape(self._run_label(run_id))}</td><td><code>{html.escape(run_id)}</code></td>"
-            f"<td>{html.escape(_fmt(self._runs[run_id]['step']))}</td>"
-            f"<td>{html.escape(_fmt(self._runs[run_id]['reward_mean']))}</td></tr>"
+            f"<td>{html.escape(fmt(self._runs[run_id]['step']))}</td>"
+            f"<td>{html.escape(fmt(self._runs[run_id]['reward_mean']))}</td></tr>"
             for run_id in live
         )
         self.header.value = (
@@ -788,5 +728,5 @@ class ServiceDashboard(_LiveDashboard):
             else "no telemetry yet"
         )
         names = ", ".join(self._run_label(r) for r in live)
-        plain = f"openrl service: {_count(len(live), 'run')} ({names}); {usage}"
+        plain = f"openrl service: {plural(len(live), 'run')} ({names}); {usage}"
         return plain, f"<div>{html.escape(plain)}</div>"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import os
+import re
 import shlex
 from collections.abc import Callable
 
@@ -19,34 +20,9 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
+from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.run import LOSSES
 from openrl_jupyter.session import UsageError
-
-HELP = """Train LLMs with RL from this notebook against an openrl service.
-
-Subcommands (``%openrl VERB --help`` shows each one's options):
-
-  %openrl connect [URL] [--local] [--model M] [--name N]
-        connect this kernel to a service (URL, else $OPENRL_URL and $OPENRL_TOKEN, else
-        c.OpenRLMagics.url), or start an embedded one here with --local
-  %%openrl reward NAME
-        run the cell and register its reward(prompt, completion, **info) -> float (or
-        reward_group(prompts, completions, infos) -> list) as the next version of NAME
-  run = %openrl train --reward NAME --prompts SRC [--steps N] [--group G] [--batch B] [--lr LR]
-        [--rank R] [--max-tokens T] [--temperature X] [--loss importance_sampling|ppo] [--overlap 0|1]
-        [--name N]  start a background RL run (SRC: a notebook variable or a .txt/.jsonl path); returns at once
-  %openrl runs                     this session's runs (and the service's)
-  %openrl status [RUN]             the service (or one run) in a few lines
-  %openrl pause|resume|stop RUN    control a run (it finishes its current step first)
-  %openrl save RUN [CHECKPOINT]    save a run's weights; prints the tinker:// path
-  %openrl dashboard                every run of this service with its device utilisation
-  %openrl sessions                 the open connections
-  %openrl disconnect [NAME]        close a connection (an embedded service stops)
-  %openrl help                     this text
-
-Options that pick a connection: --session NAME (the only open one is the default).
-"""
 
 
 def _parser(prog: str, description: str) -> MagicArgumentParser:
@@ -60,7 +36,10 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     c.add_argument("--local", action="store_true", help="start an embedded service in a child process")
     c.add_argument("--model", default="openrl/tiny", help="model for --local (openrl/tiny, HF dir, GGUF)")
     c.add_argument("--name", default=None, help="session name (several sessions can be open)")
-    t = p["train"] = _parser("train", "Start a background RL run; returns the Run at once.")
+    t = p["train"] = _parser(
+        "train",
+        "Start a background RL run (--prompts: a notebook variable or a .txt/.jsonl path); returns at once.",
+    )
     t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
     t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
     t.add_argument("--model", default=None, help="must be the session's model")
@@ -83,8 +62,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     )
     t.add_argument("--name", default=None, help="run name (default: generated)")
     t.add_argument("--session", default=None)
-    for verb, what in (("pause", "Pause"), ("resume", "Resume"), ("stop", "Stop")):
-        v = p[verb] = _parser(verb, f"{what} a run (it finishes its current step first).")
+    for verb, desc in (
+        ("pause", "Pause a run (it finishes its current step first)."),
+        ("resume", "Resume a paused run (a step that paused on an error is retried)."),
+        ("stop", "Stop a run (it finishes its current step first)."),
+    ):
+        v = p[verb] = _parser(verb, desc)
         v.add_argument("run", nargs="?", default=None, help="run name (default: the latest)")
         v.add_argument("--session", default=None)
         if verb != "resume":
@@ -106,8 +89,44 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     st.add_argument("--session", default=None)
     d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
     d.add_argument("name", nargs="?", default=None)
-    p["help"] = _parser("help", "Show the help.")
+    p["help"] = _parser("help", "This text.")
     return p
+
+
+HELP_INTRO = """Train LLMs with RL from this notebook against an openrl service.
+
+Subcommands (``%openrl VERB --help`` shows each one's options):
+"""
+REWARD_CELL = """  %%openrl reward NAME
+        run the cell and register its reward(prompt, completion, **info) -> float (or
+        reward_group(prompts, completions, infos) -> list) as the next version of NAME"""
+HELP_OUTRO = "\n\nOptions that pick a connection: --session NAME (the only open one is the default).\n"
+
+
+def help_text(parsers: dict[str, MagicArgumentParser]) -> str:
+    """The ``%openrl`` manual, written from the parsers themselves (so it names every option)."""
+    parts = [HELP_INTRO]
+    for verb, parser in parsers.items():
+        # IPython's parsers write usage as reST (":: %%openrl ..."); the manual shows what one types
+        usage = " ".join(parser.format_usage().split()).removeprefix("usage: ").removeprefix(":: ")
+        usage = usage.replace("%%openrl", "%openrl").replace(" [-h]", "")
+        if verb == "train":
+            usage = "run = " + usage
+        parts.append(_wrap(re.findall(r"\[[^\]]*\]|\S+", usage), 100, "  ", "      "))
+        parts.append("        " + (parser.description or ""))
+        if verb == "connect":
+            parts.append(REWARD_CELL)
+    return "\n".join(parts) + HELP_OUTRO
+
+
+def _wrap(tokens: list[str], width: int, first: str, rest: str) -> str:
+    """Join ``tokens`` with spaces into lines of at most ``width`` (an option never splits)."""
+    lines = [first]
+    for token in tokens:
+        if len(lines[-1]) + 1 + len(token) > width and lines[-1].strip():
+            lines.append(rest)
+        lines[-1] += ("" if lines[-1] in (first, rest) else " ") + token
+    return "\n".join(lines)
 
 
 class Table:
@@ -189,7 +208,7 @@ class OpenRLMagics(Magics):
         except SystemExit:  # argparse after printing --help
             return None
 
-    openrl.__doc__ = HELP
+    openrl.__doc__ = help_text(_parsers())
 
     # -- verbs ----------------------------------------------------------------------------------------
     def _connect(self, a):
@@ -364,7 +383,7 @@ class OpenRLMagics(Magics):
         print(f"openrl: session {session.name!r} disconnected{note}")
 
     def _help(self, a):
-        print(HELP)
+        print(help_text(self._parsers))
 
     # -- %%openrl reward NAME -------------------------------------------------------------------------
     def _cell(self, line: str, cell: str):

@@ -65,12 +65,7 @@ class RewardRegistry:
     def register(self, name: str, fn: Callable[..., Any], *, per_group: bool | None = None) -> RewardVersion:
         if not isinstance(name, str) or not name.isidentifier():
             raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")
-        if not callable(fn):
-            raise UsageError(f"reward {name!r} must be a function; got {type(fn).__name__}")
-        if per_group is None:
-            per_group = getattr(fn, "__name__", "") == "reward_group"
-        _check_signature(name, fn, per_group)
-        is_async = inspect.iscoroutinefunction(fn)
+        per_group, is_async = _kind(name, fn, per_group)
         with self._lock:
             versions = self._versions.setdefault(name, [])
             v = RewardVersion(name, len(versions) + 1, fn, per_group, is_async)
@@ -93,6 +88,26 @@ class RewardRegistry:
 
 
 registry = RewardRegistry()
+
+
+def pinned(fn: Callable[..., Any]) -> RewardVersion:
+    """A reward function given to one run (``train(reward=fn)``): checked like a registered one,
+    but kept by that run alone, so another run's function, or a ``%%openrl reward`` of the same
+    name, never replaces it. Named after the function (``lambda`` for a lambda), version 1."""
+    name = getattr(fn, "__name__", "") or "reward"
+    name = "lambda" if name == "<lambda>" else name
+    per_group, is_async = _kind(name, fn, None)
+    return RewardVersion(name, 1, fn, per_group, is_async)
+
+
+def _kind(name: str, fn: Callable[..., Any], per_group: bool | None) -> tuple[bool, bool]:
+    """(per_group, is_async) of a reward function, after checking it can take its arguments."""
+    if not callable(fn):
+        raise UsageError(f"reward {name!r} must be a function; got {type(fn).__name__}")
+    if per_group is None:
+        per_group = getattr(fn, "__name__", "") == "reward_group"
+    _check_signature(name, fn, per_group)
+    return per_group, inspect.iscoroutinefunction(fn)
 
 
 def _check_signature(name: str, fn: Callable[..., Any], per_group: bool) -> None:

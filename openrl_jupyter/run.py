@@ -6,7 +6,8 @@
 
 Each step, on the shared runner thread (see ``runner.py``):
 
-1. picks the newest version of the reward (so a re-defined reward applies from the next step);
+1. picks the newest version of the named reward (so a re-defined reward applies from the next
+   step); a function given as ``train(reward=fn)`` is pinned to the run and always used;
 2. samples ``group`` completions for each of ``batch`` prompts from the run's current weights;
 3. scores them in the runner's thread pool (``async def`` rewards on the runner loop);
 4. turns rewards into group-relative advantages (reward − group mean, optionally ÷ group std),
@@ -17,8 +18,12 @@ Each step, on the shared runner thread (see ``runner.py``):
    (the dashboard).
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
-trained is lost and ``resume()`` retries the step (with the newest reward version). Pausing and
-stopping take effect between steps.
+trained is lost and ``resume()`` retries the step (with the newest reward version). A step whose
+train_step got no answer (the service may have applied it) is not sampled again: ``resume()`` re-sends
+that same train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
+stopping take effect between steps. While the run is not done (paused included) it heartbeats the
+service every third of the service's ``idle_timeout_s`` (at most 2 min apart), so a paused run is
+not reaped as abandoned.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
-import os
 import random
 import statistics
 import threading
@@ -35,20 +38,33 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import NotFoundError, OpenRLError
-from openrl_jupyter.rewards import RewardVersion, registry, score
+from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError
+from openrl_jupyter.advantages import group_advantages
+from openrl_jupyter.config import TrainConfig
+from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
 from openrl_jupyter.runner import get_runner, notify
 from openrl_jupyter.session import UsageError
 
 if TYPE_CHECKING:
     from openrl_jupyter.session import Session
 
-LOSSES = ("importance_sampling", "ppo")
 MAX_KEPT_SAMPLES = 512
+HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
+
+
+def heartbeat_interval(idle_timeout_s: Any) -> float:
+    """How often a run heartbeats: a third of the service's idle timeout, between 0.5 s and 2 min."""
+    if (
+        isinstance(idle_timeout_s, bool)
+        or not isinstance(idle_timeout_s, (int, float))
+        or idle_timeout_s <= 0
+    ):
+        return HEARTBEAT_MAX_S
+    return max(0.5, min(HEARTBEAT_MAX_S, idle_timeout_s / 3))
 
 
 class RunState(str, enum.Enum):
@@ -68,178 +84,30 @@ class RunState(str, enum.Enum):
 ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
 
 
+REPORTED = (
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "reward_name",
+    "reward_version",
+    "failed",
+)
+
+
 @dataclass
-class TrainConfig:
-    """What ``train`` was asked for, after defaults from the model's capability entry."""
+class _Prepared:
+    """A step sampled and scored, waiting for (or re-sending) its train_step."""
 
-    reward: str
-    prompts: list[dict]
-    steps: int
-    group: int
-    batch: int
-    lr: float | None
-    rank: int
-    max_tokens: int
-    temperature: float
-    loss: str = "importance_sampling"
-    name: str | None = None
-    model: str | None = None
-    normalize_std: bool = False
-    seed: int | None = 0
-    overlap: int = 0
-    extra: dict = field(default_factory=dict)
-
-
-# -- prompt sources --------------------------------------------------------------------------------
-def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
-    """A list of strings, or of dicts with "prompt" (other fields go to the reward as ``info``),
-    or a path to a .txt (one prompt per line) or .jsonl file."""
-    if isinstance(src, (str, os.PathLike)) and str(src).endswith((".txt", ".jsonl")):
-        path = os.fspath(src)
-        if not os.path.isfile(path):
-            raise UsageError(f"{where}: no such file {path!r}")
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".txt"):
-                items: list = [line.rstrip("\n") for line in f if line.strip()]
-            else:
-                items = []
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            items.append(json.loads(line))
-                        except json.JSONDecodeError as e:
-                            raise UsageError(f"{where}: {path} line {n} is not JSON ({e.msg})") from None
-    elif isinstance(src, str):
-        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got the string {src!r}")
-    elif hasattr(src, "to_dict") and hasattr(src, "columns"):  # a pandas DataFrame
-        if "prompt" not in src.columns:
-            raise UsageError(f'{where}: a DataFrame needs a "prompt" column; it has {list(src.columns)}')
-        items = src.to_dict("records")
-    elif isinstance(src, Mapping):
-        raise UsageError(
-            f"{where} must be a list of prompts, not a {type(src).__name__} (its keys are not prompts)"
-        )
-    elif isinstance(src, Sequence) or hasattr(src, "__iter__"):
-        items = list(src)
-    else:
-        raise UsageError(f"{where} must be a list of prompts or a .txt/.jsonl path; got {type(src).__name__}")
-    if not items:
-        raise UsageError(f"{where} is empty: give at least one prompt")
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            if not item.strip():
-                raise UsageError(f"{where}[{i}] is an empty prompt")
-            out.append({"prompt": item, "info": {}})
-        elif isinstance(item, dict):
-            p = item.get("prompt")
-            if not isinstance(p, str) or not p.strip():
-                raise UsageError(f'{where}[{i}] needs a non-empty "prompt" string; got keys {sorted(item)}')
-            out.append({"prompt": p, "info": {k: v for k, v in item.items() if k != "prompt"}})
-        else:
-            raise UsageError(
-                f"{where}[{i}] must be a string or a dict with a prompt; got {type(item).__name__}"
-            )
-    return out
-
-
-def _positive_int(name: str, value: Any, limit: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise UsageError(f"{name} must be an integer from 1 to {limit}; got {value!r}")
-    return value
-
-
-def make_config(
-    defaults: dict,
-    *,
-    reward: str | Callable,
-    prompts: Any,
-    model: str | None = None,
-    steps: int = 60,
-    group: int | None = None,
-    batch: int | None = None,
-    lr: float | None = None,
-    rank: int | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    loss: str = "importance_sampling",
-    name: str | None = None,
-    normalize_std: bool = False,
-    seed: int | None = 0,
-    overlap: int = 0,
-) -> TrainConfig:
-    """Check the arguments of ``train`` (each error names the argument and its limit)."""
-    if callable(reward):
-        fn = reward
-        reward = getattr(fn, "__name__", "reward")
-        if reward in ("reward", "reward_group", "<lambda>"):
-            reward = "reward"
-        registry.register(reward, fn)
-    if not isinstance(reward, str):
-        raise UsageError(f"reward must be a registered reward's name or a function; got {reward!r}")
-    registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
-    loaded = load_prompts(prompts)
-    steps = _positive_int("steps", steps, 1_000_000)
-    group = _positive_int("group", group if group is not None else defaults.get("group_size", 8), 256)
-    batch = _positive_int("batch", batch if batch is not None else defaults.get("batch_size", 8), 1024)
-    rank = _positive_int("rank", rank if rank is not None else defaults.get("lora_rank", 8), 512)
-    max_tokens = _positive_int(
-        "max_tokens", max_tokens if max_tokens is not None else defaults.get("max_tokens", 64), 1_000_000
-    )
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= 1):
-        raise UsageError(f"lr must be a number in (0, 1]; got {lr!r}")
-    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not 0 <= temperature <= 10
-    ):
-        raise UsageError(f"temperature must be a number from 0 to 10; got {temperature!r}")
-    if loss not in LOSSES:
-        raise UsageError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
-    if overlap not in (0, 1) or isinstance(overlap, bool):
-        raise UsageError(
-            f"overlap must be 0 (on-policy) or 1 (sample the next step while scoring); got {overlap!r}"
-        )
-    if group < 2:
-        raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
-    return TrainConfig(
-        reward=reward,
-        prompts=loaded,
-        steps=steps,
-        group=group,
-        batch=batch,
-        lr=float(lr) if lr is not None else None,
-        rank=rank,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        loss=loss,
-        name=name,
-        model=model,
-        normalize_std=normalize_std,
-        seed=seed,
-        overlap=overlap,
-    )
-
-
-# -- advantages ------------------------------------------------------------------------------------
-def group_advantages(rewards: Sequence[float | None], *, normalize_std: bool = False) -> list[float]:
-    """reward − mean of the group's successful samples (÷ their std if asked); 0 for failed ones."""
-    valid = [r for r in rewards if r is not None]
-    if len(valid) < 2:
-        return [0.0] * len(rewards)
-    mean = statistics.fmean(valid)
-    std = statistics.pstdev(valid)
-    out = []
-    for r in rewards:
-        if r is None:
-            out.append(0.0)
-            continue
-        a = r - mean
-        if normalize_std:
-            a = a / (std + 1e-6) if std > 0 else 0.0
-        out.append(a)
-    return out
+    step: int
+    version: RewardVersion
+    n: int  # samples drawn
+    scored: Scored
+    chosen: list[dict]  # {"sample_id", "advantage"} of the samples the update trains on
+    off_policy: int
+    next_prompts: list[dict] | None  # already being sampled (overlap)
+    times: tuple[float, float, float]  # started, sampled, scored
+    key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
 
 
 class _StepPaused(Exception):
@@ -292,6 +160,8 @@ class Run:
         self._order: list[int] = []
         self._runner = get_runner()
         self._future = None
+        self._heartbeat_s = HEARTBEAT_MAX_S
+        self._pending: _Prepared | None = None  # a step whose train_step has not been answered
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -301,6 +171,7 @@ class Run:
             self._set_state(RunState.FAILED, _one_line(exc))
             raise
         self.run_id = created["run_id"]
+        self._heartbeat_s = heartbeat_interval(created.get("idle_timeout_s"))
         self._future = self._runner.submit(self._main())
         return self
 
@@ -448,7 +319,7 @@ class Run:
         )
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from openrl_jupyter.dashboard import summary_html
+        from openrl_jupyter.summary import summary_html
 
         bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
         if _widgets_frontend():
@@ -528,6 +399,27 @@ class Run:
         )
 
     async def _main(self) -> None:
+        beating = asyncio.ensure_future(self._heartbeat())
+        try:
+            await self._steps()
+        finally:
+            beating.cancel()
+
+    async def _heartbeat(self) -> None:
+        """While the run exists and is not done (paused included), tell the service it is wanted,
+        so an idle notebook's run is not reaped as abandoned."""
+        client = self.session.async_client()
+        while not self.done:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                await client.heartbeat(self.run_id)
+            except NotFoundError as exc:  # the service lost the run: the next step fails with this
+                self._log(f"heartbeat: {_one_line(exc)}")
+                return
+            except OpenRLError as exc:  # a blip: the next beat tries again
+                self._log(f"heartbeat: {_one_line(exc)}")
+
+    async def _steps(self) -> None:
         client = self.session.async_client()
         cfg = self.config
         self._log(f"created run {self.run_id} on {self.session.url}")
@@ -594,41 +486,74 @@ class Run:
 
     async def _one_step(self, client, step: int, prompts: list[dict]) -> list[dict] | None:
         """One step; returns the prompts of the next step when they are already being sampled
-        (``overlap``), else None."""
-        cfg = self.config
+        (``overlap``), else None. A step whose train_step got no answer (the service may have
+        applied it) is kept and, on the next attempt, sent again with the same key instead of
+        being sampled and trained anew."""
+        pending = self._pending
+        if pending is None or pending.step != step:
+            pending = self._pending = await self._prepare(client, step, prompts)
+        trained = await self._train(client, pending)
+        self._pending = None
+        row = self._row(pending, trained)
+        await self._report(client, row)
+        self._record(row, pending.version)
+        return pending.next_prompts
+
+    async def _prepare(self, client, step: int, prompts: list[dict]) -> _Prepared:
+        """Sample, score and compute advantages: everything of a step before its update."""
         t0 = time.time()
-        version: RewardVersion = registry.latest(cfg.reward)
-        off_policy = 0
+        version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
+        out, prompts, off_policy = await self._draw(client, step, prompts)
+        next_prompts = self._prefetch_next(client, step)
+        t_sampled = time.time()
+        samples = out["samples"]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s["prompt_index"], []).append(i)
+        scored = await self._score(version, step, prompts, samples, list(groups.values()))
+        return _Prepared(
+            step=step,
+            version=version,
+            n=len(samples),
+            scored=scored,
+            chosen=self._advantages(samples, scored, groups.values()),
+            off_policy=off_policy,
+            next_prompts=next_prompts,
+            times=(t0, t_sampled, time.time()),
+            key=uuid.uuid4().hex,
+        )
+
+    async def _draw(self, client, step: int, prompts: list[dict]) -> tuple[dict, list[dict], int]:
+        """This step's samples (and their prompts), taken from the prefetch when ``overlap`` drew them
+        one step ahead (then off-policy by one update, which the ratio corrects for)."""
         if self._prefetch is not None and self._prefetch[0] == step:
             _, task, prompts = self._prefetch
             self._prefetch = None
             try:
-                out = await task
+                return await task, prompts, 1
             except OpenRLError:  # the early sample failed: draw this step's samples now instead
-                out = await self._sample(client, step, prompts)
-            else:
-                off_policy = 1  # drawn before the previous step's update; the ratio corrects for it
-        else:
-            self._drop_prefetch()
-            out = await self._sample(client, step, prompts)
-        next_prompts = None
-        if cfg.overlap and step < cfg.steps:
-            # Sample step k+1 now, from the weights before step k's update, while step k is scored.
-            next_prompts = self._next_prompts()
-            task = asyncio.ensure_future(self._sample(client, step + 1, next_prompts))
-            self._prefetch = (step + 1, task, next_prompts)
-        t_sampled = time.time()
-        samples = out["samples"]
+                return await self._sample(client, step, prompts), prompts, 0
+        self._drop_prefetch()
+        return await self._sample(client, step, prompts), prompts, 0
+
+    def _prefetch_next(self, client, step: int) -> list[dict] | None:
+        """With ``overlap``, sample step k+1 now, from the weights before step k's update, while step k
+        is scored; returns its prompts."""
+        if not self.config.overlap or step >= self.config.steps:
+            return None
+        next_prompts = self._next_prompts()
+        task = asyncio.ensure_future(self._sample(client, step + 1, next_prompts))
+        self._prefetch = (step + 1, task, next_prompts)
+        return next_prompts
+
+    async def _score(
+        self, version: RewardVersion, step: int, prompts: list[dict], samples: list[dict], groups: list
+    ) -> Scored:
+        """Score in the runner's pool; keep and show the samples; pause if every one failed."""
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
         infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
         completions = [s["text"] for s in samples]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            groups.setdefault(s["prompt_index"], []).append(i)
-        scored = await score(
-            version, texts, completions, infos, groups=list(groups.values()), pool=self._runner.pool
-        )
-        t_scored = time.time()
+        scored = await score(version, texts, completions, infos, groups=groups, pool=self._runner.pool)
         if scored.stdout:
             self._log(scored.stdout.rstrip("\n"))
         kept = [
@@ -647,37 +572,59 @@ class Run:
             )
         if failures:
             self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
+        return scored
+
+    def _advantages(self, samples: list[dict], scored: Scored, groups) -> list[dict]:
+        """The samples worth training on, each with its group-relative advantage (non-zero)."""
         advantages: list[float] = [0.0] * len(samples)
-        for idx in groups.values():
+        for idx in groups:
+            rewards = [scored.rewards[i] for i in idx]
             for i, a in zip(
-                idx,
-                group_advantages([scored.rewards[i] for i in idx], normalize_std=cfg.normalize_std),
-                strict=True,
+                idx, group_advantages(rewards, normalize_std=self.config.normalize_std), strict=True
             ):
                 advantages[i] = a
-        chosen = [
+        return [
             {"sample_id": s["sample_id"], "advantage": a}
             for s, a in zip(samples, advantages, strict=True)
             if a != 0.0 and s["tokens"]
         ]
-        optimizer = {"learning_rate": cfg.lr} if cfg.lr is not None else {}
-        trained: dict = {}
-        if chosen:
-            trained = await client.train_step(self.run_id, chosen, loss=cfg.loss, optimizer=optimizer)
+
+    async def _train(self, client, pending: _Prepared) -> dict:
+        """The step's update (none when no sample carries an advantage). A refusal (4xx) drops the
+        prepared step, so a retry samples afresh; a lost or failed reply keeps it for re-sending."""
+        if not pending.chosen:
+            return {}
+        optimizer = {"learning_rate": self.config.lr} if self.config.lr is not None else {}
+        try:
+            return await client.train_step(
+                self.run_id,
+                pending.chosen,
+                loss=self.config.loss,
+                optimizer=optimizer,
+                idempotency_key=pending.key,
+            )
+        except RequestError:
+            self._pending = None
+            raise
+
+    def _row(self, pending: _Prepared, trained: dict) -> dict:
+        """The step's history row: reward statistics, the update's statistics, timings."""
+        t0, t_sampled, t_scored = pending.times
         t_trained = time.time()
+        scored, version = pending.scored, pending.version
         valid = [r for r in scored.rewards if r is not None]
-        row = {
-            "step": step,
+        return {
+            "step": pending.step,
             "reward_mean": statistics.fmean(valid),
             "reward_std": statistics.pstdev(valid) if len(valid) > 1 else 0.0,
             "reward_min": min(valid),
             "reward_max": max(valid),
             "reward_name": version.name,
             "reward_version": version.version,
-            "failed": len(failures),
-            "n": len(samples),
-            "off_policy": off_policy,
-            "trained": len(chosen),
+            "failed": len(scored.rewards) - len(valid),
+            "n": pending.n,
+            "off_policy": pending.off_policy,
+            "trained": len(pending.chosen),
             "loss": trained.get("loss"),
             "ratio_mean": trained.get("ratio_mean"),
             "ratio_min": trained.get("ratio_min"),
@@ -692,23 +639,23 @@ class Run:
             "time": t_trained,
             "elapsed_s": t_trained - self.started_at,
         }
-        reported = {
-            k: v
-            for k, v in row.items()
-            if k in ("reward_mean", "reward_std", "reward_min", "reward_max", "reward_version", "failed")
-            or k == "reward_name"
-        }
+
+    async def _report(self, client, row: dict) -> None:
+        """Store the step's reward statistics with the run on the service."""
+        reported = {k: v for k, v in row.items() if k in REPORTED}
         try:
-            await client.add_metrics(self.run_id, step, **reported)
+            await client.add_metrics(self.run_id, row["step"], **reported)
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics
-            self._log(f"step {step}: the service did not store its metrics ({_one_line(exc)})")
+            self._log(f"step {row['step']}: the service did not store its metrics ({_one_line(exc)})")
+
+    def _record(self, row: dict, version: RewardVersion) -> None:
+        """The step is done: history, step counter, listeners (the dashboard)."""
         with self._lock:
             self._history.append(row)
-            self._step = step
+            self._step = row["step"]
             self.reward_version = version.version
             self._changed.notify_all()
         self._emit({"kind": "step", "row": dict(row)})
-        return next_prompts
 
 
 def _one_line(exc: BaseException) -> str:

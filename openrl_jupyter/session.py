@@ -3,62 +3,34 @@
 Where the URL and key come from (first match wins): arguments > ``OPENRL_URL`` / ``OPENRL_TOKEN``
 > configuration (``config`` mapping, e.g. IPython's ``c.OpenRLMagics.url``) > nothing, which is a
 clear error saying how to connect. ``local=True`` starts an embedded ``openrl-service`` child on a
-free loopback port with a fresh key passed through its environment (never its command line); it
-exits when this process exits or dies, because it watches a pipe this process holds.
+free loopback port (``local.start_service``) with a fresh key passed through its environment (never
+its command line); it exits when this process exits or dies, because it watches a pipe this process
+holds.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import secrets
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable
+from openrl_jupyter._exceptions import OpenRLError
 from openrl_jupyter.client import AsyncClient, Client
+from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, start_service
 
 if TYPE_CHECKING:
     from openrl_jupyter.feed import EventFeed
     from openrl_jupyter.run import Run
 
 DEFAULT_NAME = "default"
-READY_TIMEOUT_S = 300.0
 
 
 class UsageError(OpenRLError):
     """The caller asked for something impossible (a bad flag, a missing extra, no URL)."""
-
-
-@dataclass
-class LocalService:
-    """An embedded ``openrl-service`` child process."""
-
-    process: subprocess.Popen
-    url: str
-    data_dir: str
-    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.process.stdin.close()  # the child's watcher stops it gracefully
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
 
 
 @dataclass
@@ -86,11 +58,15 @@ class Session:
     def train(self, *, reward: Any, prompts: Any, **options: Any) -> Run:
         """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
 
+        ``reward``: a registered reward's name (its newest version applies at each step), or a
+        function, which is pinned to this run alone (it is not registered under its name).
+
         Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
         normalize_std, seed, overlap (1: sample step k+1 while step k is scored); unset ones come
         from the model's capability entry.
         """
-        from openrl_jupyter.run import Run, make_config
+        from openrl_jupyter.config import make_config
+        from openrl_jupyter.run import Run
 
         model = options.get("model")
         if model is not None and self.model is not None and model not in (self.model, "tiny"):
@@ -163,12 +139,6 @@ class Secret(str):
         return "'tml-…(hidden)'"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_local(
     model: str = "openrl/tiny",
     *,
@@ -183,59 +153,7 @@ def start_local(
             "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
         )
     key = Secret("tml-" + secrets.token_urlsafe(24))
-    port = _free_port()
-    tmp = None
-    if data_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
-        data_dir = tmp.name
-    env = {**os.environ, "OPENRL_API_KEYS": Secret(f"default:{key}")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "openrl_service.cli",
-        "serve",
-        "--exit-with-parent",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--data-dir",
-        data_dir,
-        "--log-level",
-        "warning",
-    ]
-    if model not in ("tiny", "openrl/tiny"):
-        cmd += ["--model", model]
-    log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    local = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, tmp)
-    atexit.register(local.stop)
-    client = Client(local.url, token=key, retries=0)
-    started = time.monotonic()
-    deadline = started + timeout_s
-    shown = False
-    try:
-        while True:
-            if proc.poll() is not None:
-                tail = _tail(os.path.join(data_dir, "service.log"))
-                raise ServiceUnavailable(
-                    f"the embedded openrl service exited with code {proc.returncode}:\n{tail}"
-                )
-            with contextlib.suppress(OpenRLError):
-                if client.ready().get("status") == "ready":
-                    break
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"the embedded openrl service was not ready after {timeout_s:.0f} s")
-            if progress is not None and not shown and time.monotonic() - started > 1:
-                shown = True
-                progress(f"starting the embedded openrl service ({model}) on {local.url} ...")
-            time.sleep(0.2)
-    except BaseException:
-        local.stop()
-        raise
-    finally:
-        client.close()
+    local = start_service(model=model, data_dir=data_dir, api_key=key, timeout_s=timeout_s, progress=progress)
     return local, key
 
 
@@ -333,11 +251,3 @@ def _installed(module: str) -> bool:
         return find_spec(module) is not None
     except (ValueError, ImportError):  # e.g. a module blocked with sys.modules[name] = None
         return False
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read()[-n:].decode("utf-8", "replace")
-    except OSError:
-        return ""

@@ -10,7 +10,9 @@ are kept alongside for the Prometheus ``/metrics`` counters.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
@@ -83,6 +85,7 @@ class OpRecorder:
     def __init__(self, maxlen: int = 100_000):
         self._ops: deque[OpRecord] = deque(maxlen=maxlen)
         self._lock = threading.Lock()
+        self._recorded = threading.Condition(self._lock)
         self._totals = Totals()
         self._runs: dict[str, RunTotals] = {}
         self._last_fused_id: str | None = None
@@ -116,6 +119,7 @@ class OpRecorder:
             r.ops += 1
             if direction:
                 r.tokens[direction] += op.tokens
+            self._recorded.notify_all()
 
     def totals(self) -> Totals:
         """A copy of the cumulative counters; ``wait_buckets`` are per bucket, not cumulative."""
@@ -170,6 +174,23 @@ class OpRecorder:
     def since(self, t: float = 0.0) -> list[OpRecord]:
         with self._lock:
             return [op for op in self._ops if op.end >= t]
+
+    def wait_for(
+        self, ready: Callable[[list[OpRecord]], bool], *, since: float = 0.0, timeout_s: float = 30.0
+    ) -> list[OpRecord]:
+        """Block until ``ready(records that ended at or after since)`` holds; returns those records.
+
+        The worker completes an op's future before it writes the op's record (a fused call's members
+        are recorded after all of them completed), so a reader who just got a result waits here for
+        its record. Raises TimeoutError naming what it saw."""
+        deadline = time.monotonic() + timeout_s
+        with self._recorded:
+            while not ready(records := [op for op in self._ops if op.end >= since]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"op records never became ready in {timeout_s} s; saw {records}")
+                self._recorded.wait(left)
+        return records
 
     def busy_fraction(self, window_start: float, window_end: float) -> float:
         """Fraction of [start, end] during which the worker was executing an op."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -20,17 +19,13 @@ import pytest
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from openrl_jupyter.local import free_port  # noqa: E402 - the one free-port helper (tests import it from here)
+
 pytest_plugins = ["tests._support.strict_skips", "pytester"]
 
 ALICE_KEY = "tml-alice-0123456789abcdef"
 BOB_KEY = "tml-bob-0123456789abcdef"
 TINY = "openrl/tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -4,6 +4,7 @@
     GET    /openrl/v1/runs                          the caller's runs
     GET    /openrl/v1/runs/{run_id}                 one run
     DELETE /openrl/v1/runs/{run_id}                 free it (checkpoints stay)
+    POST   /openrl/v1/runs/{run_id}/heartbeat       keep it alive while the notebook is idle
     POST   /openrl/v1/runs/{run_id}/sample          text prompts → completions with sample ids
     POST   /openrl/v1/runs/{run_id}/train_step      sample ids + advantages → loss, ratio/KL/clip stats
     POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
@@ -12,6 +13,8 @@
     GET    /openrl/v1/runs/{run_id}/metrics         all of them
     GET    /openrl/v1/events                        SSE: telemetry ticks and run events (schema version 1)
 
+Every POST except heartbeat takes an ``X-Idempotency-Key`` header: re-sent with the same key, it
+answers the first reply and does nothing again (see :mod:`openrl_service.api.idempotency`).
 The OpenAPI schema is served at /openapi.json.
 """
 
@@ -19,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 
+import anyio
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from openrl_service.api.tinker import BackpressureRoute, field, json_response, read_json
+from openrl_service.api.idempotency import IdempotentReplies
+from openrl_service.api.tinker import BackpressureRoute, json_response, read_json
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
@@ -37,15 +43,33 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     native = NativeRuns(svc)
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
+    replies = IdempotentReplies(ttl_s=svc.settings.future_ttl_s)
 
     def tenant(request: Request) -> str:
         return request.state.tenant
 
+    async def once(request: Request, make):
+        """``make()``, or the first reply of this request's X-Idempotency-Key."""
+        return await replies.reply(request, tenant(request), make)
+
+    async def post(request: Request, run_id: str, op, status: int = 200):
+        """An idempotent POST on a run: ``op(tenant, run_id, body)`` (sync or async) as JSON."""
+
+        async def make():
+            out = op(tenant(request), run_id, await read_json(request, max_body))
+            return json_response(await out if inspect.isawaitable(out) else out, status=status)
+
+        return await once(request, make)
+
     @r.post("/runs")
     async def create_run(request: Request):
         """Create a LoRA run on the served model (defaults from its capability entry)."""
-        nr = await native.create(tenant(request), await read_json(request, max_body))
-        return json_response(native.describe(nr), status=201)
+
+        async def make():
+            nr = await native.create(tenant(request), await read_json(request, max_body))
+            return json_response(native.describe(nr), status=201)
+
+        return await once(request, make)
 
     @r.get("/runs")
     async def list_runs(request: Request):
@@ -57,53 +81,43 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         """One run: name, model, rank, step."""
         return json_response(native.describe(native.get(tenant(request), run_id)))
 
+    @r.post("/runs/{run_id}/heartbeat")
+    async def heartbeat(run_id: str, request: Request):
+        """Keep the run alive (no request for ``idle_timeout_s`` finishes it); answers the run."""
+        return json_response(native.describe(native.heartbeat(tenant(request), run_id)))
+
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):
         """Free a run's adapter and optimizer; its checkpoints stay."""
-        native.delete(tenant(request), run_id)
+        await native.delete(tenant(request), run_id)
         return json_response({"run_id": run_id, "deleted": True})
 
     @r.post("/runs/{run_id}/sample")
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
-        return json_response(await native.sample(tenant(request), run_id, await read_json(request, max_body)))
+        return await post(request, run_id, native.sample)
 
     @r.post("/runs/{run_id}/train_step")
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
-        return json_response(
-            await native.train_step(tenant(request), run_id, await read_json(request, max_body))
-        )
+        return await post(request, run_id, native.train_step)
 
     @r.post("/runs/{run_id}/checkpoints")
     async def save(run_id: str, request: Request):
         """Save weights + optimizer; the path loads with the Tinker SDK."""
-        body = await read_json(request, max_body)
-        nr = native.get(tenant(request), run_id)
-        rec = svc.save_state(
-            tenant(request),
-            run_id,
-            nr.next_seq(),
-            field(body, "name", str),
-            bool(body.get("overwrite", False)),
-            body.get("user_metadata"),
-            None,
-            ttl_seconds=body.get("ttl_seconds"),
-        )
-        return json_response(await native._result(rec), status=201)
+        return await post(request, run_id, native.save_checkpoint, status=201)
 
     @r.get("/runs/{run_id}/checkpoints")
     async def checkpoints(run_id: str, request: Request):
         """The run's checkpoints, newest first."""
         native.get(tenant(request), run_id)
-        return json_response(cat.list_checkpoints(tenant(request), run_id))
+        listing = await anyio.to_thread.run_sync(cat.list_checkpoints, tenant(request), run_id)  # reads disk
+        return json_response(listing)
 
     @r.post("/runs/{run_id}/metrics")
     async def add_metrics(run_id: str, request: Request):
         """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
-        return json_response(
-            native.add_metrics(tenant(request), run_id, await read_json(request, max_body)), status=201
-        )
+        return await post(request, run_id, native.add_metrics, status=201)
 
     @r.get("/runs/{run_id}/metrics")
     async def get_metrics(run_id: str, request: Request):

@@ -8,10 +8,16 @@ the Tinker API's guarantees hold for it too. What this layer adds:
 - a sample store: each completion gets a ``sample_id``; the service keeps it (prompt tokens,
   completion tokens, sampler logprobs) for ``SAMPLE_TTL_S`` so a train step can name samples
   instead of re-sending tokens;
-- one ``train_step`` = importance-sampling (or another RL loss) forward/backward over the named
-  samples with their advantages, then AdamW, returning the ratio / KL / clip statistics;
+- one ``train_step`` = the engine's own ``forward_backward`` (importance sampling or another RL
+  loss over the named samples with their advantages) then its ``optim_step`` (AdamW), back to back
+  in the run's lane, returning the ratio / KL / clip statistics; sampling is the engine's
+  ``sample_run``: this layer calls the same public operations as the Tinker façade;
 - client-reported metrics per step, stored with the run;
 - an event bus for run events, read by the SSE stream with telemetry ticks.
+
+A run lives as long as its session: ``heartbeat`` keeps it alive while the notebook is idle; when
+the client deletes it or the idle reaper finishes it (no heartbeat or request for
+OPENRL_SESSION_IDLE_TIMEOUT_S), this layer forgets it with its metric rows and stored samples.
 
 Sampling and training of one run share its lane, so a sample always sees the weights of every
 train step submitted before it; ``snapshot`` in replies is the run's optimizer-step count.
@@ -20,24 +26,23 @@ train step submitted before it; ``snapshot`` in replies is the run's optimizer-s
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
-from types import GeneratorType
 from typing import Any
 
+import anyio
 import numpy as np
 
-from openrl_service.engine.service import Run, TrainingService
-from openrl_service.errors import NotFound, UserError
+from openrl_service.checks import integer, number
+from openrl_service.engine.service import RunState, TrainingService
+from openrl_service.errors import ApiError, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
-from openrl_service.training.trainer import AdamParams, DatumArrays, adam_params
+from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult, adam_params
 
 SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
@@ -47,6 +52,8 @@ RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 
 @dataclass
 class StoredSample:
+    """A completion kept for a later train step to name by its sample id."""
+
     run_id: str
     tenant: str
     prompt: list[int]
@@ -56,18 +63,21 @@ class StoredSample:
 
 
 @dataclass
-class NativeRun:
-    run: Run
+class NativeRunState:
+    """What the notebook API keeps beside an engine run: its name, seq counter, steps and metrics."""
+
+    run: RunState
     name: str
     seq: int = 0
     steps: int = 0
     metrics: list[dict] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def next_seq(self) -> int:
+    def next_seq(self, n: int = 1) -> int:
+        """The first of ``n`` consecutive seq_ids of the run's lane (nothing else can come between)."""
         with self.lock:
-            self.seq += 1
-            return self.seq
+            self.seq += n
+            return self.seq - n + 1
 
 
 class EventBus:
@@ -106,20 +116,21 @@ def _offer(q: asyncio.Queue, event: dict) -> None:
 class NativeRuns:
     def __init__(self, svc: TrainingService):
         self.svc = svc
-        self.runs: dict[str, NativeRun] = {}
+        self.runs: dict[str, NativeRunState] = {}
         self.samples: OrderedDict[str, StoredSample] = OrderedDict()
         self.events = EventBus()
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
+        svc.session_listeners.append(self._session_finished)
 
     # -- runs -----------------------------------------------------------------------------------
-    def get(self, tenant: str, run_id: str) -> NativeRun:
+    def get(self, tenant: str, run_id: str) -> NativeRunState:
         nr = self.runs.get(run_id)
         if nr is None or nr.run.tenant != tenant or run_id not in self.svc.runs:
             raise NotFound(f"unknown run {run_id!r}", field="run_id")
         return nr
 
-    async def create(self, tenant: str, body: dict) -> NativeRun:
+    async def create(self, tenant: str, body: dict) -> NativeRunState:
         base = self.svc.require_ready()
         defaults = base.defaults
         name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
@@ -131,7 +142,12 @@ class NativeRuns:
             body.get("train_mlp", True),
             body.get("train_unembed", defaults.get("train_unembed", True)),
         )
-        sess = self.svc.create_session(tenant, display_name=name, user_metadata=body.get("user_metadata"))
+        # The session file is written and fsynced: off the event loop, so a slow disk stalls no one else.
+        sess = await anyio.to_thread.run_sync(
+            lambda: self.svc.create_session(
+                tenant, display_name=name, user_metadata=body.get("user_metadata")
+            )
+        )
         rec = self.svc.create_model(
             tenant,
             session_id=sess.session_id,
@@ -143,13 +159,13 @@ class NativeRuns:
             idem=None,
         )
         await self._result(rec)
-        nr = NativeRun(self.svc.run(tenant, rec.result["model_id"]), name)
+        nr = NativeRunState(self.svc.run(tenant, rec.result["model_id"]), name)
         with self._lock:
             self.runs[nr.run.run_id] = nr
         self.events.publish(tenant, {"event": "created", "run_id": nr.run.run_id, "name": name})
         return nr
 
-    def describe(self, nr: NativeRun) -> dict:
+    def describe(self, nr: NativeRunState) -> dict:
         run = nr.run
         return {
             "run_id": run.run_id,
@@ -160,6 +176,8 @@ class NativeRuns:
             "snapshot": nr.steps,
             "created_at": run.created_at,
             "metrics_count": len(nr.metrics),
+            # without a heartbeat or a request for this long, the run's session is finished
+            "idle_timeout_s": self.svc.settings.session_idle_timeout_s,
         }
 
     def list(self, tenant: str) -> list[dict]:
@@ -169,12 +187,27 @@ class NativeRuns:
             if nr.run.tenant == tenant and nr.run.run_id in self.svc.runs
         ]
 
-    def delete(self, tenant: str, run_id: str) -> None:
+    def heartbeat(self, tenant: str, run_id: str) -> NativeRunState:
+        """Keep the run's session alive (a paused notebook is not an abandoned one)."""
         nr = self.get(tenant, run_id)
-        self.svc.finish_session(tenant, nr.run.session_id)
-        with self._lock:
-            self.runs.pop(run_id, None)
+        self.svc.heartbeat(tenant, nr.run.session_id)
+        return nr
+
+    async def delete(self, tenant: str, run_id: str) -> None:
+        nr = self.get(tenant, run_id)
+        # _session_finished forgets the run; the session file write runs off the event loop.
+        await anyio.to_thread.run_sync(lambda: self.svc.finish_session(tenant, nr.run.session_id))
         self.events.publish(tenant, {"event": "deleted", "run_id": run_id})
+
+    def _session_finished(self, tenant: str, session_id: str, run_ids: list[str]) -> None:
+        """Forget the runs of a finished session (deleted, or reaped when idle), their metric rows
+        and their stored samples."""
+        gone = set(run_ids)
+        with self._lock:
+            if not any(self.runs.pop(r, None) for r in run_ids):
+                return
+            for sid in [sid for sid, s in self.samples.items() if s.run_id in gone]:
+                del self.samples[sid]
 
     # -- sampling -------------------------------------------------------------------------------
     def _encode(self, prompt: Any, i: int, chat: bool) -> list[int]:
@@ -222,24 +255,8 @@ class NativeRuns:
                 SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
             )
 
-        def resolved() -> list[SampleJob]:
-            adapter = self.svc._state(nr.run).adapter
-            return [replace(j, adapter=adapter) for j in jobs]
-
-        def work():
-            return self.svc.sampler.sample_many(resolved())  # this call's prompts: one batched decode
-
-        # With fusion on, other runs' ready sampling joins that batch.
-        fuse = self.svc.sample_fusable(resolved, jobs, lambda outs: outs)
-        rec = self.svc.run_op(
-            tenant,
-            run_id,
-            nr.next_seq(),
-            "sample",
-            lambda run: (work, fuse),
-            None,
-            tokens=lambda outs: sum(o.tokens for o in outs),
-        )
+        # One batched decode of this call's prompts (with fusion on, other runs' ready sampling joins).
+        rec = self.svc.sample_run(tenant, run_id, nr.next_seq(), jobs, None)
         outs = await self._result(rec)
         tok = self.svc.base.tokenizer
         samples = []
@@ -302,11 +319,7 @@ class NativeRuns:
                     f"(samples are kept {SAMPLE_TTL_S:.0f} s)",
                     field=f"{where}.sample_id",
                 )
-            adv = item.get("advantage")
-            if isinstance(adv, bool) or not isinstance(adv, (int, float)) or not math.isfinite(adv):
-                raise UserError(
-                    f"{where}.advantage must be a finite number; got {adv!r}", field=f"{where}.advantage"
-                )
+            adv = number(item.get("advantage"), f"{where}.advantage")
             if not stored.tokens:
                 continue
             full = stored.prompt + stored.tokens
@@ -327,27 +340,12 @@ class NativeRuns:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
         self.svc.validate_datums(data, loss)
 
-        def step(result):
-            return result, self.svc.trainer.optim_step(self.svc._state(nr.run), adam)
-
-        def work():
-            # One micro-batch per scheduler turn (like a Tinker forward_backward), then the optimizer.
-            out = self.svc._forward_backward(self.svc._state(nr.run), data, loss, config, False)
-            if isinstance(out, GeneratorType):
-                return _then(out, step)
-            return step(out)
-
-        fuse = self.svc.train_fusable(nr.run, data, loss, config, False, finish=step)
-        rec = self.svc.run_op(
-            tenant,
-            run_id,
-            nr.next_seq(),
-            "train_step",
-            lambda run: (work, fuse),
-            None,
-            tokens=lambda r: r[0].tokens,
+        # The Tinker façade's own two ops, back to back in the run's lane: forward_backward (which
+        # fuses with other runs' ready training), then optim_step. Shielded: a client that goes away
+        # mid-step does not leave gradients waiting for an optimizer step that never comes.
+        result, metrics = await asyncio.shield(
+            asyncio.ensure_future(self._fb_then_optim(tenant, run_id, nr, data, loss, config, adam))
         )
-        result, metrics = await self._result(rec)
         nr.steps += 1
         st = result.stats or {}
         n = max(1, int(st.get("tokens", 0)))
@@ -368,24 +366,55 @@ class NativeRuns:
         self.events.publish(tenant, {"event": "step", **reply})
         return reply
 
+    async def _fb_then_optim(
+        self, tenant: str, run_id: str, nr: NativeRunState, data, loss: str, config: dict, adam: AdamParams
+    ) -> tuple[ForwardResult, dict]:
+        seq = nr.next_seq(2)
+        fb = self.svc.forward_backward(tenant, run_id, seq, data, loss, config, False, None)
+        try:
+            result = await self._result(fb)
+        except ApiError as e:
+            skipped = UserError(f"optim_step skipped: the step's forward/backward failed ({e.message})")
+            self.svc.optim_step(tenant, run_id, seq + 1, skipped, None)  # fills its seq slot, runs nothing
+            raise
+        out = await self._result(self.svc.optim_step(tenant, run_id, seq + 1, adam, None))
+        return result, out["metrics"]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    async def save_checkpoint(self, tenant: str, run_id: str, body: dict) -> dict:
+        """Weights + optimizer state as a Tinker ``weights`` checkpoint; returns its path."""
+        nr = self.get(tenant, run_id)
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise UserError(f"name is required: the checkpoint's name (a string); got {name!r}", field="name")
+        rec = self.svc.save_state(
+            tenant,
+            run_id,
+            nr.next_seq(),
+            name,
+            bool(body.get("overwrite", False)),
+            body.get("user_metadata"),
+            None,
+            ttl_seconds=body.get("ttl_seconds"),
+        )
+        return await self._result(rec)
+
     # -- metrics --------------------------------------------------------------------------------
     def add_metrics(self, tenant: str, run_id: str, body: dict) -> dict:
         nr = self.get(tenant, run_id)
-        step = body.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise UserError(f"step must be a non-negative integer; got {step!r}", field="step")
+        step = integer(body.get("step"), "step", 0)
         row = {"step": step}
         for k, v in body.items():
             if k == "step":
                 continue
-            if k in ("reward_name",) and isinstance(v, str) and len(v) <= 128:
+            if k == "reward_name":
+                if not isinstance(v, str) or len(v) > 128:
+                    raise UserError(
+                        f"reward_name must be a string of at most 128 characters; got {v!r}", field=k
+                    )
                 row[k] = v
-            elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                row[k] = float(v) if not isinstance(v, int) else v
-            else:
-                raise UserError(
-                    f"metrics.{k} must be a finite number (or reward_name a short string); got {v!r}", field=k
-                )
+            else:  # whole numbers stay whole (a reward version), others are floats
+                row[k] = v if isinstance(v, int) and not isinstance(v, bool) else number(v, f"metrics.{k}")
         if len(nr.metrics) >= 100_000:
             raise UserError("a run holds at most 100000 metric rows", field="step")
         nr.metrics.append(row)
@@ -432,17 +461,12 @@ class NativeRuns:
         }
 
     async def _result(self, rec):
-        while not await self.svc.futures.wait(rec, 30.0):
-            pass
+        """The op's result; a 503 naming the worker (not an endless wait) if the worker has died."""
+        while not await self.svc.futures.wait(rec, 1.0):
+            self.svc.engine.require_alive()
         if rec.error is not None:
             raise rec.error
         return rec.result
-
-
-def _then(steps: Generator[int, None, Any], finish: Callable[[Any], Any]) -> Generator[int, None, Any]:
-    """A chunked op followed by ``finish`` on its result, as one chunked op."""
-    result = yield from steps
-    return finish(result)
 
 
 def _adam(raw: dict, defaults: dict) -> AdamParams:

@@ -73,6 +73,13 @@ class QueueFull(ApiError):
         return {**super().to_json(), "limit": self.limit, "retry_after_s": self.retry_after_s}
 
 
+class WorkerStopped(ApiError):
+    """The device-worker thread has died: nothing queued will run until the service restarts (503)."""
+
+    status_code = 503
+    category = "server"
+
+
 @dataclass
 class Fusable:
     """How an op joins a fused call: ops with the same ``key`` can share one call of that key's fuser.
@@ -181,6 +188,13 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def require_alive(self) -> None:
+        """Raise :class:`WorkerStopped` if the worker started, set up, and has since died."""
+        if self.ready.is_set() and not self.alive:
+            raise WorkerStopped(
+                "the service's device worker has stopped; queued requests will not run. Restart the service"
+            )
 
     # -- submission (event-loop side) -----------------------------------------------------------
     def open_ordered_lane(self, run_id: str, next_seq: int) -> None:

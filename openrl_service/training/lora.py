@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from openrl_service.errors import UserError
+
 LORA_ALPHA = 32.0
 
 
@@ -270,6 +272,46 @@ def new_adapter(
             "LoRA config trains nothing: enable at least one of train_attn, train_mlp, train_unembed"
         )
     return Adapter(spec, weights)
+
+
+def peft_shapes(spec: LoraSpec, targets: list[TargetModule]) -> dict[str, list[int]]:
+    """The tensor names and shapes of ``spec``'s adapter on a model with ``targets``, as PEFT saves them."""
+    wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
+    out: dict[str, list[int]] = {}
+    for t in targets:
+        if wanted[t.group]:
+            out[f"base_model.model.{t.name}.lora_A.weight"] = [spec.rank, t.in_features]
+            out[f"base_model.model.{t.name}.lora_B.weight"] = [t.out_features, spec.rank]
+    return out
+
+
+def check_peft_shapes(
+    spec: LoraSpec, targets: list[TargetModule], got: dict[str, list[int]], *, model: str, field: str
+) -> None:
+    """Refuse (UserError naming the tensor, the expected and the found shape) an adapter file whose
+    tensors are not exactly ``spec``'s adapter on ``model``: a foreign or mismatched adapter."""
+    expected = peft_shapes(spec, targets)
+    for key in sorted(got):
+        if key not in expected:
+            raise UserError(
+                f"{field}: tensor {key} (shape {list(got[key])}) is not a LoRA tensor of {model} for this "
+                f"adapter (rank {spec.rank}, train_attn={spec.train_attn}, train_mlp={spec.train_mlp}, "
+                f"train_unembed={spec.train_unembed})",
+                field=field,
+            )
+        if list(got[key]) != expected[key]:
+            raise UserError(
+                f"{field}: tensor {key} has shape {list(got[key])}; expected {expected[key]} "
+                f"(LoRA rank {spec.rank} on {model})",
+                field=field,
+            )
+    missing = [k for k in expected if k not in got]
+    if missing:
+        raise UserError(
+            f"{field}: tensor {missing[0]} (expected shape {expected[missing[0]]}) is missing; "
+            f"{len(missing)} of the {len(expected)} tensors of a rank-{spec.rank} adapter on {model} are absent",
+            field=field,
+        )
 
 
 def adapter_from_peft(

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from openrl_service.checks import number
 from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.training.lora import Adapter, LoraSpec, new_adapter
@@ -74,19 +75,13 @@ def adam_params(body: dict) -> AdamParams:
     for name, (lo, hi) in bounds.items():
         if name not in raw or raw[name] is None:
             continue
-        v = raw[name]
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, (int, float))
-            or not math.isfinite(v)
-            or not lo <= v <= hi
-            or (name in ("beta1", "beta2") and v >= 1)
-        ):
-            rng = "[0, 1)" if hi == 1 else ">= 0"
+        v = number(raw[name], f"adam_params.{name}", lo, None if math.isinf(hi) else hi)
+        if name in ("beta1", "beta2") and v >= 1:  # [0, 1): a beta of 1 never forgets
             raise UserError(
-                f"adam_params.{name} must be a finite number {rng}; got {v!r}", field=f"adam_params.{name}"
+                f"adam_params.{name} must be a finite number in [0, 1); got {raw[name]!r}",
+                field=f"adam_params.{name}",
             )
-        setattr(out, name, float(v))
+        setattr(out, name, v)
     return out
 
 

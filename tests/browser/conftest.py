@@ -1,7 +1,7 @@
 """Session fixtures for browser tests: ``lab`` (a running JupyterLab), ``browser`` and ``page`` (Playwright).
 
 Without chromium or Playwright the tests skip with the reason; under OPENRL_CI_STRICT=1 (CI) that skip is a
-failure (tests/strict_skips.py allows only ``gpu`` tests to skip), so CI must install chromium
+failure (tests/_support/strict_skips.py allows only ``gpu`` tests to skip), so CI must install chromium
 (``.ci/run`` does). A failing test leaves ``tests/artifacts/<test>-failed.png``.
 
 The fixtures are package-scoped: Playwright's sync API keeps an asyncio loop running on the main
@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.browser.lab import VIEWPORT, launch_chromium, missing, screenshot, start_lab
+from tests._support.lab import VIEWPORT, launch_chromium, missing, screenshot, start_lab
 
 
 @pytest.fixture(scope="package")

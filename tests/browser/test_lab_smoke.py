@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import nbformat
 
-from tests.browser.lab import open_notebook, report, run_all, screenshot, wait_points
+from tests._support.lab import open_notebook, report, run_all, screenshot, wait_points
 
 N = 7
 

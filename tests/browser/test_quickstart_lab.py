@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nbformat
 
-from tests.browser.lab import ACTIVE, open_notebook, report, run_all, screenshot, wait_points
+from tests._support.lab import ACTIVE, open_notebook, report, run_all, screenshot, wait_points
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8

@@ -14,8 +14,10 @@ from openrl_jupyter import (
     Client,
     NotFoundError,
     RequestError,
+    ServerError,
     ServiceUnavailable,
 )
+from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY, free_port
 
 
@@ -133,28 +135,84 @@ def test_unreachable_service_is_one_clear_error():
     assert url in str(e.value) and "openrl-service serve" in str(e.value)
 
 
-def _flaky(status_first: int, times: int):
+def _flaky(status_first: int, times: int, headers: dict | None = None):
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(request.method)
+        calls.append((request.method, request.headers.get("x-idempotency-key")))
         if len(calls) <= times:
-            return httpx.Response(status_first, json={"error": "busy"})
-        return httpx.Response(200, json={"runs": []})
+            return httpx.Response(status_first, json={"error": "busy"}, headers=headers)
+        return httpx.Response(200, json={"runs": [], "step": 1})
 
     return calls, httpx.MockTransport(handler)
 
 
-def test_idempotent_calls_retry_but_train_steps_never_repeat():
-    # The retry policy itself: a GET survives two 503s; a POST (a train step) is sent exactly once.
+def test_gets_retry_and_posts_retry_with_one_idempotency_key_per_call(monkeypatch):
+    import openrl_jupyter.client as client_module
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(client_module, "time", type("Clock", (), {"sleep": staticmethod(sleeps.append)}))
     calls, transport = _flaky(503, 2)
-    with Client("http://svc", retries=3, backoff_s=0.0, transport=transport) as c:
+    with Client("http://svc", retries=3, backoff_s=0.5, transport=transport) as c:
         assert c.list_runs() == []
-    assert calls == ["GET", "GET", "GET"]
-    calls, transport = _flaky(503, 2)
-    with (
-        Client("http://svc", retries=3, backoff_s=0.0, transport=transport) as c,
-        pytest.raises(ServiceUnavailable),
-    ):
-        c.train_step("r", [{"sample_id": "s", "advantage": 1.0}])
-    assert calls == ["POST"]
+    assert [m for m, _ in calls] == ["GET", "GET", "GET"] and sleeps == [0.5, 1.0]  # backoff
+    # A POST (a train step) is retried on 429 and 503, always with the same key, so the service
+    # applies it once; Retry-After is honoured.
+    for status in (429, 503):
+        sleeps.clear()
+        calls, transport = _flaky(status, 2, headers={"Retry-After": "7"})
+        with Client("http://svc", retries=3, transport=transport) as c:
+            assert c.train_step("r", [{"sample_id": "s", "advantage": 1.0}])["step"] == 1
+        keys = {k for _, k in calls}
+        assert [m for m, _ in calls] == ["POST"] * 3 and len(keys) == 1 and None not in keys
+        assert sleeps == [7.0, 7.0]
+    # Each logical call has its own key; a failure the service answered (500) is not re-sent.
+    calls, transport = _flaky(500, 1)
+    with Client("http://svc", retries=3, backoff_s=0.0, transport=transport) as c:
+        with pytest.raises(ServerError):
+            c.sample("r", ["a"])
+        c.sample("r", ["a"])
+    assert len(calls) == 2 and calls[0][1] != calls[1][1]
+
+
+def test_a_post_whose_reply_is_lost_is_retried_with_its_key_and_applied_once(server):
+    """A train step whose reply never arrives (the connection drops after the service did the work)
+    is re-sent with the same X-Idempotency-Key: the service answers the original reply."""
+    lossy = DropReply("/train_step")
+    with Client(server.url, token=ALICE_KEY, backoff_s=0.0, transport=lossy) as c:
+        rid = c.create_run(name="lost-reply")["run_id"]
+        try:
+            out = c.sample(rid, ["Say hi"], num_samples=4, max_tokens=6, seed=0)
+            items = [
+                {"sample_id": s["sample_id"], "advantage": (-1) ** i} for i, s in enumerate(out["samples"])
+            ]
+            assert c.train_step(rid, items)["step"] == 1
+            assert lossy.dropped == 1 and c.get_run(rid)["step"] == 1  # one update, not two
+            steps = [k for path, k in lossy.sent if path.endswith("/train_step")]
+            assert len(steps) == 2 and steps[0] == steps[1] and steps[0]
+        finally:
+            c.delete_run(rid)
+
+
+def test_client_and_async_client_expose_the_same_api():
+    """Both are built from one table of requests, so neither can lack a call the other has."""
+    import inspect
+
+    from openrl_jupyter.client import REQUESTS
+
+    def api(cls):
+        return {
+            name: inspect.signature(getattr(cls, name)).parameters
+            for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))
+        }
+
+    lifecycle = {"close", "aclose"}
+    sync_api, async_api = api(Client), api(AsyncClient)
+    assert set(sync_api) - lifecycle == set(async_api) - lifecycle
+    assert {"ready", "capabilities", "checkpoints"} <= set(async_api) and set(REQUESTS) <= set(async_api)
+    for name in set(sync_api) - lifecycle:
+        assert sync_api[name] == async_api[name], name
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) or inspect.isasyncgenfunction(
+            getattr(AsyncClient, name)
+        ), name

@@ -11,7 +11,8 @@ import uuid
 import comm
 import pytest
 
-from openrl_jupyter.dashboard import RunDashboard, ServiceDashboard, downsample, summary_html
+from openrl_jupyter.dashboard import RunDashboard, ServiceDashboard, downsample
+from openrl_jupyter.summary import summary_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -430,3 +431,23 @@ def test_service_dashboard_draws_each_run_and_stacks_utilisation(sent, timers):
     finally:
         dash.close()
     assert feed.listeners == []
+
+
+def test_the_plain_summaries_need_neither_plotly_nor_ipywidgets():
+    """A saved notebook or a kernel without the widget extras still shows a run's summary."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['plotly'] = sys.modules['ipywidgets'] = None\n"
+        "from types import SimpleNamespace as NS\n"
+        "from openrl_jupyter.summary import summary_html, summary_text\n"
+        "run = NS(name='q<1>', state='running', step=3, total_steps=10, reward_name='letters',\n"
+        "         reward_version=2, history=[{'reward_mean': 0.5, 'reward_version': 2}])\n"
+        "print(summary_text(run)); print(summary_html(run))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text, rich = out.stdout.splitlines()
+    assert text == "openrl run 'q<1>': running, step 3/10, letters v2 mean 0.5"
+    assert "<b>q&lt;1&gt;</b>" in rich and "letters v2" in rich

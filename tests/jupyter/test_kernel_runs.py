@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from tests._support.kernel import Kernel, of_type
 from tests.conftest import ALICE_KEY
-from tests.kernel import Kernel, of_type
 
 REWARD_V1 = """%%openrl reward gated
 def reward(prompt, completion, **info):
@@ -48,5 +48,6 @@ def test_the_kernel_is_free_while_a_reward_blocks_and_widgets_update_between_cel
             timeout=90,
         ).stdout
         assert rows.strip() == "[(1, 1), (2, 1), (3, 1)] finished"
+        k.execute("run.session.client.delete_run(run.run_id)", timeout=60)  # the shared server's quota
         out = k.execute("%openrl disconnect", timeout=60).stdout
         assert "disconnected" in out

@@ -11,6 +11,7 @@ from IPython.utils.capture import capture_output
 from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunState
+from tests._support.runs import forget_runs
 from tests.conftest import ALICE_KEY, free_port
 
 
@@ -27,7 +28,8 @@ def clean(monkeypatch):
     monkeypatch.delenv("OPENRL_URL", raising=False)
     monkeypatch.delenv("OPENRL_TOKEN", raising=False)
     yield
-    for name in list(sess.sessions()):
+    for name, session in list(sess.sessions().items()):
+        forget_runs(session)
         sess.disconnect(name)
 
 
@@ -72,6 +74,22 @@ def test_help_and_docstring(shell):
     assert "Subcommands" in shell.find_line_magic("openrl").__doc__  # what %openrl? shows
     cell = run(shell, "%openrl train --help")
     assert cell.ok and "--reward" in cell.out and "--max-tokens" in cell.out
+
+
+def test_the_help_names_every_option_of_every_subcommand(shell):
+    """The manual is written from the parsers, so an option added to one cannot be missing from it."""
+    from openrl_jupyter.magics import _parsers
+
+    manual = shell.find_line_magic("openrl").__doc__
+    printed = run(shell, "%openrl help").out
+    for verb, parser in _parsers().items():
+        assert f"%openrl {verb}" in manual, verb
+        for action in parser._actions:
+            names = action.option_strings or [action.metavar or action.dest]
+            for name in names:
+                if name not in ("-h", "--help"):
+                    assert name in manual and name in printed, f"%openrl {verb} {name}"
+    assert all(o in manual for o in ("--normalize-std", "--seed", "--model", "--overlap"))
 
 
 def test_connect_precedence_and_errors(shell, server, monkeypatch):

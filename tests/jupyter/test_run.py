@@ -3,6 +3,7 @@ save, stop, several runs at once, reward failures, and bad arguments."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -10,8 +11,12 @@ import pytest
 
 from openrl_jupyter import OpenRLError
 from openrl_jupyter import session as sess
+from openrl_jupyter.advantages import group_advantages
+from openrl_jupyter.config import load_prompts
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.run import RunPaused, RunState, group_advantages, load_prompts
+from openrl_jupyter.run import RunPaused, RunState
+from tests._support.runs import forget_runs
+from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY
 
 PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
@@ -26,8 +31,7 @@ def letters(prompt, completion, **info):
 def session(server):
     s = sess.connect(server.url, token=ALICE_KEY, name="runs")
     yield s
-    for run in s.runs.values():
-        run.stop()
+    forget_runs(s)
     sess.disconnect("runs")
 
 
@@ -45,11 +49,21 @@ def wait_until(predicate, timeout=60.0, what="condition"):
 
 def test_a_run_trains_in_the_background_and_reports_every_step(session):
     name = unique("letters")
-    registry.register(name, letters)
-    t0 = time.monotonic()
+    scoring, release = threading.Event(), threading.Event()
+
+    def gated(prompt, completion, **info):
+        scoring.set()
+        assert release.wait(60)
+        return letters(prompt, completion)
+
+    registry.register(name, gated)
     run = session.train(reward=name, prompts=PROMPTS, steps=4, **SMALL)
-    assert time.monotonic() - t0 < 1.0, "train() must return at once"
-    assert run.state in (RunState.STARTING, RunState.RUNNING)
+    try:
+        # train() returned while the first step's reward cannot finish: it does not wait for steps
+        assert run.step == 0 and run.state in (RunState.STARTING, RunState.RUNNING)
+        assert scoring.wait(60) and run.step == 0 and run.state == RunState.RUNNING
+    finally:
+        release.set()
     run.wait(120)
     assert run.state == RunState.FINISHED and run.step == 4
     rows = run.history
@@ -59,7 +73,7 @@ def test_a_run_trains_in_the_background_and_reports_every_step(session):
         assert r["reward_name"] == name and r["reward_version"] == 1 and r["n"] == 8
         if r["trained"]:
             assert r["loss"] is not None and r["ratio_mean"] == pytest.approx(1.0, abs=0.05)
-            assert r["tokens"] > 0 and r["grad_norm"] >= 0
+            assert r["tokens"] > 0 and r["grad_norm"] > 0
     # the step statistics are stored with the run on the service too
     stored = session.client.metrics(run.run_id)
     assert [m["step"] for m in stored] == [1, 2, 3, 4]
@@ -106,9 +120,10 @@ def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(sess
     run.pause(wait=True, timeout=60)
     assert run.state == RunState.PAUSED
     held = run.step
-    time.sleep(1.5)
-    assert run.step == held and run.state == RunState.PAUSED
     path = run.save("paused")
+    # the save queued behind anything the run had sent: the service trained exactly the held steps
+    assert session.client.get_run(run.run_id)["step"] == held
+    assert run.step == held and run.state == RunState.PAUSED
     assert path.startswith("tinker://") and path.endswith("/weights/paused")
     run.resume()
     wait_until(lambda: run.step >= held + 2, what="two steps after resume")
@@ -123,17 +138,30 @@ def test_pause_holds_every_step_until_resume_and_save_gives_a_loadable_path(sess
 
 
 def test_two_runs_in_one_process_progress_together(session):
-    name = unique("two")
-    registry.register(name, letters)
-    a = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("a"), **SMALL)
-    b = session.train(reward=name, prompts=PROMPTS, steps=5, name=unique("b"), **SMALL)
+    """Each run's second step waits (in its reward) for the other run's first step: run one after
+    the other, they would never finish."""
+    runs: dict[str, object] = {}
+    both_started = threading.Event()
+
+    def waits_for(other: str):
+        def reward(prompt, completion, **info):
+            assert both_started.wait(60)
+            if reward.calls >= SMALL["batch"] * SMALL["group"]:  # a sample of this run's second step
+                wait_until(lambda: runs[other].step >= 1, timeout=60, what=f"run {other}'s first step")
+            reward.calls += 1
+            return letters(prompt, completion)
+
+        reward.calls = 0
+        return reward
+
+    a = session.train(reward=waits_for("b"), prompts=PROMPTS, steps=3, name=unique("a"), **SMALL)
+    runs["a"] = a
+    b = session.train(reward=waits_for("a"), prompts=PROMPTS, steps=3, name=unique("b"), **SMALL)
+    runs["b"] = b
+    both_started.set()
     a.wait(180)
     b.wait(180)
     assert a.state == b.state == RunState.FINISHED
-    ta = [r["time"] for r in a.history]
-    tb = [r["time"] for r in b.history]
-    # interleaved, not one after the other: each run finished a step while the other was mid-way
-    assert ta[0] < tb[-1] and tb[0] < ta[-1]
     assert a.run_id != b.run_id
 
 
@@ -215,11 +243,13 @@ def test_info_fields_reach_the_reward(session, tmp_path):
         ({"prompts": ["ok", ""]}, r"prompts\[1\] is an empty prompt"),
         ({"prompts": [{"text": "x"}]}, r'prompts\[0\] needs a non-empty "prompt"'),
         ({"prompts": "missing.txt"}, "no such file"),
-        ({"steps": 0}, "steps must be an integer from 1"),
+        ({"steps": 0}, r"steps must be an integer in \[1, 1000000\]; got 0"),
         ({"group": 1}, "group must be at least 2"),
-        ({"lr": -1.0}, r"lr must be a number in \(0, 1\]"),
+        ({"lr": -1.0}, r"lr must be a finite number in \[0, 1\]; got -1.0"),
+        ({"lr": 0}, r"lr must be a number in \(0, 1\]; got 0"),
+        ({"batch": 2.5}, r"batch must be an integer in \[1, 1024\]; got 2.5"),
         ({"loss": "sft"}, "loss must be one of importance_sampling, ppo"),
-        ({"temperature": 99}, "temperature must be a number from 0 to 10"),
+        ({"temperature": 99}, r"temperature must be a finite number in \[0, 10\]; got 99"),
     ],
 )
 def test_bad_arguments_are_one_clear_usage_error(session, kwargs, message):
@@ -303,3 +333,99 @@ def test_load_prompts_from_text_file(tmp_path):
     src = tmp_path / "p.txt"
     src.write_text("one\n\ntwo\n")
     assert [p["prompt"] for p in load_prompts(str(src))] == ["one", "two"]
+
+
+def test_a_function_reward_is_pinned_to_its_run_and_leaves_the_named_rewards_alone(session):
+    """train(reward=fn) keeps calling fn: a later train(reward=lambda ...) does not swap it, and a
+    function that shares a registered reward's name does not become that reward's next version."""
+    name = unique("letters")
+    registry.register(name, letters)  # what a %%openrl reward NAME cell would have made
+    names_before = registry.names()
+    first_call, release = threading.Event(), threading.Event()
+
+    def gated(prompt, completion, **info):
+        first_call.set()
+        assert release.wait(60)
+        return 0.25
+
+    gated.__name__ = "<lambda>"  # as anonymous as the lambda that follows
+    a = session.train(reward=gated, prompts=PROMPTS, steps=2, **SMALL)
+    assert first_call.wait(60)  # a is inside its first step
+    b = session.train(reward=lambda prompt, completion, **info: 0.75, prompts=PROMPTS, steps=2, **SMALL)
+    release.set()
+    a.wait(120)
+    b.wait(120)
+    assert [r["reward_mean"] for r in a.history] == [0.25, 0.25]
+    assert [r["reward_mean"] for r in b.history] == [0.75, 0.75]
+
+    def same_name(prompt, completion, **info):
+        return 0.5
+
+    same_name.__name__ = name  # a function that happens to share the registered reward's name
+    c = session.train(reward=same_name, prompts=PROMPTS, steps=1, **SMALL).wait(120)
+    assert [r["reward_mean"] for r in c.history] == [0.5]
+    assert registry.names() == names_before
+    assert registry.latest(name).version == 1 and registry.latest(name).fn is letters
+
+
+def test_a_paused_run_heartbeats_so_its_session_outlives_the_idle_timeout(make_server):
+    """A run paused for longer than the service's idle timeout is still there to resume: the
+    notebook heartbeats it (every third of the timeout) while it exists, paused or not."""
+    idle_s = 6.0
+    live = make_server(session_idle_timeout_s=idle_s, future_ttl_s=4.0)  # the reaper looks every 1 s
+    svc = live.service
+    s = sess.connect(live.url, token=ALICE_KEY, name="heartbeat")
+    try:
+        name = unique("hb")
+        registry.register(name, letters)
+        run = s.train(reward=name, prompts=PROMPTS, steps=3, **SMALL)
+        run.wait(120, step=1)
+        run.pause(wait=True, timeout=60)
+        session = svc.sessions[svc.runs[run.run_id].session_id]
+        paused_at = time.time()
+        # The service's own clock says when it last heard of the run; wait until that is well past
+        # the idle timeout after pausing (or the reaper finished the session).
+        wait_until(
+            lambda: session.finished or session.last_heartbeat > paused_at + 2 * idle_s,
+            timeout=120,
+            what="heartbeats past the idle timeout",
+        )
+        assert not session.finished, "the paused run's session was reaped as idle"
+        assert run.state == RunState.PAUSED
+        run.resume()
+        run.wait(120)
+        assert run.state == RunState.FINISHED and [r["step"] for r in run.history] == [1, 2, 3]
+    finally:
+        sess.disconnect("heartbeat")
+
+
+def test_a_train_step_whose_reply_is_lost_is_sent_again_not_resampled_on_resume(server):
+    """The reply to step 1's train_step is lost and the client does not retry: the run pauses; on
+    resume() it re-sends that same train_step (same key) instead of sampling and training again, so
+    the service applies exactly the updates the notebook recorded."""
+    from openrl_jupyter import AsyncClient
+
+    lossy = DropReply("/train_step")
+    s = sess.connect(server.url, token=ALICE_KEY, name="lossy")
+    s._aclient = AsyncClient(server.url, token=ALICE_KEY, retries=0, transport=lossy)
+    counter = itertools.count()
+    try:
+        run = s.train(
+            reward=lambda prompt, completion, **info: float(next(counter)), prompts=PROMPTS, steps=2, **SMALL
+        )
+        with pytest.raises(RunPaused, match="reply arrived"):
+            run.wait(120)
+        assert run.step == 0 and lossy.dropped == 1
+        assert s.client.get_run(run.run_id)["step"] == 1  # the service did apply it
+        run.resume()
+        run.wait(120)
+        assert [r["step"] for r in run.history] == [1, 2] and all(r["trained"] for r in run.history)
+        assert s.client.get_run(run.run_id)["step"] == 2  # one update per recorded step
+        samples = [p for p, _ in lossy.sent if p.endswith("/sample")]
+        steps = [k for p, k in lossy.sent if p.endswith("/train_step")]
+        assert len(samples) == 2  # step 1 was not sampled again
+        assert len(steps) == 3 and steps[0] == steps[1] != steps[2] and steps[0]
+    finally:
+        for run in s.runs.values():
+            s.client.delete_run(run.run_id)
+        sess.disconnect("lossy")

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
@@ -18,8 +17,17 @@ from openrl_jupyter.runner import DaemonPool, get_runner
 def test_pool_returns_results_and_errors_and_caps_its_threads():
     pool = DaemonPool(3)
     gate = threading.Event()
-    futures = [pool.submit(lambda i=i: (gate.wait(5), i * i)[1]) for i in range(8)]
-    time.sleep(0.1)
+    started = threading.Semaphore(0)
+
+    def square(i):
+        started.release()
+        assert gate.wait(60)
+        return i * i
+
+    futures = [pool.submit(square, i) for i in range(3)]
+    for _ in range(3):
+        assert started.acquire(timeout=60)  # three calls running at once: three workers
+    futures += [pool.submit(square, i) for i in range(3, 8)]
     assert len(pool._threads) == 3  # never more than max_workers, however many calls wait
     assert all(t.daemon for t in pool._threads)
     gate.set()
@@ -40,10 +48,10 @@ def test_pool_serves_run_in_executor_and_cancels_queued_work():
         return await asyncio.gather(*(loop.run_in_executor(pool, pow, 2, k) for k in range(5)))
 
     assert asyncio.run(main()) == [1, 2, 4, 8, 16]
-    gate = threading.Event()
-    running = pool.submit(gate.wait, 5)
+    gate, started = threading.Event(), threading.Event()
+    running = pool.submit(lambda: started.set() or gate.wait(60))
     queued = pool.submit(print, "never")
-    time.sleep(0.05)
+    assert started.wait(60)  # the worker holds the first call; the second is still queued
     pool.shutdown(wait=False, cancel_futures=True)
     assert queued.cancelled()
     gate.set()
@@ -53,18 +61,18 @@ def test_pool_serves_run_in_executor_and_cancels_queued_work():
 def test_a_slow_reward_does_not_hold_the_process_at_exit():
     script = textwrap.dedent(
         """
-        import time
+        import threading, time
         from openrl_jupyter.runner import get_runner
-        get_runner().pool.submit(time.sleep, 120)
-        time.sleep(0.2)
+        started = threading.Event()
+        get_runner().pool.submit(lambda: started.set() or time.sleep(120))
+        assert started.wait(30)  # a worker is inside the slow reward as the process leaves
         print("leaving")
         """
     )
-    t0 = time.monotonic()
+    # the timeout is half the 120 s the reward sleeps: a process held by its pool never exits in time
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "leaving" in out.stdout
-    assert time.monotonic() - t0 < 30  # not the 120 s the reward sleeps
 
 
 def test_the_runner_uses_the_daemon_pool():

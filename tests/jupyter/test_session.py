@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from openrl_jupyter import ServiceUnavailable
 from openrl_jupyter import session as sess
 from tests.conftest import ALICE_KEY, BOB_KEY, free_port
 
@@ -103,6 +104,6 @@ def test_local_without_the_service_extra_names_the_extra():
 
 def test_unreachable_url_is_a_clear_error():
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(sess.ServiceUnavailable, match="cannot reach the openrl service"):
+    with pytest.raises(ServiceUnavailable, match="cannot reach the openrl service"):
         sess.connect(url, token=ALICE_KEY)
     assert sess.sessions() == {}

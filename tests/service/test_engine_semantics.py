@@ -29,6 +29,19 @@ def sdk_data(offset: int):
     ]
 
 
+@pytest.fixture
+def raw(server):
+    """A raw Tinker client on the shared server; its sessions are finished afterwards, so the runs a
+    test creates do not count against the tenant's run quota in later tests."""
+    client = RawTinker(server.client())
+    sessions: list[str] = []
+    real = client.session
+    client.session = lambda: sessions.append(real()) or sessions[-1]
+    yield client
+    for sid in sessions:
+        client.post(f"sessions/{sid}/finish", reason={"type": "success"})
+
+
 def adapter_tensors(server, model_id):
     run = server.service.runs[model_id]
     return {n: t.detach().clone() for n, t in run.state.adapter.named_parameters()}
@@ -114,8 +127,7 @@ def test_grad_clipping_is_per_run(server, service_client):
 
 
 # -- ordering, retries, gaps -------------------------------------------------------------------------
-def test_retry_of_same_seq_id_is_applied_once(server):
-    raw = RawTinker(server.client())
+def test_retry_of_same_seq_id_is_applied_once(server, raw):
     sid = raw.session()
     twice, once = raw.create_model(sid, 0, seed=5), raw.create_model(sid, 1, seed=5)
     first = raw.submit_fb(twice, 1, data_for(0))
@@ -128,16 +140,14 @@ def test_retry_of_same_seq_id_is_applied_once(server):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_idempotency_key_dedupes_a_resubmitted_request(server):
-    raw = RawTinker(server.client())
+def test_idempotency_key_dedupes_a_resubmitted_request(raw):
     sid = raw.session()
     m = raw.create_model(sid)
     first = raw.submit_fb(m, 1, data_for(0), **{"X-Idempotency-Key": "key-1"})
     assert raw.submit_fb(m, 1, data_for(0), **{"X-Idempotency-Key": "key-1"}) == first
 
 
-def test_bad_request_takes_its_slot_and_the_next_one_runs(server):
-    raw = RawTinker(server.client())
+def test_bad_request_takes_its_slot_and_the_next_one_runs(raw):
     sid = raw.session()
     m = raw.create_model(sid)
     ok1 = raw.submit_fb(m, 1, data_for(0))
@@ -150,8 +160,7 @@ def test_bad_request_takes_its_slot_and_the_next_one_runs(server):
     assert "grad_norm:mean" in raw.result(ok3)["metrics"]
 
 
-def test_out_of_order_arrival_executes_in_seq_order(server):
-    raw = RawTinker(server.client())
+def test_out_of_order_arrival_executes_in_seq_order(raw):
     sid = raw.session()
     m = raw.create_model(sid, seed=3)
     opt = raw.submit_optim(m, 2)  # arrives first but must wait for seq 1
@@ -180,7 +189,8 @@ def test_a_gap_times_out_naming_the_missing_seq_id(make_server):
 
 # -- futures -----------------------------------------------------------------------------------------
 def test_long_poll_answers_try_again_then_results_expire_with_410(make_server):
-    live = make_server(long_poll_s=0.2, future_ttl_s=0.5, seq_gap_timeout_s=30)
+    # A TTL far longer than the test: results expire only when the test sweeps with a later clock.
+    live = make_server(long_poll_s=0.2, future_ttl_s=600, seq_gap_timeout_s=30)
     raw = RawTinker(live.client())
     sid = raw.session()
     m = raw.create_model(sid)
@@ -194,7 +204,7 @@ def test_long_poll_answers_try_again_then_results_expire_with_410(make_server):
     done = raw.submit_fb(m, 1, data_for(0))
     assert "loss_fn_outputs" in raw.result(done)
     assert "loss_fn_outputs" in raw.result(done)  # a result can be fetched more than once
-    live.service.futures.sweep(now=__import__("time").time() + 10)
+    live.service.engine.forget(live.service.futures.sweep(now=__import__("time").time() + 601))
     r = raw.post("retrieve_future", request_id=done)
     assert r.status_code == 410 and "OPENRL_FUTURE_TTL_S" in r.json()["error"]
 

@@ -142,7 +142,7 @@ def test_event_stream_carries_ticks_and_run_events(server, alice, run_id):
                     break
     tick = seen["tick"]
     assert tick["schema"] == 2 and tick["utilisation"]["label"] == "engine busy"
-    assert 0.0 <= tick["utilisation"]["value"] <= 1.0 and tick["queue_depth"] >= 0
+    assert 0.0 <= tick["utilisation"]["value"] <= 1.0
     assert seen["step"]["schema"] == 2 and seen["step"]["run_id"] == run_id and seen["step"]["step"] == 1
 
 
@@ -186,3 +186,153 @@ def test_nvml_utilisation_is_reported_where_a_gpu_exists_else_engine_busy(monkey
     reading = NvmlReader.for_device("cuda:1").read()
     assert reading["label"] == "GPU utilisation (NVML)" and reading["value"] == pytest.approx(0.73)
     assert reading["memory_used_bytes"] == 3 << 30 and reading["device"] == "FakeGPU"
+
+
+def _native_runs(svc):
+    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
+    from openrl_service.engine.native import NativeRuns
+
+    return next(
+        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
+    )
+
+
+def test_heartbeat_keeps_an_idle_run_alive_and_a_reaped_run_leaves_memory(make_server):
+    """A paused notebook heartbeats its run; a run nobody heartbeats is finished by the idle reaper
+    and forgotten (its metric rows and samples too)."""
+    live = make_server(session_idle_timeout_s=60.0)
+    svc = live.service
+    with live.client(ALICE_KEY) as c:
+        kept, lost = (c.post(f"{V1}/runs", json={"name": n, "seed": 0}).json() for n in ("kept", "lost"))
+        assert kept["idle_timeout_s"] == 60.0
+        for run in (kept, lost):
+            c.post(f"{V1}/runs/{run['run_id']}/sample", json={"prompts": ["a"], "max_tokens": 2})
+            c.post(f"{V1}/runs/{run['run_id']}/metrics", json={"step": 0, "reward_mean": 0.5})
+        # Both went quiet long ago (backdated rather than slept)...
+        for run in (kept, lost):
+            rec = svc.runs[run["run_id"]]
+            rec.last_request_time -= 1000
+            svc.sessions[rec.session_id].last_heartbeat -= 1000
+        # ...then the notebook of "kept" heartbeats it.
+        hb = c.post(f"{V1}/runs/{kept['run_id']}/heartbeat")
+        assert hb.status_code == 200, hb.text
+        assert hb.json()["run_id"] == kept["run_id"] and hb.json()["idle_timeout_s"] == 60.0
+        assert len(svc.reap_idle_sessions()) == 1
+        assert c.get(f"{V1}/runs/{kept['run_id']}").status_code == 200
+        assert c.get(f"{V1}/runs/{lost['run_id']}").status_code == 404
+        assert c.post(f"{V1}/runs/{lost['run_id']}/heartbeat").status_code == 404
+        native = _native_runs(svc)
+        assert set(native.runs) == {kept["run_id"]}
+        assert {s.run_id for s in native.samples.values()} == {kept["run_id"]}
+        c.delete(f"{V1}/runs/{kept['run_id']}")
+        assert native.runs == {} and not native.samples
+
+
+def test_a_resent_train_step_with_the_same_idempotency_key_is_applied_once(server, alice, run_id):
+    """A train_step whose reply was lost is re-sent with its key: the original reply, one update."""
+    sample = alice.post(
+        f"{V1}/runs/{run_id}/sample", json={"prompts": ["a"], "num_samples": 4, "max_tokens": 4, "stop": []}
+    ).json()
+    items = [{"sample_id": s["sample_id"], "advantage": 1.0 - i} for i, s in enumerate(sample["samples"])]
+    key = {"X-Idempotency-Key": "step-1-of-" + run_id}
+    weights = server.service.runs[run_id].state.adapter.weights
+    before = {n: (a.detach().clone(), b.detach().clone()) for n, (a, b) in weights.items()}
+    replies = []
+    send = lambda: replies.append(  # noqa: E731
+        alice.post(f"{V1}/runs/{run_id}/train_step", json={"samples": items}, headers=key)
+    )
+    threads = [threading.Thread(target=send) for _ in range(2)]  # the duplicate may arrive mid-flight
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    send()  # or after the first finished
+    assert [r.status_code for r in replies] == [200, 200, 200], replies[0].text
+    assert replies[0].content == replies[1].content == replies[2].content
+    assert replies[0].json()["step"] == 1 and alice.get(f"{V1}/runs/{run_id}").json()["step"] == 1
+    assert server.service.runs[run_id].state.steps == 1  # one optimizer step, not three
+    import torch
+
+    moved = [
+        not torch.equal(a, before[n][0]) or not torch.equal(b, before[n][1]) for n, (a, b) in weights.items()
+    ]
+    assert any(moved)
+    # Another key is another step.
+    other = alice.post(
+        f"{V1}/runs/{run_id}/train_step", json={"samples": items}, headers={"X-Idempotency-Key": "step-2"}
+    )
+    assert other.json()["step"] == 2
+
+
+def test_an_idempotent_create_returns_the_same_run_and_an_overlong_key_is_refused(alice):
+    key = {"X-Idempotency-Key": "create-once"}
+    first = alice.post(f"{V1}/runs", json={"name": "idem"}, headers=key)
+    again = alice.post(f"{V1}/runs", json={"name": "idem"}, headers=key)
+    try:
+        assert first.status_code == again.status_code == 201 and first.content == again.content
+        mine = [r for r in alice.get(f"{V1}/runs").json()["runs"] if r["name"] == "idem"]
+        assert [r["run_id"] for r in mine] == [first.json()["run_id"]]
+    finally:
+        for r in {first.json()["run_id"], again.json()["run_id"]}:
+            alice.delete(f"{V1}/runs/{r}")
+    long = alice.post(f"{V1}/runs", json={"name": "x"}, headers={"X-Idempotency-Key": "k" * 129})
+    assert long.status_code == 400 and "X-Idempotency-Key" in long.json()["error"], long.text
+    assert "128" in long.json()["error"]
+
+
+def test_a_native_request_answers_503_when_the_device_worker_has_died(make_server):
+    """A request queued when the worker dies, and one sent after, answer 503 naming the worker
+    instead of waiting forever."""
+    from tests.service.test_scheduling import held_worker, wait_for
+
+    live = make_server()
+    svc = live.service
+    with httpx.Client(base_url=live.url, headers={"X-API-Key": ALICE_KEY}, timeout=20) as c:
+        run = c.post(f"{V1}/runs", json={"name": "doomed"}).json()["run_id"]
+        body = {"prompts": ["a"], "max_tokens": 2}
+        replies = []
+        with held_worker(svc.engine, svc.futures):
+            depth = svc.engine.queue_depth()
+            t = threading.Thread(target=lambda: replies.append(c.post(f"{V1}/runs/{run}/sample", json=body)))
+            t.start()
+            wait_for(lambda: svc.engine.queue_depth() == depth + 1)
+            svc.engine._stop = True  # the worker exits after the held op, leaving the sample queued
+        svc.engine._thread.join(10)
+        assert not svc.engine.alive
+        t.join(30)
+        after = c.post(f"{V1}/runs/{run}/sample", json=body)
+        for r in [*replies, after]:
+            assert r.status_code == 503 and "device worker" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("call", ["create", "delete"])
+def test_a_slow_session_write_does_not_stall_other_requests(make_server, call):
+    """Creating or deleting a run writes (and fsyncs) its session file; while that disk write hangs,
+    the service still answers other requests (the write runs off the event loop)."""
+    live = make_server()
+    store = live.service.store
+    entered, release = threading.Event(), threading.Event()
+    real = store.write_session
+    with live.client(ALICE_KEY) as c, httpx.Client(base_url=live.url, timeout=10) as probe:
+        run = c.post(f"{V1}/runs", json={"name": "slow"}).json()["run_id"] if call == "delete" else None
+
+        def slow(*args, **kw):
+            entered.set()
+            release.wait(30)
+            return real(*args, **kw)
+
+        store.write_session = slow
+        replies = []
+        if call == "create":
+            t = threading.Thread(target=lambda: replies.append(c.post(f"{V1}/runs", json={"name": "x"})))
+        else:
+            t = threading.Thread(target=lambda: replies.append(c.delete(f"{V1}/runs/{run}")))
+        t.start()
+        try:
+            assert entered.wait(30)
+            assert probe.get("/healthz").status_code == 200  # answered while the write hangs
+        finally:
+            release.set()
+            t.join(30)
+            store.write_session = real
+        assert replies[0].status_code in (200, 201), replies[0].text

@@ -375,8 +375,8 @@ def test_an_sdk_run_under_backpressure_loses_and_repeats_no_step(make_server, ca
                 )
                 for _ in range(10)
             ]
-            wait_for(lambda: svc.engine.queue_depth() >= 2 * steps, 60)
-            time.sleep(1.0)  # samples meet the full queue; training futures are polled while paused
+            # samples meet the full queue; training futures are polled while paused
+            wait_for(lambda: "paused_capacity" in states and refusals, 120)
         optim = [o.result(timeout=180) for _, o in train]
         fb = [f.result(timeout=180) for f, _ in train]
         outs = [s.result(timeout=180) for s in samples]

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 import types
 
 import httpx
@@ -13,6 +14,7 @@ from openrl_service.api.metrics import EngineCollector
 from openrl_service.engine.native import EVENTS_SCHEMA_VERSION, NativeRuns
 from openrl_service.telemetry import OpRecorder, percentile, token_direction
 from tests.conftest import ALICE_KEY, BOB_KEY, fake_pynvml
+from tests.service.test_scheduling import held_worker, wait_for
 
 V1 = "/openrl/v1"
 AGGREGATES = {
@@ -79,29 +81,53 @@ def first_tick(server, key: str) -> dict:
     raise AssertionError("no tick")
 
 
+def native_runs(svc) -> NativeRuns:
+    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
+    return next(
+        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
+    )
+
+
 def test_tick_schema_2_fields_and_labels_on_cpu(server, runs):
-    with server.client(ALICE_KEY) as alice:
-        rl_step(alice, runs["alice"])  # within the tick's 5 s window
-    tick = first_tick(server, ALICE_KEY)
+    tick = first_tick(server, ALICE_KEY)  # through the event stream: shape and labels
     assert tick["schema"] == EVENTS_SCHEMA_VERSION == 2 and tick["type"] == "tick"
     # schema 1's fields are all still there, with the same meaning
     assert {"time", "window_s", "utilisation", "engine_busy", "runs", "queue_depth"} <= set(tick)
-    assert tick["utilisation"]["label"] == "engine busy" and 0.0 < tick["utilisation"]["value"] <= 1.0
-    assert tick["utilisation"]["value"] == tick["engine_busy"] and tick["queue_depth"] >= 0
+    assert tick["utilisation"]["label"] == "engine busy" and tick["window_s"] == 5.0
+    assert tick["utilisation"]["value"] == tick["engine_busy"]
     assert "gpu" not in json.dumps(tick).lower()  # no GPU here: nothing is called GPU
-    assert tick["memory"] is None
+    assert tick["memory"] is None and runs["bob"] not in tick["runs"]
+    # The activity figures over a window that surely holds this step (the stream's window is the
+    # last 5 s, which a slow machine could let the step fall out of).
+    t0 = time.time()
+    with server.client(ALICE_KEY) as alice:
+        rl_step(alice, runs["alice"])
+    tick = native_runs(server.service).tick("alice", window_s=time.time() - t0 + 0.5)
+    assert 0.0 < tick["utilisation"]["value"] <= 1.0
     # this tenant's runs only, with their share of the engine's busy time
     assert runs["alice"] in tick["runs"] and runs["bob"] not in tick["runs"]
     assert 0.0 < tick["runs"][runs["alice"]] <= 1.0
     wait = tick["queue_wait_s"]
-    assert wait["ops"] > 0 and 0.0 <= wait["p50"] <= wait["p99"]
+    assert wait["ops"] >= 4 and wait["p50"] <= wait["p99"]  # three samples and a train step
     assert tick["tokens_per_s"]["trained"] > 0 and tick["tokens_per_s"]["sampled"] > 0
     assert 0.0 <= tick["fused_share"] <= 1.0
 
 
+def test_tick_reports_the_queue_depth(server, runs):
+    svc = server.service
+    with server.client(ALICE_KEY) as alice:
+        with held_worker(svc.engine, svc.futures):
+            before = svc.engine.queue_depth()
+            body = {"prompts": ["a"], "max_tokens": 2}
+            t = threading.Thread(target=lambda: alice.post(f"{V1}/runs/{runs['alice']}/sample", json=body))
+            t.start()
+            wait_for(lambda: svc.engine.queue_depth() == before + 1)
+            assert native_runs(svc).tick("alice")["queue_depth"] == before + 1
+        t.join(60)
+
+
 def test_op_record_carries_the_queue_wait(server, runs):
     ops = [op for op in server.service.recorder.since(0) if op.run == runs["alice"]]
-    assert ops and all(op.queued_s >= 0.0 for op in ops)
     # three sampling requests were submitted together: the later ones waited for the first
     assert max(op.queued_s for op in ops if op.kind == "sample") > 0.0
 
@@ -163,7 +189,7 @@ def test_metrics_unauthenticated_scrape_is_aggregates_only(server, runs):
     assert value["openrl_tokens_trained_total"] > 0 and value["openrl_tokens_sampled_total"] > 0
     assert value["openrl_engine_busy_seconds_total"] > 0 and value["openrl_queue_wait_seconds_count"] > 0
     kinds = {s.labels["kind"] for s in fams["openrl_ops"].samples}
-    assert {"sample", "train_step"} <= kinds
+    assert {"sample", "forward_backward", "optim_step"} <= kinds  # a native train_step is these two ops
     # no tenant's identifiers anywhere: not a run id, sampler id or tenant name
     labels = {v for f in fams.values() for s in f.samples for v in s.labels.values()}
     for secret in (runs["alice"], runs["bob"], "alice", "bob", "telemetry-alice", *server.service.samplers):
@@ -205,6 +231,7 @@ def fake_service(device: str) -> types.SimpleNamespace:
         base=types.SimpleNamespace(device=device),
         runs={},
         samplers={},
+        session_listeners=[],
     )
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
+
+from openrl_jupyter.local import free_port
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page, Playwright
@@ -55,12 +56,6 @@ LAB_SETTINGS = {
     },
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def missing() -> str | None:

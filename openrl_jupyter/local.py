@@ -1,0 +1,151 @@
+"""The one way this project starts ``openrl-service serve`` as a child on a free loopback port.
+
+    service = start_service(api_key=key)          # waits for /readyz; stops when this process exits
+    ... Client(service.url, token=key) ...
+    service.stop()
+
+Used by ``connect(local=True)``, the demos, the benchmarks and the tests. The child runs with
+``--exit-with-parent``: it watches a pipe on its stdin and stops when this process closes it, exits
+or dies, so no service outlives its owner. Its output goes to ``service.log`` in its data folder.
+No torch here (the notebook side imports this module).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from openrl_jupyter._exceptions import ServiceUnavailable
+
+READY_TIMEOUT_S = 300.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalService:
+    """An ``openrl-service`` child process on loopback."""
+
+    process: subprocess.Popen
+    url: str
+    data_dir: str
+    key: str | None = field(default=None, repr=False)  # None with --no-auth
+    _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.data_dir, "service.log")
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the service's output."""
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop gracefully (close the pipe it watches), kill after ``timeout_s``; remove a temporary
+        data folder."""
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()  # the child's watcher stops it gracefully
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def start_service(
+    *,
+    model: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    api_key: str | None = None,
+    auth: bool = True,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_level: str = "warning",
+    timeout_s: float = READY_TIMEOUT_S,
+    progress: Callable[[str], None] | None = None,
+) -> LocalService:
+    """Start a service and return it once ``/readyz`` answers ready.
+
+    ``api_key``: the key it accepts (tenant "default"), passed through the environment, never the
+    command line; without one it generates its own into its data folder (``service.key`` is read from
+    there); ``auth=False`` serves without keys. ``data_dir``: a temporary folder by default (removed
+    on ``stop``). ``args``: more ``serve`` flags (``--device``, ``--fusion``...); ``env``: more
+    environment. ``progress`` is told once if the start takes more than a second.
+    """
+    port = free_port()
+    tmp = None
+    if data_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
+        data_dir = tmp.name
+    data_dir = os.fspath(data_dir)
+    os.makedirs(data_dir, exist_ok=True)
+    child_env = {**os.environ, **(env or {})}
+    if api_key is not None:
+        child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
+    cmd = [sys.executable, "-m", "openrl_service.cli", "serve", "--exit-with-parent"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir, "--log-level", log_level]
+    if model not in (None, "tiny", "openrl/tiny"):
+        cmd += ["--model", model]
+    if not auth:
+        cmd.append("--no-auth")
+    cmd += list(args)
+    log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    log.close()
+    service = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, api_key, tmp)
+    atexit.register(service.stop)
+    try:
+        _wait_ready(service, model or "openrl/tiny", timeout_s, progress)
+    except BaseException:
+        service.stop()
+        raise
+    if service.key is None and auth:
+        with contextlib.suppress(OSError), open(os.path.join(data_dir, "api-key"), encoding="utf-8") as f:
+            service.key = f.read().strip()
+    return service
+
+
+def _wait_ready(
+    service: LocalService, model: str, timeout_s: float, progress: Callable[[str], None] | None
+) -> None:
+    started = time.monotonic()
+    shown = False
+    with httpx.Client(base_url=service.url, timeout=5.0) as http:
+        while True:
+            if service.process.poll() is not None:
+                raise ServiceUnavailable(
+                    f"the openrl service exited with code {service.process.returncode}:\n{service.log_tail(2000)}"
+                )
+            with contextlib.suppress(httpx.TransportError, ValueError):
+                r = http.get("/readyz")
+                if r.status_code == 200 and r.json().get("status") == "ready":
+                    return
+            if time.monotonic() - started > timeout_s:
+                raise ServiceUnavailable(f"the openrl service was not ready after {timeout_s:.0f} s")
+            if progress is not None and not shown and time.monotonic() - started > 1:
+                shown = True
+                progress(f"starting the embedded openrl service ({model}) on {service.url} ...")
+            time.sleep(0.2)

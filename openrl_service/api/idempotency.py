@@ -1,0 +1,125 @@
+"""Idempotent POSTs: a request re-sent with its ``X-Idempotency-Key`` gets the first one's reply.
+
+A client whose reply was lost (a dropped connection, a timeout) re-sends the same request with the
+same key; the service answers with the ORIGINAL status and body instead of doing the work again
+(a re-sent ``train_step`` must not apply a second optimizer step). A duplicate that arrives while
+the first is still running waits for it. Keys are per (tenant, method, path): the same key on
+another route is another request.
+
+Which outcomes are remembered: every reply below 500 except 429, and every :class:`UserError`
+(the same bad request fails the same way). A 429, a 503 or a server failure is forgotten, so the
+re-sent request is tried again. The work runs in its own task: a client that disconnects does not
+cancel it, and its retry finds the result. Entries expire after ``ttl_s`` (OPENRL_FUTURE_TTL_S)
+and at most ``max_entries`` are kept (oldest finished first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from openrl_service.errors import UserError
+
+HEADER = "X-Idempotency-Key"
+MAX_KEY_CHARS = 128
+
+
+@dataclass
+class _Entry:
+    digest: bytes  # of the request body: a key reused for another body is refused
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    created_at: float = field(default_factory=lambda: time.monotonic())
+    reply: tuple[int, bytes, str | None] | None = None  # status, body, media type
+    error: UserError | None = None
+
+
+class IdempotentReplies:
+    def __init__(self, *, ttl_s: float, max_entries: int = 10_000):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str, str, str], _Entry] = OrderedDict()
+        self.waiting = 0  # duplicates now waiting for their first request to finish
+
+    async def reply(self, request: Request, tenant: str, make: Callable[[], Awaitable[Response]]) -> Response:
+        """``make()``'s response, or the remembered one when this request's key was seen before."""
+        key = request.headers.get(HEADER)
+        if key is None:
+            return await make()
+        if not 0 < len(key) <= MAX_KEY_CHARS:
+            raise UserError(f"{HEADER} must be 1 to {MAX_KEY_CHARS} characters; got {len(key)}", field=HEADER)
+        digest = hashlib.sha256(await request.body()).digest()
+        k = (tenant, request.method, request.url.path, key)
+        while (entry := self._lookup(k)) is not None:
+            if entry.digest != digest:
+                raise UserError(
+                    f"{HEADER} {key!r} was already used for a different request to {request.url.path}",
+                    field=HEADER,
+                )
+            self.waiting += 1
+            try:
+                await entry.done.wait()
+            finally:
+                self.waiting -= 1
+            if entry.reply is not None or entry.error is not None:
+                return self._replay(entry)
+            # The first attempt failed in a way worth retrying (429, 503, a server error): try again.
+        entry = self._entries[k] = _Entry(digest)
+        self._bound()
+        outcome = await asyncio.shield(asyncio.ensure_future(self._run(k, entry, make)))
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _run(self, k, entry: _Entry, make) -> Response | BaseException:
+        """The work, in its own task; never raises (a client that went away must not leave an
+        unretrieved exception behind)."""
+        try:
+            resp = await make()
+        except UserError as e:
+            entry.error = e
+            outcome: Response | BaseException = e
+        except Exception as e:  # noqa: BLE001 - handed to the request that started it
+            self._entries.pop(k, None)
+            outcome = e
+        else:
+            if resp.status_code < 500 and resp.status_code != 429:
+                entry.reply = (resp.status_code, bytes(resp.body), resp.media_type)
+            else:
+                self._entries.pop(k, None)
+            outcome = resp
+        entry.done.set()
+        return outcome
+
+    @staticmethod
+    def _replay(entry: _Entry) -> Response:
+        if entry.error is not None:
+            raise entry.error
+        status, body, media_type = entry.reply  # type: ignore[misc]
+        return Response(body, status_code=status, media_type=media_type)
+
+    def _lookup(self, k) -> _Entry | None:
+        now = time.monotonic()
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if not oldest.done.is_set() or now - oldest.created_at <= self.ttl_s:
+                break
+            self._entries.popitem(last=False)
+        entry = self._entries.get(k)
+        if entry is not None and entry.done.is_set() and now - entry.created_at > self.ttl_s:
+            del self._entries[k]
+            return None
+        return entry
+
+    def _bound(self) -> None:
+        for k in list(self._entries):
+            if len(self._entries) <= self.max_entries:
+                break
+            if self._entries[k].done.is_set():
+                del self._entries[k]

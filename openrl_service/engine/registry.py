@@ -1,0 +1,393 @@
+"""Who owns what: sessions, training runs and samplers, their tenants, quotas and idle reaping.
+
+Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provides ``settings``,
+``limits``, ``store``, ``engine``, ``base``, ``require_ready`` and the validation of
+:class:`~openrl_service.engine.validation.Validation`. Every object belongs to a tenant; another
+tenant gets "not found".
+
+    SessionRecord  a client connection (Tinker ServiceClient, or one notebook run); owns runs and samplers
+    RunState       one LoRA training run: adapter + optimizer + gradients, ordered by seq_id
+    SamplerEntry   an immutable adapter snapshot (or the bare base model, or a checkpoint) to sample
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from openrl_service.checks import integer
+from openrl_service.config import Settings
+from openrl_service.engine.scheduler import Engine
+from openrl_service.errors import NotFound, UserError
+from openrl_service.models.loading import BaseModel
+from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
+from openrl_service.training.lora import Adapter, LoraSpec
+from openrl_service.training.trainer import TrainState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionRecord:
+    """A client connection (a Tinker ServiceClient, or one notebook run): owns runs and samplers."""
+
+    session_id: str
+    tenant: str
+    created_at: float = field(default_factory=time.time)
+    last_heartbeat: float = field(default_factory=time.time)
+    finished: bool = False
+    finished_at: float | None = None
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict = field(default_factory=dict)
+    display_name: str | None = None
+    project_id: str | None = None
+    run_ids: list[str] = field(default_factory=list)
+    sampler_ids: list[str] = field(default_factory=list)
+    finish_reason: str | None = None  # success | errored | interrupted | idle
+
+    def record(self) -> dict:
+        """What is kept on disk: enough to list, get and search the session after it ends."""
+        status = (
+            {"type": "client_finished", "reason": {"type": self.finish_reason or "success"}}
+            if self.finished
+            else {"type": "active"}
+        )
+        return {
+            "session_id": self.session_id,
+            "tenant": self.tenant,
+            "created_at": self.created_at,
+            "display_name": self.display_name,
+            "project_id": self.project_id,
+            "user_metadata": self.user_metadata,
+            "tags": self.tags,
+            "status": status,
+            "training_run_ids": list(self.run_ids),
+            "sampler_ids": list(self.sampler_ids),
+        }
+
+
+@dataclass
+class RunState:
+    """One LoRA training run: its owner, LoRA spec and seed; ``state`` holds the tensors once created."""
+
+    run_id: str
+    tenant: str
+    session_id: str
+    spec: LoraSpec
+    seed: int
+    base_model: str
+    user_metadata: dict = field(default_factory=dict)
+    state: TrainState | None = None
+    created_at: float = field(default_factory=time.time)
+    last_request_time: float = field(default_factory=time.time)
+
+
+@dataclass
+class SamplerEntry:
+    """A sampler: an adapter snapshot, a checkpoint (tensors loaded on demand) or the bare base model."""
+
+    sampler_id: str
+    tenant: str
+    session_id: str | None
+    base_model: str
+    adapter: Adapter | None
+    model_path: str | None = None
+    source_run: str | None = None
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+
+def spec_from_manifest(manifest: dict) -> LoraSpec:
+    lora = manifest["lora"]
+    return LoraSpec(
+        rank=lora["rank"],
+        train_attn=lora["train_attn"],
+        train_mlp=lora["train_mlp"],
+        train_unembed=lora["train_unembed"],
+        alpha=lora.get("alpha", LoraSpec(1).alpha),
+    )
+
+
+class Registry:
+    """Sessions, runs and samplers of every tenant (the maps below), guarded by ``_lock``."""
+
+    settings: Settings
+    store: CheckpointStore
+    engine: Engine
+    base: BaseModel | None
+    sessions: dict[str, SessionRecord]
+    runs: dict[str, RunState]
+    samplers: dict[str, SamplerEntry]
+    _evicted: dict[str, str]  # sampler id -> tenant, to explain a 404
+    _ended: dict[str, str]  # forgotten finished session id -> tenant, to answer 410
+    _lock: threading.Lock
+    # Called as fn(tenant, session_id, run_ids) when a session finishes (by its client or the idle
+    # reaper), so layers above the engine (the notebook API) drop what they keep for its runs.
+    session_listeners: list[Callable[[str, str, list[str]], None]]
+
+    def _init_registry(self) -> None:
+        self.sessions = {}
+        self.runs = {}
+        self.samplers = {}
+        self._evicted = {}
+        self._ended = {}
+        self._lock = threading.Lock()
+        self.session_listeners = []
+
+    # -- sessions -------------------------------------------------------------------------------
+    def create_session(
+        self, tenant: str, *, tags=None, user_metadata=None, display_name=None, project_id=None
+    ) -> SessionRecord:
+        if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+            raise UserError("tags must be a list of strings", field="tags")
+        for name, value in (("display_name", display_name), ("project_id", project_id)):
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise UserError(f"{name} must be a string of at most 256 characters", field=name)
+        self.check_metadata({"tags": tags or []}, "tags")
+        sess = SessionRecord(
+            session_id=f"s{uuid.uuid4().hex[:16]}",
+            tenant=tenant,
+            tags=list(tags or []),
+            user_metadata=self.check_metadata(user_metadata),
+            display_name=display_name,
+            project_id=project_id,
+        )
+        with self._lock:
+            self.sessions[sess.session_id] = sess
+        self.store.write_session(tenant, sess.record())
+        return sess
+
+    def session(self, tenant: str, session_id: str, *, live: bool = True) -> SessionRecord:
+        sess = self.sessions.get(session_id)
+        if sess is None or sess.tenant != tenant:
+            raise NotFound(f"unknown session_id {session_id!r}", field="session_id")
+        if live and sess.finished:
+            raise UserError(
+                f"session {session_id} is finished; start a new ServiceClient", field="session_id"
+            )
+        return sess
+
+    def heartbeat(self, tenant: str, session_id: str) -> bool:
+        """False once the session is finished (the SDK stops heartbeating on 410)."""
+        if self._ended.get(session_id) == tenant:
+            return False
+        sess = self.session(tenant, session_id, live=False)
+        sess.last_heartbeat = time.time()
+        return not sess.finished
+
+    def finish_session(self, tenant: str, session_id: str, reason: str = "success") -> None:
+        """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
+        sess = self.session(tenant, session_id, live=False)
+        if not sess.finished:
+            sess.finish_reason = reason if reason in ("success", "errored", "interrupted") else "success"
+        sess.finished = True
+        sess.finished_at = time.time()
+        self.store.write_session(tenant, sess.record())
+        with self._lock:
+            run_ids = [r for r in sess.run_ids if r in self.runs]
+            for rid in run_ids:
+                self.runs.pop(rid, None)
+            for sid in sess.sampler_ids:
+                self.samplers.pop(sid, None)
+        for rid in run_ids:
+            self.engine.close_lane(f"run:{rid}")
+        for listener in self.session_listeners:
+            listener(tenant, session_id, list(sess.run_ids))
+
+    def reap_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client
+        that died), and forget sessions finished longer ago than that. Returns the sessions finished."""
+        now = time.time() if now is None else now
+        timeout = self.settings.session_idle_timeout_s
+        idle = []
+        for sess in list(self.sessions.values()):
+            if sess.finished:
+                if now - (sess.finished_at or now) > timeout:
+                    with self._lock:
+                        self.sessions.pop(sess.session_id, None)
+                        self._ended[sess.session_id] = sess.tenant
+                        while len(self._ended) > 100_000:
+                            self._ended.pop(next(iter(self._ended)))
+                continue
+            runs = [self.runs[r].last_request_time for r in sess.run_ids if r in self.runs]
+            if now - max([sess.last_heartbeat, *runs]) > timeout:
+                idle.append(sess)
+        for sess in idle:
+            log.info(
+                "finishing idle session %s (no heartbeat for %.0f s)",
+                sess.session_id,
+                now - sess.last_heartbeat,
+            )
+            self.finish_session(sess.tenant, sess.session_id, reason="interrupted")
+        return [s.session_id for s in idle]
+
+    # -- runs -----------------------------------------------------------------------------------
+    def run(self, tenant: str, model_id: str) -> RunState:
+        run = self.runs.get(model_id)
+        if run is None or run.tenant != tenant:
+            raise NotFound(f"unknown model_id {model_id!r}", field="model_id")
+        return run
+
+    def _check_base_model(self, name: str | None, field_name: str = "base_model") -> str:
+        base = self.require_ready()
+        if name is not None and name != base.name:
+            raise NotFound(
+                f"{field_name}: model {name!r} is not served here; this service serves {base.name!r}",
+                field=field_name,
+            )
+        return base.name
+
+    def _check_run_quota(self, tenant: str) -> None:
+        n = sum(1 for r in self.runs.values() if r.tenant == tenant)
+        if n >= self.limits.max_runs_per_tenant:
+            raise UserError(
+                f"a tenant may hold at most {self.limits.max_runs_per_tenant} live runs (OPENRL_MAX_RUNS_PER_TENANT); "
+                f"finish a session to free its runs",
+                field="model_id",
+            )
+
+    def _register_run(
+        self,
+        tenant: str,
+        session: SessionRecord,
+        model_seq_id: int,
+        spec: LoraSpec,
+        seed: int,
+        user_metadata: dict | None,
+    ) -> RunState:
+        integer(model_seq_id, "model_seq_id", 0)
+        run_id = f"{session.session_id}:train:{model_seq_id}"
+        base = self.require_ready()
+        with self._lock:
+            existing = self.runs.get(run_id)
+            if existing is not None:
+                return existing
+            self._check_run_quota(tenant)
+            run = RunState(
+                run_id=run_id,
+                tenant=tenant,
+                session_id=session.session_id,
+                spec=spec,
+                seed=seed,
+                base_model=base.name,
+                user_metadata=dict(user_metadata or {}),
+            )
+            self.runs[run_id] = run
+            session.run_ids.append(run_id)
+        self.engine.open_ordered_lane(run_id, next_seq=0)
+        return run
+
+    def _write_run_meta(self, run: RunState, **extra) -> None:
+        self.store.write_run_meta(
+            run.tenant,
+            run.run_id,
+            {
+                "run_id": run.run_id,
+                "tenant": run.tenant,
+                "session_id": run.session_id,
+                "base_model": run.base_model,
+                "lora": run.spec.to_json(),
+                "seed": run.seed,
+                "created_at": run.created_at,
+                "user_metadata": run.user_metadata,
+                "project_id": getattr(self.sessions.get(run.session_id), "project_id", None),
+                **extra,
+            },
+        )
+        sess = self.sessions.get(run.session_id)
+        if sess is not None:
+            self.store.write_session(run.tenant, sess.record())
+
+    def get_info(self, tenant: str, model_id: str) -> dict:
+        run = self.run(tenant, model_id)
+        base = self.require_ready()
+        return {
+            "type": "get_info",
+            "model_id": run.run_id,
+            "model_data": {"arch": base.arch, "model_name": base.name, "tokenizer_id": base.name},
+            "is_lora": True,
+            "lora_rank": run.spec.rank,
+            "model_name": base.name,
+        }
+
+    # -- samplers -------------------------------------------------------------------------------
+    def _add_sampler(self, entry: SamplerEntry) -> None:
+        """Register a sampler (not for a finished session: its owner is gone) and keep the budget."""
+        with self._lock:
+            sess = self.sessions.get(entry.session_id or "")
+            if sess is not None and sess.finished:
+                return
+            self.samplers[entry.sampler_id] = entry
+            if sess is not None:
+                sess.sampler_ids.append(entry.sampler_id)
+            self._enforce_snapshot_budget(keep=entry)
+
+    def _enforce_snapshot_budget(self, keep: SamplerEntry) -> None:
+        """Least-recently-used adapters go first. A checkpoint-backed sampler only drops its tensors
+        (they reload from disk on its next request); an ephemeral snapshot is forgotten. Caller holds
+        the lock."""
+        s = self.settings
+        loaded = sorted(
+            (x for x in self.samplers.values() if x.adapter is not None and x is not keep),
+            key=lambda x: x.last_used,
+        )
+        count = len(loaded) + (keep.adapter is not None)
+        total = sum(x.adapter.nbytes() for x in loaded) + (keep.adapter.nbytes() if keep.adapter else 0)
+        while loaded and (count > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes):
+            old = loaded.pop(0)
+            count -= 1
+            total -= old.adapter.nbytes()
+            if old.model_path is not None:
+                old.adapter = None
+                continue
+            del self.samplers[old.sampler_id]
+            self._evicted[old.sampler_id] = old.tenant
+            while len(self._evicted) > 100_000:
+                self._evicted.pop(next(iter(self._evicted)))
+            log.info("evicted sampler %s (snapshot budget)", old.sampler_id)
+
+    def sampler_entry(self, tenant: str, sampler_id: str) -> SamplerEntry:
+        entry = self.samplers.get(sampler_id)
+        if entry is None and self._evicted.get(sampler_id) == tenant:
+            raise NotFound(
+                f"sampler {sampler_id} was evicted: the service keeps the {self.settings.max_sampler_snapshots} "
+                "most recently used snapshots (OPENRL_MAX_SAMPLER_SNAPSHOTS) within "
+                "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES; save weights for a new sampling client",
+                field="sampling_session_id",
+            )
+        if entry is None or entry.tenant != tenant:
+            raise NotFound(f"unknown sampling_session_id {sampler_id!r}", field="sampling_session_id")
+        return entry
+
+    def create_sampler(
+        self, tenant: str, *, session_id: str, seq_id: Any, base_model: str | None, model_path: str | None
+    ) -> str:
+        """A sampler on the base model or on a saved checkpoint; returns its id at once (the checkpoint's
+        tensors load on the worker with its first sample request)."""
+        sess = self.session(tenant, session_id)
+        integer(seq_id, "sampling_session_seq_id", 0)
+        sampler_id = f"{sess.session_id}:sample:{seq_id}"
+        existing = self.samplers.get(sampler_id)
+        if existing is not None and existing.tenant == tenant:
+            return sampler_id  # a retry
+        if model_path is None:
+            name = self._check_base_model(base_model)
+            self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
+            return sampler_id
+        ref = parse_tinker_path(model_path, field="model_path")
+        manifest = self.store.manifest(tenant, ref)
+        name = self._check_base_model(manifest.get("base_model"), "model_path")
+        self.check_adapter_file(tenant, ref, spec_from_manifest(manifest), "model_path")
+        if base_model is not None:
+            self._check_base_model(base_model)
+        self._add_sampler(
+            SamplerEntry(
+                sampler_id, tenant, sess.session_id, name, None, model_path=ref.path, source_run=ref.run_id
+            )
+        )
+        return sampler_id
