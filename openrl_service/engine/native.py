@@ -204,7 +204,7 @@ class NativeRuns:
         and their stored samples."""
         gone = set(run_ids)
         with self._lock:
-            if not any(self.runs.pop(r, None) for r in run_ids):
+            if not [self.runs.pop(r) for r in run_ids if r in self.runs]:  # every one, not just the first
                 return
             for sid in [sid for sid, s in self.samples.items() if s.run_id in gone]:
                 del self.samples[sid]
