@@ -29,8 +29,8 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from openrl_service.api.http import BackpressureRoute, json_response, read_json
 from openrl_service.api.idempotency import IdempotentReplies
-from openrl_service.api.tinker import BackpressureRoute, json_response, read_json
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService

@@ -30,7 +30,7 @@ from openrl_service.errors import UserError
 from openrl_service.training.trainer import adam_params
 
 # api/native.py still imports these from here; the merge points it at api.http and drops this line.
-__all__ = ["BackpressureRoute", "build_router", "field", "health", "json_response", "read_json"]
+__all__ = ["build_router", "health"]
 
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tinker import types
 
+from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import TINY
-from tests.service.raw import RawTinker, sft_datum
 
 PROMPTS = [[11, 12, 13, 14], [31, 32]]
 COMPLETIONS = [[21, 22, 23], [41, 42, 43, 44]]
@@ -27,19 +27,6 @@ def sdk_data(offset: int):
         )
         for toks, inputs in data_for(offset)
     ]
-
-
-@pytest.fixture
-def raw(server):
-    """A raw Tinker client on the shared server; its sessions are finished afterwards, so the runs a
-    test creates do not count against the tenant's run quota in later tests."""
-    client = RawTinker(server.client())
-    sessions: list[str] = []
-    real = client.session
-    client.session = lambda: sessions.append(real()) or sessions[-1]
-    yield client
-    for sid in sessions:
-        client.post(f"sessions/{sid}/finish", reason={"type": "success"})
 
 
 def adapter_tensors(server, model_id):

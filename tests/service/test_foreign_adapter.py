@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openrl_service.storage.checkpoints import parse_tinker_path
+from tests._support.raw import RawTinker
 from tests.conftest import ALICE_KEY
-from tests.service.raw import RawTinker
 
 V1 = "/openrl/v1"
 

@@ -34,8 +34,8 @@ from tests._support.numerics import (
     adamw_in_float64,
     assert_weights_match,
 )
+from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import ALICE_KEY
-from tests.service.raw import RawTinker, sft_datum
 from tests.service.test_scheduling import held_worker, wait_for
 
 PROMPTS = {0: [11, 12, 13, 14], 1: [21, 22], 2: [31, 32, 33, 34, 35, 36]}

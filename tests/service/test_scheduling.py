@@ -26,8 +26,8 @@ from openrl_service.engine.scheduler import Engine, Op, QueueFull
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import DatumArrays
+from tests._support.raw import RawTinker, result, sft_datum
 from tests.conftest import ALICE_KEY, TINY
-from tests.service.raw import RawTinker, result, sft_datum
 
 
 # -- helpers --------------------------------------------------------------------------------------
