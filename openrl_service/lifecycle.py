@@ -82,6 +82,7 @@ class Lifecycle:
         self.reason = ""
         self._task: asyncio.Task | None = None
         self._deadline = 0.0  # monotonic: the end of the grace
+        self._cut_short = ""  # the second signal that ended the drain early
 
     # -- starting --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -140,6 +141,7 @@ class Lifecycle:
             self._task = asyncio.ensure_future(self.drain(reason))
         else:
             log.warning("%s during the drain: skipping the rest of the grace", reason)
+            self._cut_short = reason.removeprefix("received ")
             self._deadline = time.monotonic()
 
     async def drain(self, reason: str) -> None:
@@ -158,16 +160,16 @@ class Lifecycle:
         )
         while engine.runnable() and engine.alive and time.monotonic() < self._deadline - reserve:
             await asyncio.sleep(TICK_S)
-        cut = engine.runnable()
+        if self._cut_short:
+            why = f"a second signal ({self._cut_short}) cut the drain short"
+        elif engine.runnable():
+            why = f"its drain grace of {self.grace_s:g} s, OPENRL_DRAIN_GRACE_S, ran out"
+        else:
+            why = "it waited for an earlier seq_id, which was refused"
         failed = engine.abandon(
             ShuttingDown(
-                "openrl-service shut down before this request finished"
-                + (
-                    f" (its drain grace of {self.grace_s:g} s, OPENRL_DRAIN_GRACE_S, ran out)"
-                    if cut
-                    else " (it waited for an earlier seq_id that was refused)"
-                )
-                + "; it may not have been applied. Resubmit it once the service is back"
+                f"openrl-service shut down before this request finished ({why}); it may not have been "
+                "applied. Resubmit it once the service is back"
             )
         )
         if failed:

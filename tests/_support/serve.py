@@ -78,5 +78,6 @@ def serving(data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None =
         wait_ready(served)
         yield served
     finally:
-        served.proc.terminate()
-        finish(served, 30)
+        if served.proc.returncode is None:  # not already waited for by the test
+            served.proc.terminate()
+            finish(served, 30)
