@@ -101,8 +101,9 @@ class Lifecycle:
     def refuse_new_work(self) -> None:
         """Raise :class:`ShuttingDown` once the service drains; routes that queue work call this first."""
         if self.state in (State.DRAINING, State.STOPPED):
+            why = f" ({self.reason})" if self.reason else ""
             raise ShuttingDown(
-                f"openrl-service is shutting down ({self.reason}) and takes no new work; "
+                f"openrl-service is shutting down{why} and takes no new work; "
                 f"retry in {RETRY_AFTER_S:g} s (a restarted service will answer)"
             )
 
