@@ -157,38 +157,39 @@ def assert_cut_short(answers: dict[str, dict], accepted: list[str], why: str) ->
     assert all("loss_fn_outputs" in a for a in answers.values() if "error" not in a)
 
 
-def test_a_grace_too_short_for_the_queue_fails_what_did_not_run_and_exits_in_time(tmp_path, tiny_model_dir):
-    grace_s = 1.0
+@contextlib.contextmanager
+def a_long_queue(tmp_path, tiny_model_dir, grace_s: float):
+    """A service with far more work queued than a second (30 forward_backward calls of about a second
+    each), every future long-polled: (served, http, accepted request ids, the answers as they come)."""
     env = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_LONG_POLL_S": str(HANG_GUARD_S)}
-    with serving(tmp_path / "data", tiny_model_dir, "--drain-grace-s", str(grace_s), env=env) as served:
-        with client(served) as (http, raw, model_id):
-            # Far more work than one second: dozens of forward_backward calls of about a second each.
-            accepted = [raw.submit_fb(model_id, seq, datums(16, 128)) for seq in range(1, 31)]
+    with (
+        serving(tmp_path / "data", tiny_model_dir, "--drain-grace-s", str(grace_s), env=env) as served,
+        client(served) as (http, raw, model_id),
+    ):
+        accepted = [raw.submit_fb(model_id, seq, datums(16, 128)) for seq in range(1, 31)]
         pollers, answers = long_polls(served, accepted)
-        served.proc.send_signal(signal.SIGTERM)
-        sigterm_at = time.monotonic()
-
-        assert finish(served, grace_s + EXIT_MARGIN_S) == 0, served.stderr
-        assert time.monotonic() - sigterm_at < grace_s + EXIT_MARGIN_S
+        yield served, http, accepted, answers
         for t in pollers:
             t.join(HANG_GUARD_S)
+
+
+def test_a_grace_too_short_for_the_queue_fails_what_did_not_run_and_exits_in_time(tmp_path, tiny_model_dir):
+    grace_s = 1.0
+    with a_long_queue(tmp_path, tiny_model_dir, grace_s) as (served, http, accepted, answers):
+        served.proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        assert finish(served, grace_s + EXIT_MARGIN_S) == 0, served.stderr
+        assert time.monotonic() - sigterm_at < grace_s + EXIT_MARGIN_S
     assert_cut_short(answers, accepted, "drain grace of 1 s, OPENRL_DRAIN_GRACE_S, ran out")
     assert "did not finish and answer 'service shutting down'" in served.stderr
 
 
 def test_a_second_signal_skips_the_rest_of_the_grace(tmp_path, tiny_model_dir):
-    grace_s = 600  # never reached: the second signal ends the drain
-    env = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_LONG_POLL_S": str(HANG_GUARD_S)}
-    with serving(tmp_path / "data", tiny_model_dir, "--drain-grace-s", str(grace_s), env=env) as served:
-        with client(served) as (http, raw, model_id):
-            accepted = [raw.submit_fb(model_id, seq, datums(16, 128)) for seq in range(1, 31)]
-            pollers, answers = long_polls(served, accepted)
-            served.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: draining(http), "/readyz to say draining")
-            served.proc.send_signal(signal.SIGINT)  # Ctrl-C twice
+    with a_long_queue(tmp_path, tiny_model_dir, grace_s=600) as (served, http, accepted, answers):
+        served.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: draining(http), "/readyz to say draining")
+        served.proc.send_signal(signal.SIGINT)  # Ctrl-C twice: the 600 s grace is never reached
         assert finish(served, HANG_GUARD_S) == 0, served.stderr
-        for t in pollers:
-            t.join(HANG_GUARD_S)
     assert_cut_short(answers, accepted, "a second signal (SIGINT) cut the drain short")
 
 
