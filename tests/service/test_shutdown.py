@@ -10,6 +10,7 @@ a 5xx). With a grace too short for its queue, it still exits in time, and what d
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import subprocess
 import threading
@@ -20,7 +21,7 @@ import pytest
 
 from tests._support.raw import RawTinker, fb_body, sft_datum
 from tests._support.serve import Served, cli, finish, serving
-from tests.conftest import ALICE_KEY
+from tests.conftest import ALICE_KEY, free_port
 
 EXIT_MARGIN_S = 15  # closing connections and the interpreter's exit, on a loaded 2-core machine
 HANG_GUARD_S = 120
@@ -199,3 +200,75 @@ def test_a_bad_drain_grace_is_refused_naming_the_setting(tmp_path, value):
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2
     assert "OPENRL_DRAIN_GRACE_S" in proc.stderr
+
+
+# -- the states /readyz reports ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def in_thread(settings, svc):
+    """The app on a loopback port, served by uvicorn in a thread (no signals: the test drives it)."""
+    import uvicorn
+
+    from openrl_service.app import create_app
+
+    app = create_app(settings, service=svc)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{settings.port}", timeout=HANG_GUARD_S) as http:
+            wait_for(lambda: _answers(http), "the server to listen")
+            yield app, http
+    finally:
+        server.should_exit = True
+        thread.join(HANG_GUARD_S)
+
+
+def _answers(http: httpx.Client) -> bool:
+    with contextlib.suppress(httpx.TransportError):
+        return http.get("/readyz").status_code > 0
+    return False
+
+
+def test_readyz_reports_starting_then_ready_and_draining(tmp_path, tiny_model_dir):
+    from openrl_service.config import Settings
+    from openrl_service.engine.service import TrainingService
+
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "openrl-tiny")
+    settings = Settings(data_dir=tmp_path, port=free_port(), no_auth=True)
+    svc = TrainingService(settings)
+    loading = threading.Event()
+    setup = svc._setup
+    svc._setup = lambda: (loading.wait(HANG_GUARD_S), setup())  # the model "loads" until the test says
+    with in_thread(settings, svc) as (app, http):
+        r = http.get("/readyz")
+        assert (r.status_code, r.json()["state"], r.json()["status"]) == (503, "starting", "loading")
+        assert http.post("/api/v1/create_session", json={}).status_code == 200  # starting is not draining
+        loading.set()
+        ready = wait_for(
+            lambda: http.get("/readyz").json()["state"] == "ready" and http.get("/readyz"), "ready"
+        )
+        assert ready.status_code == 200 and ready.json()["model"] == "openrl/tiny"
+
+        # A drain lasts until the results it handed out are fetched (here: a create_model's), then stops.
+        raw = RawTinker(http)
+        r = raw.post("create_model", session_id=raw.session(), model_seq_id=0, base_model="openrl/tiny")
+        app.state.lifecycle.request_stop("a test")
+        body = wait_for(lambda: draining(http), "draining")
+        assert body == {"status": "draining", "state": "draining"}
+        assert http.get("/healthz").status_code == 200
+        assert "error" not in raw.result(r.json()["request_id"])
+        wait_for(lambda: http.get("/readyz").json()["state"] == "stopped", "the drain to end")
+
+
+def test_readyz_reports_a_model_that_failed_to_load(tmp_path):
+    from openrl_service.config import Settings
+    from openrl_service.engine.service import TrainingService
+
+    settings = Settings(
+        data_dir=tmp_path, port=free_port(), no_auth=True, model=str(tmp_path / "no-such-model")
+    )
+    with in_thread(settings, TrainingService(settings)) as (app, http):
+        r = wait_for(lambda: (r := http.get("/readyz")).json()["state"] == "failed" and r, "the load to fail")
+        assert (
+            r.status_code == 503 and r.json()["status"] == "failed" and "no-such-model" in r.json()["error"]
+        )
