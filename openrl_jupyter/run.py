@@ -18,9 +18,12 @@ Each step, on the shared runner thread (see ``runner.py``):
    (the dashboard).
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
-trained is lost and ``resume()`` retries the step (with the newest reward version). A step whose
-train_step got no answer (the service may have applied it) is not sampled again: ``resume()`` re-sends
-that same train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
+trained is lost and ``resume()`` retries the step (with the newest reward version). A service that is
+unavailable (connection refused, or 503 while it drains or restarts) does not pause the run: its log
+(and dashboard) says "service unavailable — retrying in N s" and the step is retried by itself, backing
+off from 1 s to 30 s, until the service answers again. A step whose train_step got no answer (the
+service may have applied it) is not sampled again: the retry (or ``resume()``) re-sends that same
+train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
 stopping take effect between steps. While the run is not done (paused included) it heartbeats the
 service every third of the service's ``idle_timeout_s`` (at most 2 min apart), so a paused run is
 not reaped as abandoned.
@@ -42,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError
+from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError, ServiceUnavailable
 from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.config import TrainConfig
 from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
@@ -54,6 +57,9 @@ if TYPE_CHECKING:
 
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
+UNAVAILABLE_RETRY_MAX_S = (
+    30.0  # a step the service could not take is retried after 1, 2, 4... s, at most this
+)
 
 
 def heartbeat_interval(idle_timeout_s: Any) -> float:
@@ -162,6 +168,7 @@ class Run:
         self._future = None
         self._heartbeat_s = HEARTBEAT_MAX_S
         self._pending: _Prepared | None = None  # a step whose train_step has not been answered
+        self._outages = 0  # consecutive attempts the service was unavailable for
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -437,6 +444,11 @@ class Run:
                 prompts = self._next_prompts()
             try:
                 prompts = await self._one_step(client, self._step + 1, prompts)
+                if self._outages:
+                    self._outages = 0
+                    self._log(f"step {self._step}: the service is back; continuing")
+            except ServiceUnavailable as exc:
+                await self._unavailable(self._step + 1, exc)
             except _StepPaused as exc:
                 self._pause_with(str(exc))
             except NotFoundError as exc:
@@ -465,6 +477,17 @@ class Run:
             unsubscribe, self._feed_unsubscribe = self._feed_unsubscribe, None
         if unsubscribe is not None:
             unsubscribe()
+
+    async def _unavailable(self, step: int, exc: ServiceUnavailable) -> None:
+        """The service cannot take the step now (unreachable, draining, restarting): say so, wait, and
+        let the loop retry it; pause() and stop() cut the wait short. A train_step left unanswered is
+        re-sent with its key, so the service applies it once."""
+        delay = min(UNAVAILABLE_RETRY_MAX_S, 2.0**self._outages)
+        self._outages += 1
+        self._log(f"step {step}: service unavailable — retrying in {delay:g} s ({_one_line(exc)})")
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), delay)
 
     def _pause_with(self, error: str) -> None:
         with self._lock:

@@ -1,10 +1,12 @@
-"""create_app(settings): the FastAPI application — routers, auth, error handlers; nothing else."""
+"""create_app(settings): the FastAPI application — routers, auth, error handlers, the health checks
+and the lifecycle (``app.state.lifecycle``: the state /readyz reports, the drain on SIGTERM)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from fastapi import FastAPI, Request
@@ -21,18 +23,21 @@ from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
+from openrl_service.lifecycle import Lifecycle
 
 log = logging.getLogger("openrl_service")
 
 
 def create_app(settings: Settings, *, service: TrainingService | None = None) -> FastAPI:
     svc = service or TrainingService(settings)
+    life = Lifecycle(svc, grace_s=settings.drain_grace_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.futures.loop = asyncio.get_running_loop()
         redact_access_log()  # after the server configured logging
         svc.start()
+        starting = asyncio.create_task(life.start())  # starting → ready once the model is loaded
 
         async def sweep():
             """Housekeeping: expired results and idle sessions every few seconds, expired checkpoints
@@ -55,6 +60,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             yield
         finally:
             sweeper.cancel()
+            starting.cancel()
             await asyncio.get_running_loop().run_in_executor(None, svc.stop)
 
     app = FastAPI(
@@ -64,6 +70,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         description="Self-hosted LoRA training and sampling; speaks the Tinker wire protocol.",
     )
     app.state.service = svc
+    app.state.lifecycle = life
     app.include_router(build_router(svc))
     app.include_router(build_hub_router(svc))
     app.include_router(build_rest_router(svc))
@@ -72,27 +79,22 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
 
     @app.get("/healthz")
     async def healthz():
-        """The device-worker thread is alive."""
+        """The device-worker thread is alive (also while the service drains)."""
         return health(svc)
 
     @app.get("/readyz")
     async def readyz():
-        """The model is loaded and the service takes work."""
-        if svc.engine.setup_error is not None:
-            return json_response({"status": "failed", "error": str(svc.engine.setup_error)}, status=503)
-        if not svc.engine.ready.is_set():
-            return json_response({"status": "loading"}, status=503)
-        base = svc.base
-        return json_response(
-            {"status": "ready", "model": base.name, "device": str(base.device), "fusion": svc.engine.fusion}
-        )
+        """200 when the service takes work; else 503 and its state (starting, draining...)."""
+        status, body = life.readiness()
+        return json_response(body, status=status)
 
     @app.exception_handler(ApiError)
     async def service_error(request: Request, exc: ApiError):
-        headers = {"Retry-After": "2"} if exc.status_code == 503 else None
         resp = json_response(exc.to_json(), status=exc.status_code)
-        if headers:
-            resp.headers.update(headers)
+        if exc.status_code == 503:
+            retry_after_s = getattr(exc, "retry_after_s", 2.0)
+            resp.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+            resp.headers["retry-after-ms"] = str(max(1, round(retry_after_s * 1000)))
         return resp
 
     @app.exception_handler(RequestValidationError)

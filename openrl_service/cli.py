@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from openrl_service import config as cfg
+from openrl_service.checks import number
+from openrl_service.lifecycle import Lifecycle
+from openrl_service.storage.lock import DataDirInUse, DataDirLock
+
+EXIT_DATA_DIR_IN_USE = 3  # another process holds --data-dir
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from openrl_service.api.auth import ensure_generated_key
     from openrl_service.app import create_app
 
@@ -28,6 +36,15 @@ def _serve(args: argparse.Namespace) -> int:
             insecure=args.insecure or None,
             device=args.device,
             fusion=None if args.fusion is None else args.fusion == "on",
+            drain_grace_s=args.drain_grace_s,
+        )
+        number(
+            settings.drain_grace_s,
+            "--drain-grace-s",
+            0,
+            86400,
+            setting="OPENRL_DRAIN_GRACE_S",
+            error=ValueError,
         )
     except (ValueError, OSError) as e:
         print(f"openrl-service: {e}", file=sys.stderr)
@@ -41,7 +58,15 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    host = settings.host
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{settings.port}"
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before anything is written there: one process owns a data dir
+        lock = DataDirLock.acquire(settings.data_dir, url=url)
+    except DataDirInUse as e:
+        print(f"openrl-service: {e}", file=sys.stderr)
+        return EXIT_DATA_DIR_IN_USE
     if settings.auth_enabled and not settings.api_keys:
         key, path, created = ensure_generated_key(settings.data_dir)
         settings.api_keys[key] = "default"
@@ -59,25 +84,51 @@ def _serve(args: argparse.Namespace) -> int:
             "openrl-service: authentication is OFF (--no-auth/--insecure): every caller is tenant 'default'",
             flush=True,
         )
-    host = settings.host
-    url_host = f"[{host}]" if ":" in host else host
-    print(
-        f"openrl-service: serving {settings.model} on http://{url_host}:{settings.port} "
-        f"(data in {settings.data_dir})",
-        flush=True,
-    )
+    print(f"openrl-service: serving {settings.model} on {url} (data in {settings.data_dir})", flush=True)
     app = create_app(settings)
     if args.exit_with_parent:
         _exit_when_stdin_closes()
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=settings.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=2,  # after the drain only SSE streams (ending) and stragglers are left
     )
+    server = DrainingServer(config, app.state.lifecycle)
+    try:
+        server.run()
+    finally:
+        lock.release()
+    if app.state.service.engine.alive:
+        # The drain gave up on an op still running on the device: exit now rather than let the
+        # interpreter's teardown race the worker thread inside torch.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the drain taking over SIGTERM and SIGINT (see lifecycle.py): the first
+    signal drains (the port stays open, new work gets 503) and the server closes once drained; a
+    second one skips the rest of the grace; one more while it closes stops waiting for connections."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle):
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        lifecycle.on_stopped = self.close
+
+    def close(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        elif not self.lifecycle.request_stop(f"received {signal.Signals(sig).name}"):
+            self.should_exit = True  # no event loop yet (still starting up): exit at once
 
 
 def _exit_when_stdin_closes() -> None:
@@ -133,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("on", "off"),
         default=None,
         help="run ready ops of several runs as one fused pass (default on; off: each run bit-identical to alone)",
+    )
+    s.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM: seconds to finish accepted work before exiting (default 25; OPENRL_DRAIN_GRACE_S)",
     )
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")

@@ -70,6 +70,9 @@ class Settings:
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
     min_ttl_s: float = 3600.0  # OPENRL_MIN_TTL_S: shortest checkpoint TTL accepted (Tinker: 1 hour)
     session_idle_timeout_s: float = 3600.0  # OPENRL_SESSION_IDLE_TIMEOUT_S: no heartbeat/request → finished
+    # OPENRL_DRAIN_GRACE_S / --drain-grace-s: on SIGTERM, how long accepted work may take to finish
+    # before it is failed and the process exits (see openrl_service/lifecycle.py)
+    drain_grace_s: float = 25.0
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -98,6 +101,7 @@ _ENV_FIELDS = {
     "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
     "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
+    "OPENRL_DRAIN_GRACE_S": ("drain_grace_s", float),
     "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
     "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
 }

@@ -35,14 +35,27 @@ def backpressure_response(e: QueueFull) -> Response:
     return resp
 
 
+def new_work(endpoint):
+    """Mark a route that queues new work: while the service drains it answers 503 + Retry-After before
+    reading the request (see :mod:`openrl_service.lifecycle`). Put it under the ``@router.post``."""
+    endpoint.takes_new_work = True
+    return endpoint
+
+
 class BackpressureRoute(APIRoute):
     """A route whose :class:`QueueFull` becomes :func:`backpressure_response` (the app-wide error
-    handler knows no Retry-After for 429)."""
+    handler knows no Retry-After for 429), and which, if marked :func:`new_work`, is refused while
+    the service drains."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        gated = getattr(self.endpoint, "takes_new_work", False)
 
         async def route(request: Request) -> Response:
+            if gated:
+                lifecycle = getattr(request.app.state, "lifecycle", None)
+                if lifecycle is not None:
+                    lifecycle.refuse_new_work()
             try:
                 return await handler(request)
             except QueueFull as e:

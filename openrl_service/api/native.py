@@ -14,7 +14,9 @@
     GET    /openrl/v1/events                        SSE: telemetry ticks and run events (schema version 1)
 
 Every POST except heartbeat takes an ``X-Idempotency-Key`` header: re-sent with the same key, it
-answers the first reply and does nothing again (see :mod:`openrl_service.api.idempotency`).
+answers the first reply and does nothing again (see :mod:`openrl_service.api.idempotency`). While the
+service drains (SIGTERM) those POSTs answer 503 + Retry-After, and event streams end once it has
+drained (see :mod:`openrl_service.lifecycle`).
 The OpenAPI schema is served at /openapi.json.
 """
 
@@ -29,11 +31,12 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from openrl_service.api.http import BackpressureRoute, json_response, read_json
+from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
 from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
+from openrl_service.lifecycle import State
 
 TICK_S = 1.0
 
@@ -62,6 +65,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         return await once(request, make)
 
     @r.post("/runs")
+    @new_work
     async def create_run(request: Request):
         """Create a LoRA run on the served model (defaults from its capability entry)."""
 
@@ -93,16 +97,19 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         return json_response({"run_id": run_id, "deleted": True})
 
     @r.post("/runs/{run_id}/sample")
+    @new_work
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
         return await post(request, run_id, native.sample)
 
     @r.post("/runs/{run_id}/train_step")
+    @new_work
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
         return await post(request, run_id, native.train_step)
 
     @r.post("/runs/{run_id}/checkpoints")
+    @new_work
     async def save(run_id: str, request: Request):
         """Save weights + optimizer; the path loads with the Tinker SDK."""
         return await post(request, run_id, native.save_checkpoint, status=201)
@@ -115,6 +122,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         return json_response(listing)
 
     @r.post("/runs/{run_id}/metrics")
+    @new_work
     async def add_metrics(run_id: str, request: Request):
         """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
         return await post(request, run_id, native.add_metrics, status=201)
@@ -144,7 +152,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
                             continue
                     next_tick = loop.time() + TICK_S  # ticks keep their pace however busy the runs are
                     yield b"event: tick\ndata: " + orjson.dumps(native.tick(who)) + b"\n\n"
-                    if await request.is_disconnected():
+                    if await request.is_disconnected() or stopped(request):
                         return
             finally:
                 native.events.unsubscribe(queue)
@@ -154,3 +162,9 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         )
 
     return r
+
+
+def stopped(request: Request) -> bool:
+    """The service has drained and is closing: streams end so its connections can close."""
+    lifecycle = getattr(request.app.state, "lifecycle", None)
+    return lifecycle is not None and lifecycle.state is State.STOPPED

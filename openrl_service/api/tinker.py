@@ -9,7 +9,9 @@ Conventions the SDK depends on (see docs/architecture.md):
   request waits behind more than its run's queue limit, else ``active``: the SDK logs the pause and
   keeps polling, and the request runs once, in order;
 - a sample request over a queue limit is refused with 429, ``Retry-After`` (and ``retry-after-ms``)
-  and a JSON error naming the limit; nothing was queued, so the SDK's resubmission is safe.
+  and a JSON error naming the limit; nothing was queued, so the SDK's resubmission is safe;
+- while the service drains (SIGTERM), every route marked ``@new_work`` answers 503 + ``Retry-After``
+  and ``retrieve_future`` keeps answering (``try_again`` until the op has run; see lifecycle.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from starlette.concurrency import run_in_threadpool
 
 from openrl_service.api import proto
 from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config, prompt_tokens
-from openrl_service.api.http import BackpressureRoute, field, json_response, read_body, read_json, tenant
+from openrl_service.api.http import (
+    BackpressureRoute,
+    field,
+    json_response,
+    new_work,
+    read_body,
+    read_json,
+    tenant,
+)
 from openrl_service.checks import integer
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import UserError
@@ -64,6 +74,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
 
     @r.post("/create_session")
+    @new_work
     async def create_session(request: Request):
         """Start a session (one ServiceClient)."""
         body = await read_json(request, max_body)
@@ -107,6 +118,7 @@ def build_router(svc: TrainingService) -> APIRouter:
 
     # -- training ------------------------------------------------------------------------------
     @r.post("/create_model")
+    @new_work
     async def create_model(request: Request):
         """Create a LoRA training run; future → {model_id}."""
         body = await read_json(request, max_body)
@@ -145,6 +157,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(svc.get_info(tenant(request), field(body, "model_id", str)))
 
     @r.post("/forward_backward")
+    @new_work
     async def forward_backward(request: Request):
         """Protobuf ForwardBackwardRequest; future → protobuf ForwardBackwardOutput."""
         body = await read_body(request, max_body)
@@ -181,6 +194,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     @r.post("/optim_step")
+    @new_work
     async def optim_step(request: Request):
         """AdamW step over the run's accumulated gradients; future → {metrics}."""
         body = await read_json(request, max_body)
@@ -194,6 +208,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     @r.post("/save_weights")
+    @new_work
     async def save_weights(request: Request):
         """save_state: adapter + optimizer under tinker://<run>/weights/<name>."""
         body = await read_json(request, max_body)
@@ -210,6 +225,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     @r.post("/save_weights_external")
+    @new_work
     async def save_weights_external(request: Request):
         """The adapter as a downloadable PEFT folder under tinker://<run>/external_weights/<name>."""
         body = await read_json(request, max_body)
@@ -225,6 +241,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     @r.post("/load_weights")
+    @new_work
     async def load_weights(request: Request):
         """load_state (model_id + seq_id) or create-via-load (session_id + model_seq_id)."""
         body = await read_json(request, max_body)
@@ -253,6 +270,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     @r.post("/save_weights_for_sampler")
+    @new_work
     async def save_for_sampler(request: Request):
         """Named → tinker://<run>/sampler_weights/<name>; without a name → a new sampling session."""
         body = await read_json(request, max_body)
@@ -270,6 +288,7 @@ def build_router(svc: TrainingService) -> APIRouter:
 
     # -- sampling ------------------------------------------------------------------------------
     @r.post("/create_sampling_session")
+    @new_work
     async def create_sampling_session(request: Request):
         """A sampler on the base model or on a saved sampler checkpoint."""
         body = await read_json(request, max_body)
@@ -293,6 +312,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(out)
 
     @r.post("/asample")
+    @new_work
     async def asample(request: Request):
         """Queue a sample request; the reply carries one sequence id per sample."""
         body = await read_json(request, max_body)
@@ -344,6 +364,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             if reason:
                 reply["queue_state_reason"] = reason
             return json_response(reply)
+        rec.fetched = True  # a draining service waits for this (lifecycle.py)
         if rec.error is not None:
             return json_response(rec.error.to_json())
         wants_proto = PROTO in request.headers.get("accept", "")

@@ -33,9 +33,15 @@ class FutureRecord:
     # Where the scheduler indexed this future, so the index can forget it when the result expires.
     idem_key: str | None = None
     slot: tuple[str, int] | None = None
+    # A Tinker client was handed the request_id (it will poll), and has fetched the final answer:
+    # a draining service waits for the fetch (see openrl_service.lifecycle).
+    handed_out: bool = False
+    fetched: bool = False
     _event: asyncio.Event | None = None
 
     def reply(self) -> dict:
+        """The submit reply naming the request_id; the client will poll ``retrieve_future`` for it."""
+        self.handed_out = True
         return {"request_id": self.request_id, **self.extra}
 
 
@@ -115,6 +121,16 @@ class FutureStore:
             while len(self._expired) > self._expired_memory:
                 self._expired.popitem(last=False)
         return old
+
+    def unfetched(self, since: float) -> int:
+        """Results handed out to a client and not fetched yet: pending ones, and those completed after
+        ``since`` (wall clock; older ones' clients are taken to have gone)."""
+        with self._lock:
+            return sum(
+                1
+                for r in self._records.values()
+                if r.handed_out and not r.fetched and (not r.done or (r.completed_at or 0) >= since)
+            )
 
     def pending_count(self) -> int:
         with self._lock:

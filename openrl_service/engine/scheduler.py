@@ -169,7 +169,9 @@ class Engine:
         self.ready = threading.Event()
         self.setup_error: BaseException | None = None
         self.current: Op | None = None
-        self._in_flight: set[str] = set()  # lanes of the op (or fused call) running now
+        self._running: list[Op] = []  # the op running now, with its fused companions
+        self._in_flight: set[str] = set()  # their lanes
+        self._abandoned = False  # set by abandon(): the worker starts no further op
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, setup: Callable[[], None] | None = None) -> None:
@@ -179,11 +181,42 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker after its current op; wait up to ``timeout_s`` (1 s once :meth:`abandon`
+        has given up on that op: nobody will get its result, and the thread is a daemon)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+            if self._abandoned:
+                timeout_s = min(timeout_s, 1.0)
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def runnable(self) -> int:
+        """Ops that are running or ready to run (not those waiting for an earlier seq_id)."""
+        with self._cv:
+            return len(self._running) + sum(len(lane.ready) for lane in self._lanes.values())
+
+    def abandon(self, error: ApiError) -> int:
+        """The service is going away: start no further op, and complete every queued op's future, and
+        the running op's, with ``error`` (a running op's own completion, later, is ignored). Returns
+        how many futures this completed."""
+        with self._cv:
+            self._abandoned = True
+            running = {id(op) for op in self._running}
+            ops = list(self._running)
+            for lane in self._lanes.values():
+                ops += [*lane.ready, *lane.waiting.values()]
+                lane.ready.clear()
+                lane.waiting.clear()
+            self._queued = 0
+            self._cv.notify_all()
+        failed = 0
+        for op in ops:
+            if op.steps is not None and id(op) not in running:
+                op.steps.close()  # a chunked op between slices: its cleanup runs, the rest never does
+            failed += not op.future.done
+            self.futures.complete(op.future, error=error)
+        return failed
 
     @property
     def alive(self) -> bool:
@@ -454,14 +487,15 @@ class Engine:
                     op = None
                     while not self._stop:
                         self._expire_gaps()
-                        op = self._next_op()
+                        op = None if self._abandoned else self._next_op()
                         if op is not None:
                             break
                         self._cv.wait(timeout=0.25)
                     if self._stop:
                         return
                     self.current = op
-                    self._in_flight = {op.lane} | {c.lane for c in op.companions or ()}
+                    self._running = [op, *(op.companions or ())]
+                    self._in_flight = {o.lane for o in self._running}
                 self._execute(op)
             except Exception:  # noqa: BLE001 - the worker must outlive any one bad op or bookkeeping bug
                 log.exception("device worker: unexpected error; continuing")
@@ -472,6 +506,7 @@ class Engine:
             finally:
                 with self._cv:
                     self.current = None
+                    self._running = []
                     self._in_flight = set()
 
     def _execute(self, op: Op) -> None:

@@ -399,26 +399,30 @@ def test_a_paused_run_heartbeats_so_its_session_outlives_the_idle_timeout(make_s
         sess.disconnect("heartbeat")
 
 
-def test_a_train_step_whose_reply_is_lost_is_sent_again_not_resampled_on_resume(server):
-    """The reply to step 1's train_step is lost and the client does not retry: the run pauses; on
-    resume() it re-sends that same train_step (same key) instead of sampling and training again, so
-    the service applies exactly the updates the notebook recorded."""
+def test_a_train_step_whose_reply_is_lost_is_sent_again_not_resampled(server):
+    """The reply to step 1's train_step is lost and the client does not retry: the service is
+    unavailable as far as the run knows, so it says so and retries by itself (no pause). It re-sends
+    that same train_step (same key) instead of sampling and training again, so the service applies
+    exactly the updates the notebook recorded."""
     from openrl_jupyter import AsyncClient
 
     lossy = DropReply("/train_step")
     s = sess.connect(server.url, token=ALICE_KEY, name="lossy")
     s._aclient = AsyncClient(server.url, token=ALICE_KEY, retries=0, transport=lossy)
     counter = itertools.count()
+    logs, subscribed = [], threading.Event()
+
+    def reward(prompt, completion, **info):
+        assert subscribed.wait(60)  # the log is heard from the first step on
+        return float(next(counter))
+
     try:
-        run = s.train(
-            reward=lambda prompt, completion, **info: float(next(counter)), prompts=PROMPTS, steps=2, **SMALL
-        )
-        with pytest.raises(RunPaused, match="reply arrived"):
-            run.wait(120)
-        assert run.step == 0 and lossy.dropped == 1
-        assert s.client.get_run(run.run_id)["step"] == 1  # the service did apply it
-        run.resume()
+        run = s.train(reward=reward, prompts=PROMPTS, steps=2, **SMALL)
+        run.subscribe(lambda event: logs.append(event.get("text", "")))
+        subscribed.set()
         run.wait(120)
+        assert run.state == RunState.FINISHED and lossy.dropped == 1
+        assert any("step 1: service unavailable — retrying" in t and "reply arrived" in t for t in logs)
         assert [r["step"] for r in run.history] == [1, 2] and all(r["trained"] for r in run.history)
         assert s.client.get_run(run.run_id)["step"] == 2  # one update per recorded step
         samples = [p for p, _ in lossy.sent if p.endswith("/sample")]

@@ -9,16 +9,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import shutil
 import stat
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -27,7 +21,8 @@ import tinker
 
 from openrl_service.api import proto
 from tests._support.raw import result
-from tests.conftest import ALICE_KEY, BOB_KEY, TINY, free_port
+from tests._support.serve import cli, serving
+from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 
 PROTO = "application/x-protobuf"
 PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}
@@ -504,49 +499,6 @@ def test_no_auth_mode_refuses_an_opaque_null_origin(make_server):
 
 
 # -- the command line ----------------------------------------------------------------------------------------
-def cli(*args: str, env: dict | None = None) -> tuple[list[str], dict]:
-    """argv and environment for `openrl-service ARGS`, free of the caller's OPENRL_* settings."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "TINKER_API_KEY"))}
-    return [sys.executable, "-m", "openrl_service.cli", *args], {**clean, **(env or {})}
-
-
-@dataclass
-class Served:
-    url: str
-    stdout: str = ""  # filled in once the process has exited
-
-
-@contextlib.contextmanager
-def serving(data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None):
-    """`openrl-service serve` as a subprocess on a free loopback port, stopped on exit."""
-    models = data_dir / "models" / "openrl-tiny"
-    if not models.exists():
-        shutil.copytree(tiny_model_dir, models)  # skip building the tiny model on first start
-    port = free_port()
-    argv, full_env = cli("serve", "--port", str(port), "--data-dir", str(data_dir), *args, env=env)
-    with open(data_dir / "stderr.log", "ab") as err:
-        proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
-    served = Served(f"http://127.0.0.1:{port}")
-    url = served.url
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (data_dir / "stderr.log").read_text()
-            assert time.monotonic() < deadline, "openrl-service did not become ready in 120 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.1)
-        yield served
-    finally:
-        proc.terminate()
-        try:
-            served.stdout = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            served.stdout = proc.communicate()[0]
-
-
 def status_with(url: str, key: str | None) -> int:
     headers = {"X-API-Key": key} if key else {}
     return httpx.get(f"{url}/api/v1/get_server_capabilities", headers=headers, timeout=30).status_code
