@@ -8,6 +8,7 @@
     │   └── UnsupportedMediaType  a JSON route got another Content-Type (415)
     ├── Unauthorized              missing or wrong API key (401)
     ├── NotReady                  the model is still loading (503, retried by clients)
+    ├── ShuttingDown              (lifecycle.py) the service is draining (503 + Retry-After)
     └── InternalError             the service failed; the message carries an id, never internals
 
 A ``UserError`` names the field and, where one applies, the limit and its setting, e.g.
