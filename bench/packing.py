@@ -245,19 +245,23 @@ class Service:
 
 
 class Clients:
-    """Client processes with a reader thread each: their JSON lines arrive on one queue."""
+    """Client processes with a reader thread each: their JSON lines arrive on one queue. Each is
+    ``script --client CFG`` (this file by default; bench/load.py passes its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.script = script or Path(__file__).resolve()
+        self.env = {**os.environ, **env} if env else None
         self.procs: list[subprocess.Popen] = []
         self.lines: queue.Queue = queue.Queue()
 
     def spawn(self, cfg: dict) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--client", json.dumps(cfg)],
+            [sys.executable, str(self.script), "--client", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env=self.env,
         )
         self.procs.append(proc)
 
