@@ -346,6 +346,9 @@ class Registry:
                 old.adapter = None
                 continue
             del self.samplers[old.sampler_id]
+            sess = self.sessions.get(old.session_id or "")
+            if sess is not None and old.sampler_id in sess.sampler_ids:
+                sess.sampler_ids.remove(old.sampler_id)  # its record lists samplers that exist
             self._evicted[old.sampler_id] = old.tenant
             while len(self._evicted) > 100_000:
                 self._evicted.pop(next(iter(self._evicted)))
