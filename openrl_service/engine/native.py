@@ -127,6 +127,7 @@ class NativeRuns:
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
         svc.session_listeners.append(self._session_finished)
+        svc.sweepers.append(self.sweep_samples)
 
     # -- runs -----------------------------------------------------------------------------------
     def get(self, tenant: str, run_id: str) -> NativeRunState:
@@ -295,7 +296,12 @@ class NativeRuns:
     def _store(self, sid: str, sample: StoredSample) -> None:
         with self._lock:
             self.samples[sid] = sample
-            now = time.time()
+        self.sweep_samples(time.time())
+
+    def sweep_samples(self, now: float) -> None:
+        """Forget samples older than SAMPLE_TTL_S, and the oldest beyond MAX_STORED_SAMPLES (run on
+        every store and on each housekeeping round, so an idle service frees them too)."""
+        with self._lock:
             while self.samples and (
                 len(self.samples) > MAX_STORED_SAMPLES
                 or now - next(iter(self.samples.values())).created_at > SAMPLE_TTL_S

@@ -2,6 +2,7 @@
 remembered idempotent replies."""
 
 import asyncio
+import time
 
 import pytest
 from starlette.requests import Request
@@ -33,6 +34,29 @@ def test_a_run_keeps_its_newest_metric_rows_and_says_how_many_it_dropped(make_se
         assert r.status_code == 400 and "at most 64 values per row" in r.json()["error"]
         r = c.post(f"{V1}/runs/{rid}/metrics", json={"step": 5, "x" * 129: 1.0})
         assert r.status_code == 400 and "128 characters" in r.json()["error"]
+        c.delete(f"{V1}/runs/{rid}")
+
+
+def test_stored_samples_expire_on_housekeeping_without_new_traffic(make_server):
+    """The sample store (SAMPLE_TTL_S) is swept by the housekeeping round, not only by the next
+    sample: an idle service frees what a finished notebook left behind."""
+    from openrl_service.engine.native import SAMPLE_TTL_S, NativeRuns
+
+    live = make_server()
+    svc = live.service
+    native = next(f.__self__ for f in svc.sweepers if isinstance(getattr(f, "__self__", None), NativeRuns))
+    with live.client(ALICE_KEY) as c:
+        rid = c.post(f"{V1}/runs", json={"name": "s", "seed": 0}).json()["run_id"]
+        r = c.post(f"{V1}/runs/{rid}/sample", json={"prompts": ["a", "b"], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert len(native.samples) == 2
+        svc.reap_idle_sessions(now=time.time() + SAMPLE_TTL_S / 2)
+        assert len(native.samples) == 2  # not yet
+        c.post(f"{V1}/runs/{rid}/heartbeat")
+        svc.reap_idle_sessions(now=time.time() + SAMPLE_TTL_S + 1)
+        assert len(native.samples) == 0
+        step = c.post(f"{V1}/runs/{rid}/train_step", json={"samples": [{"sample_id": "x", "advantage": 1.0}]})
+        assert step.status_code == 404 and "kept 1800 s" in step.json()["error"]
         c.delete(f"{V1}/runs/{rid}")
 
 
