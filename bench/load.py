@@ -1,8 +1,12 @@
 """Load: 16 concurrent users of the unmodified Tinker SDK against one service, and its memory.
 
 Measured: ops/s over the run, each future's latency as the client sees it (submit → ``result()``,
-p50/p99 per kind), the HTTP statuses on the wire (5xx and 429 counts), the service's peak RSS and
-its RSS growth per 1,000 ops, with RSS at 25/50/75/100 % of the ops (memory should level off).
+p50/p99 per kind), the HTTP statuses on the wire (5xx, 429 and connection errors), the service's
+peak RSS and its RSS growth per 1,000 ops (the least-squares slope of RSS against ops done over the
+second half of the run), with RSS at 25/50/75/100 % of the ops and its mean over each tenth: memory
+should level off. Completed results are held for ``OPENRL_FUTURE_TTL_S`` (1 h), so within a run
+shorter than that they are part of the growth; ``--service-env OPENRL_FUTURE_TTL_S=60`` shows the
+level the service settles at once results expire.
 
 Method.
 
@@ -40,17 +44,18 @@ growth_mb_per_1k_ops=… lost=… duplicated=… order_ok=… fresh_ok=…``. It
 3-5 fails (``tests/bench/test_load_bench.py`` runs ``--short`` and asserts them).
 
     python bench/load.py [--short] [--clients 16] [--steps 50] [--mix 6,6,4] [--prompts 2]
-                         [--group 4] [--max-tokens 8] [--out bench/results/load.json]
+                         [--group 4] [--max-tokens 8] [--service-env NAME=VALUE ...]
+                         [--out bench/results/load.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
 import secrets
-import signal
 import statistics
 import sys
 import tempfile
@@ -59,7 +64,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import BenchError, Clients  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from packing import BenchError, Clients, bench_main  # noqa: E402
+from tinker_rl_letters import decode, letter_fraction, rl_datum  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ("Say hi:", "Name a colour:", "Count to three:", "A fruit:")
@@ -196,25 +203,14 @@ def client_main(cfg: dict) -> int:
             datums = []
             for prompt, f in zip(prompts, futs, strict=True):
                 seqs = wait(f).sequences
-                rewards = [
-                    sum(chr(t).isalpha() for t in s.tokens if t < 256) / max(1, len(s.tokens)) for s in seqs
-                ]
+                rewards = [letter_fraction(decode(s.tokens)) for s in seqs]
                 mean = statistics.fmean(rewards)
-                for s, r in zip(seqs, rewards, strict=True):
-                    if not s.tokens:
-                        continue
-                    full = prompt + list(s.tokens)
-                    n_prompt = len(prompt) - 1
-                    datums.append(
-                        types.Datum(
-                            model_input=types.ModelInput.from_ints(full[:-1]),
-                            loss_fn_inputs={
-                                "target_tokens": full[1:],
-                                "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                                "advantages": [0.0] * n_prompt + [r - mean + 1e-3] * len(s.tokens),
-                            },
-                        )
-                    )
+                # + 1e-3: a group of equal rewards still trains, so every RL step has datums
+                datums += [
+                    rl_datum(prompt, s.tokens, s.logprobs, r - mean + 1e-3)
+                    for s, r in zip(seqs, rewards, strict=True)
+                    if s.tokens
+                ]
             train(datums, "importance_sampling")
     t_end = time.time()
     svc.close("success").result()
@@ -305,27 +301,40 @@ def futures_check(reports: list[dict]) -> dict:
         "http_statuses": dict(sorted(statuses.items())),
         "http_5xx": http_5xx,
         "http_429": statuses.get("429", 0),
+        # connection-level failures (the SDK retries them): a keep-alive connection closed under a request
+        "transport_errors": sum(n for s, n in statuses.items() if not s.isdigit()),
         "http_requests": sum(statuses.values()),
     }
 
 
 def memory_figures(rss: RssSampler, done_times: list[float], t_begin: float) -> dict:
-    """RSS before the load and at 25/50/75/100 % of the ops, and its growth per 1,000 ops over the
-    second half (after the first allocations) and over the whole run."""
+    """RSS before the load, at 25/50/75/100 % of the ops, its mean over each tenth of the ops, and
+    its growth per 1,000 ops: the least-squares slope of RSS against ops done over the second half
+    (after the first allocations), and end minus start over the whole run."""
     done = sorted(done_times)
     n = len(done)
     at = {pct: rss.at(done[max(0, round(n * pct / 100) - 1)]) for pct in (25, 50, 75, 100)} if n else {}
     before = rss.at(t_begin)
-
-    def per_1k(a: float | None, b: float | None, ops: int) -> float | None:
-        return None if a is None or b is None or ops <= 0 else (b - a) / ops * 1000
-
+    tenths = []
+    for i in range(10 if n else 0):
+        lo, hi = (t_begin if i == 0 else done[i * n // 10 - 1]), done[(i + 1) * n // 10 - 1]
+        xs = [v for t, v in rss.samples if lo <= t <= hi]
+        tenths.append(statistics.fmean(xs) if xs else rss.at(hi))
+    pts = [
+        (bisect.bisect_right(done, t), v) for t, v in rss.samples if t_begin <= t <= (done[-1] if n else t)
+    ]
+    half = [(x, y) for x, y in pts if x >= n / 2]
+    slope = None
+    if len(half) >= 2 and len({x for x, _ in half}) >= 2:
+        slope = statistics.linear_regression([x for x, _ in half], [y for _, y in half]).slope * 1000
+    whole = None if before is None or at.get(100) is None or not n else (at[100] - before) / n * 1000
     return {
         "rss_before_mb": before,
         "rss_at_pct_mb": {str(k): v for k, v in at.items()},
+        "rss_mean_by_tenth_mb": tenths,
         "peak_rss_mb": rss.hwm_mb,
-        "growth_mb_per_1k_ops_second_half": per_1k(at.get(50), at.get(100), n - round(n / 2)),
-        "growth_mb_per_1k_ops_whole": per_1k(before, at.get(100), n),
+        "growth_mb_per_1k_ops_second_half": slope,
+        "growth_mb_per_1k_ops_whole": whole,
         "samples": len(rss.samples),
     }
 
@@ -342,7 +351,8 @@ def run(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="openrl-load-") as tmp:
         try:
-            local = start_service(data_dir=Path(tmp) / "service", api_key=key)
+            env = dict(kv.split("=", 1) for kv in args.service_env)
+            local = start_service(data_dir=Path(tmp) / "service", api_key=key, env=env)
         except Exception as exc:  # noqa: BLE001 - the bench reports it as its own error
             raise BenchError(str(exc)) from None
         clients = Clients(Path(__file__).resolve(), env={"TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"})
@@ -396,7 +406,8 @@ def run(args: argparse.Namespace) -> dict:
         "bench": "load",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "params": {
-            k: getattr(args, k) for k in ("clients", "steps", "mix", "prompts", "group", "max_tokens")
+            k: getattr(args, k)
+            for k in ("clients", "steps", "mix", "prompts", "group", "max_tokens", "service_env")
         },
         "kinds": {k: kinds.count(k) for k in KINDS},
         "ops": len(ops),
@@ -438,7 +449,7 @@ def report(result: dict) -> str:
         "",
         f"  ops/s                     {fmt(result['ops_per_s'], '.2f')}",
         f"  HTTP requests             {f['http_requests']}  (statuses {f['http_statuses']})",
-        f"  5xx / 429                 {f['http_5xx']} / {f['http_429']}",
+        f"  5xx / 429 / transport     {f['http_5xx']} / {f['http_429']} / {f['transport_errors']}",
         f"  futures submitted/results {f['submitted']} / {f['results']}  (lost {f['lost']}, "
         f"duplicated {f['duplicated']})",
         f"  steps 1..N in order       {result['steps_in_order']}   fresh client served {result['fresh_client_ok']}",
@@ -447,6 +458,7 @@ def report(result: dict) -> str:
         + f"; peak {m['peak_rss_mb']:.1f}",
         f"  RSS growth MB / 1k ops    {fmt(m['growth_mb_per_1k_ops_second_half'], '.2f')} (second half), "
         f"{fmt(m['growth_mb_per_1k_ops_whole'], '.2f')} (whole run)",
+        "  RSS MB by tenth of ops    " + " ".join(fmt(v, ".0f") for v in m["rss_mean_by_tenth_mb"]),
     ]
     return "\n".join(lines)
 
@@ -472,6 +484,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--service-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for the service, e.g. OPENRL_FUTURE_TTL_S=60 (repeatable)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="for the whole load phase")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     args = p.parse_args(argv)
@@ -480,26 +499,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.client:
-        try:
-            return client_main(json.loads(args.client))
-        except KeyboardInterrupt:
-            return 130
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        result = run(args)
-    except KeyboardInterrupt:
-        print("load: interrupted; the service and the clients were stopped", file=sys.stderr)
-        return 130
-    except BenchError as e:
-        print(f"load: failed: {e}", file=sys.stderr)
-        return 1
+def measure(args: argparse.Namespace) -> int:
+    """Run the load, print the table and the line, write the JSON; 1 when a check failed."""
+    result = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -509,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     f = result["futures"]
     ok = not (f["lost"] or f["duplicated"] or f["http_5xx"] or result["failed_ops"])
     return 0 if ok and result["steps_in_order"] and result["fresh_client_ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("load", parse_args(argv), client_main, measure)
 
 
 if __name__ == "__main__":
