@@ -12,7 +12,7 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk test lint format pytest test-real bench bench-packing conformance serve clean
+.PHONY: help venv demo demo-sdk test lint format pytest test-real bench bench-packing bench-load conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API ove
 
 bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, speedup vs bound, fairness, fused step
 	$(BIN)/python bench/packing.py
+
+bench-load: $(STAMP) ## 16 Tinker SDK users (SFT, RL, sampling) x 50 steps on one service: ops/s, latency, 5xx, RSS
+	$(BIN)/python bench/load.py
 
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/_support/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny

@@ -245,19 +245,23 @@ class Service:
 
 
 class Clients:
-    """Client processes with a reader thread each: their JSON lines arrive on one queue."""
+    """Client processes with a reader thread each: their JSON lines arrive on one queue. Each is
+    ``script --client CFG`` (this file by default; bench/load.py passes its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.script = script or Path(__file__).resolve()
+        self.env = {**os.environ, **env} if env else None
         self.procs: list[subprocess.Popen] = []
         self.lines: queue.Queue = queue.Queue()
 
     def spawn(self, cfg: dict) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--client", json.dumps(cfg)],
+            [sys.executable, str(self.script), "--client", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env=self.env,
         )
         self.procs.append(proc)
 
@@ -785,11 +789,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def bench_main(name: str, args: argparse.Namespace, client, parent) -> int:
+    """A client process (``--client CFG``: ``client(cfg)``) or the parent (``parent(args)``), which
+    takes SIGTERM as Ctrl-C so that its ``finally`` blocks stop the service and the clients."""
     if args.client:
         try:
-            return client_main(json.loads(args.client))
+            return client(json.loads(args.client))
         except KeyboardInterrupt:
             return 130
 
@@ -798,13 +803,17 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        return run(args)
+        return parent(args)
     except KeyboardInterrupt:
-        print("packing: interrupted; the service and the clients were stopped", file=sys.stderr)
+        print(f"{name}: interrupted; the service and the clients were stopped", file=sys.stderr)
         return 130
     except BenchError as e:
-        print(f"packing: failed: {e}", file=sys.stderr)
+        print(f"{name}: failed: {e}", file=sys.stderr)
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main("packing", parse_args(argv), client_main, run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,23 @@ def decode(tokens: list[int]) -> str:
     return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
+def rl_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float):
+    """One importance-sampling datum: the prompt carries no loss; every completion token carries its
+    sampler logprob and the completion's advantage."""
+    from tinker import types
+
+    full = prompt + list(tokens)
+    n_prompt = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n_prompt + list(logprobs),
+            "advantages": [0.0] * n_prompt + [advantage] * len(tokens),
+        },
+    )
+
+
 def run(
     base_url: str,
     *,
@@ -80,18 +97,7 @@ def run(
                 adv = r - mean
                 if adv == 0 or not s.tokens:
                     continue
-                full = prompt + list(s.tokens)
-                n_prompt = len(prompt) - 1
-                datums.append(
-                    types.Datum(
-                        model_input=types.ModelInput.from_ints(full[:-1]),
-                        loss_fn_inputs={
-                            "target_tokens": full[1:],
-                            "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                            "advantages": [0.0] * n_prompt + [adv] * len(s.tokens),
-                        },
-                    )
-                )
+                datums.append(rl_datum(prompt, s.tokens, s.logprobs, adv))
         if datums:
             tc.forward_backward(datums, "importance_sampling").result()
             tc.optim_step(types.AdamParams(learning_rate=lr)).result()

@@ -32,6 +32,7 @@ class Limits:
     max_target_k: int = 64  # OPENRL_MAX_TARGET_K: K of [N, K] targets
     max_request_tokens: int = 4 * 1024 * 1024  # OPENRL_MAX_REQUEST_TOKENS: Σ N·K over a call's datums
     max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
+    max_metric_rows: int = 100_000  # OPENRL_MAX_METRIC_ROWS: a native run keeps its newest rows, drops older
     # Queue limits (backpressure). Per lane: one training run, or one sampler. Sampling over a limit is
     # refused with 429 + Retry-After; training is queued and reported as try_again/paused_capacity.
     max_queued_per_run: int = 64  # OPENRL_MAX_QUEUED_PER_RUN: queued requests per run or sampler

@@ -10,7 +10,8 @@ Which outcomes are remembered: every reply below 500 except 429, and every :clas
 (the same bad request fails the same way). A 429, a 503 or a server failure is forgotten, so the
 re-sent request is tried again. The work runs in its own task: a client that disconnects does not
 cancel it, and its retry finds the result. Entries expire after ``ttl_s`` (OPENRL_FUTURE_TTL_S)
-and at most ``max_entries`` are kept (oldest finished first).
+and at most ``max_entries`` replies holding at most ``max_bytes`` of bodies in all are kept (the
+oldest finished go first; a retry of a forgotten key runs again, as after the TTL).
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ class _Entry:
 
 
 class IdempotentReplies:
-    def __init__(self, *, ttl_s: float, max_entries: int = 10_000):
+    def __init__(self, *, ttl_s: float, max_entries: int = 10_000, max_bytes: int = 256 << 20):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[str, str, str, str], _Entry] = OrderedDict()
+        self.stored_bytes = 0  # of the remembered reply bodies
         self.waiting = 0  # duplicates now waiting for their first request to finish
 
     async def reply(self, request: Request, tenant: str, make: Callable[[], Awaitable[Response]]) -> Response:
@@ -71,7 +74,6 @@ class IdempotentReplies:
                 return self._replay(entry)
             # The first attempt failed in a way worth retrying (429, 503, a server error): try again.
         entry = self._entries[k] = _Entry(digest)
-        self._bound()
         outcome = await asyncio.shield(asyncio.ensure_future(self._run(k, entry, make)))
         if isinstance(outcome, BaseException):
             raise outcome
@@ -91,10 +93,13 @@ class IdempotentReplies:
         else:
             if resp.status_code < 500 and resp.status_code != 429:
                 entry.reply = (resp.status_code, bytes(resp.body), resp.media_type)
+                if self._entries.get(k) is entry:
+                    self.stored_bytes += len(entry.reply[1])
             else:
                 self._entries.pop(k, None)
             outcome = resp
         entry.done.set()
+        self._bound()
         return outcome
 
     @staticmethod
@@ -110,16 +115,22 @@ class IdempotentReplies:
             oldest = next(iter(self._entries.values()))
             if not oldest.done.is_set() or now - oldest.created_at <= self.ttl_s:
                 break
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
         entry = self._entries.get(k)
         if entry is not None and entry.done.is_set() and now - entry.created_at > self.ttl_s:
-            del self._entries[k]
+            self._drop(k)
             return None
         return entry
 
+    def _drop(self, k) -> None:
+        entry = self._entries.pop(k)
+        if entry.reply is not None:
+            self.stored_bytes -= len(entry.reply[1])
+
     def _bound(self) -> None:
+        """Oldest finished first, until within max_entries and max_bytes (running ones stay)."""
         for k in list(self._entries):
-            if len(self._entries) <= self.max_entries:
+            if len(self._entries) <= self.max_entries and self.stored_bytes <= self.max_bytes:
                 break
             if self._entries[k].done.is_set():
-                del self._entries[k]
+                self._drop(k)

@@ -12,7 +12,9 @@ the Tinker API's guarantees hold for it too. What this layer adds:
   loss over the named samples with their advantages) then its ``optim_step`` (AdamW), back to back
   in the run's lane, returning the ratio / KL / clip statistics; sampling is the engine's
   ``sample_run``: this layer calls the same public operations as the Tinker façade;
-- client-reported metrics per step, stored with the run;
+- client-reported metrics per step, stored with the run: the newest ``OPENRL_MAX_METRIC_ROWS`` rows
+  (100,000); older ones are dropped (counted in the run's ``metrics_dropped``) so a long run never
+  fails for its statistics; a row holds at most ``MAX_METRIC_KEYS`` values;
 - an event bus for run events, read by the SSE stream with telemetry ticks.
 
 A run lives as long as its session: ``heartbeat`` keeps it alive while the notebook is idle; when
@@ -46,6 +48,8 @@ from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResu
 
 SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
+MAX_METRIC_KEYS = 64  # values per metric row (step excluded)
+MAX_METRIC_KEY_CHARS = 128
 EVENTS_SCHEMA_VERSION = 2  # 2: ticks add memory, queue_wait_s and tokens_per_s
 RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 
@@ -70,7 +74,8 @@ class NativeRunState:
     name: str
     seq: int = 0
     steps: int = 0
-    metrics: list[dict] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)  # the newest OPENRL_MAX_METRIC_ROWS rows
+    metrics_dropped: int = 0  # older rows dropped to keep that bound
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def next_seq(self, n: int = 1) -> int:
@@ -122,6 +127,7 @@ class NativeRuns:
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
         svc.session_listeners.append(self._session_finished)
+        svc.sweepers.append(self.sweep_samples)
 
     # -- runs -----------------------------------------------------------------------------------
     def get(self, tenant: str, run_id: str) -> NativeRunState:
@@ -176,6 +182,7 @@ class NativeRuns:
             "snapshot": nr.steps,
             "created_at": run.created_at,
             "metrics_count": len(nr.metrics),
+            "metrics_dropped": nr.metrics_dropped,
             # without a heartbeat or a request for this long, the run's session is finished
             "idle_timeout_s": self.svc.settings.session_idle_timeout_s,
         }
@@ -289,7 +296,12 @@ class NativeRuns:
     def _store(self, sid: str, sample: StoredSample) -> None:
         with self._lock:
             self.samples[sid] = sample
-            now = time.time()
+        self.sweep_samples(time.time())
+
+    def sweep_samples(self, now: float) -> None:
+        """Forget samples older than SAMPLE_TTL_S, and the oldest beyond MAX_STORED_SAMPLES (run on
+        every store and on each housekeeping round, so an idle service frees them too)."""
+        with self._lock:
             while self.samples and (
                 len(self.samples) > MAX_STORED_SAMPLES
                 or now - next(iter(self.samples.values())).created_at > SAMPLE_TTL_S
@@ -403,10 +415,18 @@ class NativeRuns:
     def add_metrics(self, tenant: str, run_id: str, body: dict) -> dict:
         nr = self.get(tenant, run_id)
         step = integer(body.get("step"), "step", 0)
+        if len(body) - ("step" in body) > MAX_METRIC_KEYS:
+            raise UserError(
+                f"metrics: at most {MAX_METRIC_KEYS} values per row; got {len(body) - 1}", field="metrics"
+            )
         row = {"step": step}
         for k, v in body.items():
             if k == "step":
                 continue
+            if len(k) > MAX_METRIC_KEY_CHARS:
+                raise UserError(
+                    f"metrics: a name has at most {MAX_METRIC_KEY_CHARS} characters", field=k[:64]
+                )
             if k == "reward_name":
                 if not isinstance(v, str) or len(v) > 128:
                     raise UserError(
@@ -415,9 +435,12 @@ class NativeRuns:
                 row[k] = v
             else:  # whole numbers stay whole (a reward version), others are floats
                 row[k] = v if isinstance(v, int) and not isinstance(v, bool) else number(v, f"metrics.{k}")
-        if len(nr.metrics) >= 100_000:
-            raise UserError("a run holds at most 100000 metric rows", field="step")
-        nr.metrics.append(row)
+        with nr.lock:
+            nr.metrics.append(row)
+            excess = len(nr.metrics) - self.svc.limits.max_metric_rows
+            if excess > 0:  # a memmove of pointers: cheap next to the request
+                del nr.metrics[:excess]
+                nr.metrics_dropped += excess
         self.events.publish(tenant, {"event": "metrics", "run_id": run_id, "metrics": row})
         return row
 

@@ -129,6 +129,9 @@ class Registry:
     # Called as fn(tenant, session_id, run_ids) when a session finishes (by its client or the idle
     # reaper), so layers above the engine (the notebook API) drop what they keep for its runs.
     session_listeners: list[Callable[[str, str, list[str]], None]]
+    # Called as fn(now) on each housekeeping round (after idle sessions are reaped), so layers above
+    # the engine expire what they keep by age even when no new traffic arrives (the sample store).
+    sweepers: list[Callable[[float], None]]
 
     def _init_registry(self) -> None:
         self.sessions = {}
@@ -138,6 +141,7 @@ class Registry:
         self._ended = {}
         self._lock = threading.Lock()
         self.session_listeners = []
+        self.sweepers = []
 
     # -- sessions -------------------------------------------------------------------------------
     def create_session(
@@ -201,7 +205,8 @@ class Registry:
 
     def reap_idle_sessions(self, now: float | None = None) -> list[str]:
         """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client
-        that died), and forget sessions finished longer ago than that. Returns the sessions finished."""
+        that died), and forget sessions finished longer ago than that; then run the ``sweepers``.
+        Returns the sessions finished."""
         now = time.time() if now is None else now
         timeout = self.settings.session_idle_timeout_s
         idle = []
@@ -224,6 +229,8 @@ class Registry:
                 now - sess.last_heartbeat,
             )
             self.finish_session(sess.tenant, sess.session_id, reason="interrupted")
+        for sweep in self.sweepers:
+            sweep(now)
         return [s.session_id for s in idle]
 
     # -- runs -----------------------------------------------------------------------------------
@@ -346,6 +353,9 @@ class Registry:
                 old.adapter = None
                 continue
             del self.samplers[old.sampler_id]
+            sess = self.sessions.get(old.session_id or "")
+            if sess is not None and old.sampler_id in sess.sampler_ids:
+                sess.sampler_ids.remove(old.sampler_id)  # its record lists samplers that exist
             self._evicted[old.sampler_id] = old.tenant
             while len(self._evicted) > 100_000:
                 self._evicted.pop(next(iter(self._evicted)))
