@@ -232,6 +232,7 @@ def fake_service(device: str) -> types.SimpleNamespace:
         runs={},
         samplers={},
         session_listeners=[],
+        sweepers=[],  # NativeRuns hooks into both
     )
 
 
