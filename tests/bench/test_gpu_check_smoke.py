@@ -11,13 +11,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._support.scripts import ROOT, failure, run_script
+
 LINE = re.compile(
     r"^packing: runs=\d+ duty=\d+\.\d\d speedup=\d+\.\d\d bound=\d+\.\d\d slowdown=\d+\.\d\d "
     r"fairness=\d+\.\d\d fused=\d+\.\d$",
@@ -30,16 +29,8 @@ LINE = re.compile(
 def test_gpu_check_cpu_smoke(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     env.pop("GPU_CHECK_PACKING_ARGS", None)
-    proc = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu-smoke"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+    proc = run_script(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu-smoke"], timeout_s=280, env=env)
+    assert proc.returncode == 0, failure(proc, 4000)
     assert LINE.search(proc.stdout), proc.stdout[-2000:]
     assert "gpu_check: done in" in proc.stdout
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._support.scripts import ROOT, failure, run_script
+
 LINE = re.compile(
     r"^load: clients=16 steps=5 ops=\d+ ops_per_s=[\d.]+ .* lost=0 duplicated=0 order_ok=True fresh_ok=True$"
 )
@@ -26,15 +25,10 @@ LINE = re.compile(
 @pytest.mark.timeout(600)  # ~50 s on an idle 2-core machine
 def test_load_short_mode_loses_nothing(tmp_path):
     out = tmp_path / "load.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--short", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
+    proc = run_script(
+        [sys.executable, str(ROOT / "bench" / "load.py"), "--short", "--out", str(out)], timeout_s=540
     )
-    print(proc.stdout)
-    assert out.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert out.exists(), failure(proc)
     result = json.loads(out.read_text())
     f = result["futures"]
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._support.scripts import ROOT, failure, run_script
+
 LINE = re.compile(
     r"^packing: runs=\d+ duty=\d+\.\d\d speedup=\d+\.\d\d bound=\d+\.\d\d slowdown=\d+\.\d\d "
     r"fairness=\d+\.\d\d fused=\d+\.\d$"
@@ -25,15 +24,10 @@ ROW_KEYS |= {"fairness", "batching_gain", "window_s", "runs"}
 @pytest.mark.timeout(900)  # ~1 min on an idle 2-core machine; CI machines may be shared
 def test_packing_bench_short_mode(tmp_path):
     out = tmp_path / "packing.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "packing.py"), "--short", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=840,
+    proc = run_script(
+        [sys.executable, str(ROOT / "bench" / "packing.py"), "--short", "--out", str(out)], timeout_s=840
     )
-    print(proc.stdout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, failure(proc)
     last = proc.stdout.strip().splitlines()[-1]
     assert LINE.match(last), last
 
