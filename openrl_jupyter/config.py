@@ -130,8 +130,8 @@ def make_config(
     max_tokens = integer(
         _or(max_tokens, defaults, "max_tokens", 64), "max_tokens", 1, 1_000_000, error=UsageError
     )
-    if lr is not None and number(lr, "lr", 0, 1, error=UsageError) == 0:
-        raise UsageError("lr must be a number in (0, 1]; got 0")
+    if lr is not None:
+        number(lr, "lr", 0, 1, lo_open=True, error=UsageError)
     temperature = number(
         _or(temperature, defaults, "temperature", 1.0), "temperature", 0, 10, error=UsageError
     )

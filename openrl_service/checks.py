@@ -17,11 +17,11 @@ from typing import Any
 from openrl_service.errors import UserError
 
 
-def _range(lo: float | None, hi: float | None) -> str:
+def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
     if lo is not None and hi is not None:
-        return f" in [{lo}, {hi}]"
+        return f" in {'(' if lo_open else '['}{lo}, {hi}]"
     if lo is not None:
-        return f" >= {lo}"
+        return f" {'>' if lo_open else '>='} {lo}"
     if hi is not None:
         return f" <= {hi}"
     return ""
@@ -35,9 +35,10 @@ def _refuse(
     hi: float | None,
     setting: str | None,
     error: type[Exception],
+    lo_open: bool = False,
 ) -> Exception:
     why = f" ({setting})" if setting else ""
-    message = f"{name} must be {kind}{_range(lo, hi)}{why}; got {value!r}"
+    message = f"{name} must be {kind}{_range(lo, hi, lo_open)}{why}; got {value!r}"
     if isinstance(error, type) and issubclass(error, UserError):
         return error(message, field=name)
     return error(message)
@@ -72,14 +73,16 @@ def number(
     *,
     setting: str | None = None,
     error: type[Exception] = UserError,
+    lo_open: bool = False,
 ) -> float:
-    """``value`` as a float if it is a finite int or float (not a bool) within ``[lo, hi]``."""
+    """``value`` as a float if it is a finite int or float (not a bool) within ``[lo, hi]``, or
+    ``(lo, hi]`` with ``lo_open`` (a learning rate or top_p of 0 means nothing)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or (lo is not None and value < lo)
+        or (lo is not None and (value <= lo if lo_open else value < lo))
         or (hi is not None and value > hi)
     ):
-        raise _refuse("a finite number", value, name, lo, hi, setting, error)
+        raise _refuse("a finite number", value, name, lo, hi, setting, error, lo_open)
     return float(value)

@@ -172,16 +172,7 @@ class Validation:
         temperature = raw.get("temperature", 1.0)
         temperature = number(1.0 if temperature is None else temperature, "sampling_params.temperature", 0)
         top_p = raw.get("top_p", 1.0)
-        top_p = 1.0 if top_p is None else top_p
-        try:
-            in_range = number(top_p, "sampling_params.top_p", 0, 1) > 0  # (0, 1]: zero leaves nothing
-        except UserError:
-            in_range = False
-        if not in_range:
-            raise UserError(
-                f"sampling_params.top_p must be a finite number in (0, 1]; got {top_p!r}",
-                field="sampling_params.top_p",
-            )
+        top_p = number(1.0 if top_p is None else top_p, "sampling_params.top_p", 0, 1, lo_open=True)
         top_k = raw.get("top_k", -1)
         top_k = -1 if top_k is None else top_k
         if top_k != -1 or not isinstance(top_k, int):

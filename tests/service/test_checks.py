@@ -32,3 +32,10 @@ def test_a_number_must_be_finite_and_in_range(bad):
     with pytest.raises(UserError, match="temperature must be a finite number >= 0"):
         number(bad, "temperature", 0)
     assert number(2, "temperature", 0) == 2.0
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1e-9, 1.5])
+def test_an_open_lower_end_refuses_the_end_itself(bad):
+    with pytest.raises(UserError, match=r"^top_p must be a finite number in \(0, 1\]; got "):
+        number(bad, "top_p", 0, 1, lo_open=True)
+    assert number(1e-9, "top_p", 0, 1, lo_open=True) == 1e-9
