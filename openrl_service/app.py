@@ -55,11 +55,22 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
                 except Exception:
                     log.exception("housekeeping round failed; retrying in the next round")
 
+        async def snapshots():
+            """Snapshot the state (and compact the journal) every OPENRL_SNAPSHOT_INTERVAL_S when
+            anything changed."""
+            interval = settings.snapshot_interval_s
+            while interval > 0:
+                await asyncio.sleep(interval)
+                if life.taking_work and svc.durability.due():
+                    await svc.durability.snapshot()
+
         sweeper = asyncio.create_task(sweep())
+        snapshotter = asyncio.create_task(snapshots())
         try:
             yield
         finally:
             sweeper.cancel()
+            snapshotter.cancel()
             starting.cancel()
             await asyncio.get_running_loop().run_in_executor(None, svc.stop)
 

@@ -37,6 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             fusion=None if args.fusion is None else args.fusion == "on",
             drain_grace_s=args.drain_grace_s,
+            durability=args.durability,
+            snapshot_interval_s=args.snapshot_interval_s,
         )
         number(
             settings.drain_grace_s,
@@ -44,6 +46,14 @@ def _serve(args: argparse.Namespace) -> int:
             0,
             86400,
             setting="OPENRL_DRAIN_GRACE_S",
+            error=ValueError,
+        )
+        number(
+            settings.snapshot_interval_s,
+            "--snapshot-interval-s",
+            0,
+            86400,
+            setting="OPENRL_SNAPSHOT_INTERVAL_S",
             error=ValueError,
         )
     except (ValueError, OSError) as e:
@@ -190,6 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="on SIGTERM: seconds to finish accepted work before exiting (default 25; OPENRL_DRAIN_GRACE_S)",
+    )
+    s.add_argument(
+        "--durability",
+        choices=("journal", "none"),
+        default=None,
+        help="journal: what was acknowledged survives kill -9 (default); none: in memory only, a restart "
+        "loses every run and result (OPENRL_DURABILITY)",
+    )
+    s.add_argument(
+        "--snapshot-interval-s",
+        type=float,
+        default=None,
+        help="snapshot the state and compact the journal this often when anything changed (default 30; "
+        "0: only at shutdown; OPENRL_SNAPSHOT_INTERVAL_S)",
     )
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")

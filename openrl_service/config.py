@@ -74,6 +74,13 @@ class Settings:
     # OPENRL_DRAIN_GRACE_S / --drain-grace-s: on SIGTERM, how long accepted work may take to finish
     # before it is failed and the process exits (see openrl_service/lifecycle.py)
     drain_grace_s: float = 25.0
+    # OPENRL_DURABILITY / --durability (journal|none): journal every accepted request (fsync before the
+    # reply) and snapshot the state, so a kill -9 loses nothing acknowledged (engine/durability.py);
+    # none keeps everything in memory only: a crash or restart loses every run, result and sample
+    durability: str = "journal"
+    # OPENRL_SNAPSHOT_INTERVAL_S / --snapshot-interval-s: how often (when anything changed) the state
+    # is snapshotted and the journal compacted; it bounds the replay a restart does
+    snapshot_interval_s: float = 30.0
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -103,10 +110,22 @@ _ENV_FIELDS = {
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
     "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
     "OPENRL_DRAIN_GRACE_S": ("drain_grace_s", float),
+    "OPENRL_DURABILITY": ("durability", lambda v: parse_choice(v, "OPENRL_DURABILITY", DURABILITY)),
+    "OPENRL_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
     "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
     "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
+
+
+DURABILITY = ("journal", "none")
+
+
+def parse_choice(value: str, name: str, choices: tuple[str, ...]) -> str:
+    v = value.strip().lower()
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return v
 
 
 def parse_switch(value: str, name: str) -> bool:

@@ -5,6 +5,7 @@
     │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
     │   ├── Gone                  existed once, has expired (410)
     │   ├── PayloadTooLarge       request body over the limit (413)
+    │   ├── RestoredError         an error read back from the recovery journal (its own status)
     │   └── UnsupportedMediaType  a JSON route got another Content-Type (415)
     ├── Unauthorized              missing or wrong API key (401)
     ├── NotReady                  the model is still loading (503, retried by clients)
@@ -63,6 +64,25 @@ class Unauthorized(ApiError):
 class NotReady(ApiError):
     status_code = 503
 
+    def __init__(self, message: str, *, retry_after_s: float = 2.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 class InternalError(ApiError):
     status_code = 500
+
+
+class RestoredError(UserError):
+    """An error result (or a rejected argument) kept in the recovery journal: the same JSON and
+    status as the error it was (a UserError, so code that treats a rejected argument as one keeps
+    doing so after a restart)."""
+
+    def __init__(self, body: dict, status_code: int):
+        super().__init__(str(body.get("error", "")), field=body.get("field"))
+        self.body = dict(body)
+        self.status_code = status_code
+        self.category = str(body.get("category", "server"))
+
+    def to_json(self) -> dict:
+        return dict(self.body)

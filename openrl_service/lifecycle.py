@@ -1,8 +1,14 @@
 """The service's lifecycle: the state ``/readyz`` reports, and the drain on SIGTERM or SIGINT.
 
-    starting ──▶ ready ──▶ draining ──▶ stopped
-        │  (recovering: replaying a journal, between the two; not built yet)
+    starting ──▶ recovering ──▶ ready ──▶ draining ──▶ stopped
         └──▶ failed (the model did not load)
+
+**Starting, recovering**: the model loads, then the journal's newest snapshot is restored and the
+records after it are re-queued (see :mod:`openrl_service.engine.durability`). Until then routes
+that queue work answer 503 + Retry-After (the Tinker SDK retries them), ``retrieve_future`` of a
+request the service does not know yet answers ``try_again`` (its record may be about to be
+replayed), and a session heartbeat is answered without looking the session up. ``/readyz`` says
+``starting`` then ``recovering``.
 
 **Draining** (``serve`` gets SIGTERM, e.g. a pod's preStop, or Ctrl-C): the service keeps its port
 open and stops taking new work. Every route that would queue work (Tinker ``create_session``,
@@ -13,6 +19,11 @@ routing; ``/healthz`` stays 200, so the kubelet does not kill it early. The devi
 every op already accepted; ``retrieve_future`` keeps answering (``try_again`` while an op is queued
 or running, never a 5xx) and the drain waits until the clients have fetched the results handed out
 to them. Then the process exits with code 0.
+
+With the journal on (the default), what has not run when the grace is nearly over is not failed: it
+is journaled already, so the worker stops starting ops, the state is snapshotted (when the device
+is between ops in time) and the process exits; the restarted service runs those ops, and their
+clients, still polling, get their results then. With ``--durability none`` they are failed as below.
 
 It exits within the grace (``--drain-grace-s`` / ``OPENRL_DRAIN_GRACE_S``, 25 s by default) plus
 the second or two it takes to close connections: at ``grace - reserve`` (reserve = min(2 s, a
@@ -27,13 +38,14 @@ refused), so they are failed as soon as everything runnable has run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from openrl_service.errors import ApiError
+from openrl_service.errors import ApiError, NotReady
 
 if TYPE_CHECKING:
     from openrl_service.engine.service import TrainingService
@@ -83,23 +95,50 @@ class Lifecycle:
         self._task: asyncio.Task | None = None
         self._deadline = 0.0  # monotonic: the end of the grace
         self._cut_short = ""  # the second signal that ended the drain early
+        self.error = ""  # why the state is FAILED, when it is not the model load
 
     # -- starting --------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Wait (off the loop) for the worker to load the model, then take work. Crash recovery
-        will run here, in state RECOVERING, between the model load and READY."""
+        """Wait (off the loop) for the worker to load the model, recover the journal, then take work."""
         self.loop = asyncio.get_running_loop()
         engine = self.svc.engine
         while not await asyncio.to_thread(engine.ready.wait, 0.5):
             if engine.setup_error is not None or not engine.alive:
                 self.state = State.FAILED
                 return
-        if self.state is State.STARTING:
+        if self.state is not State.STARTING:
+            return
+        self.state = State.RECOVERING
+        try:
+            replayed = await self.svc.durability.recover()
+        except Exception as e:  # noqa: BLE001 - reported by /readyz; the journal is left as it was
+            log.exception("recovery failed")
+            self.error = f"recovery failed: {e}"
+            self.state = State.FAILED
+            return
+        if self.state is State.RECOVERING:
             self.state = State.READY
+        if replayed:
+            asyncio.ensure_future(self.svc.durability.snapshot("after recovery"))
 
     # -- what clients see ------------------------------------------------------------------------
+    @property
+    def taking_work(self) -> bool:
+        return self.state is State.READY
+
+    @property
+    def coming_up(self) -> bool:
+        """Starting or recovering: requests it does not know yet may be in its journal."""
+        return self.state in (State.STARTING, State.RECOVERING)
+
     def refuse_new_work(self) -> None:
-        """Raise :class:`ShuttingDown` once the service drains; routes that queue work call this first."""
+        """Raise :class:`ShuttingDown` once the service drains, and NotReady (503 + Retry-After) while
+        it starts or recovers; routes that queue work call this first."""
+        if self.state is State.RECOVERING:
+            raise NotReady(
+                "openrl-service is recovering its journal after a restart; retry in a few seconds",
+                retry_after_s=RETRY_AFTER_S,
+            )
         if self.state in (State.DRAINING, State.STOPPED):
             why = f" ({self.reason})" if self.reason else ""
             raise ShuttingDown(
@@ -113,7 +152,11 @@ class Lifecycle:
         if state is State.STARTING and engine.setup_error is not None:
             state = State.FAILED
         if state is State.FAILED:
-            return 503, {"status": "failed", "state": state.value, "error": str(engine.setup_error)}
+            return 503, {
+                "status": "failed",
+                "state": state.value,
+                "error": self.error or str(engine.setup_error),
+            }
         if state is State.STARTING:
             return 503, {"status": "loading", "state": state.value}
         if state is not State.READY:
@@ -167,17 +210,34 @@ class Lifecycle:
             why = f"its drain grace of {self.grace_s:g} s, OPENRL_DRAIN_GRACE_S, ran out"
         else:
             why = "it waited for an earlier seq_id, which was refused"
-        failed = engine.abandon(
-            ShuttingDown(
-                f"openrl-service shut down before this request finished ({why}); it may not have been "
-                "applied. Resubmit it once the service is back"
+        if svc.durability.enabled:
+            engine.hold()  # what has not run is journaled: the restarted service runs it
+            left = engine.queue_depth()
+            if left:
+                log.warning("drain: %d accepted ops are journaled and run after the restart (%s)", left, why)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    svc.durability.snapshot("shutdown"), timeout=max(0.5, self._deadline - time.monotonic())
+                )
+        else:
+            failed = engine.abandon(
+                ShuttingDown(
+                    f"openrl-service shut down before this request finished ({why}); it may not have been "
+                    "applied. Resubmit it once the service is back"
+                )
             )
-        )
-        if failed:
-            log.warning("drain: %d accepted ops did not finish and answer 'service shutting down'", failed)
-        while svc.futures.unfetched(since=started_wall - PICKUP_S) and time.monotonic() < self._deadline:
+            if failed:
+                log.warning(
+                    "drain: %d accepted ops did not finish and answer 'service shutting down'", failed
+                )
+        # With the journal, results still pending are delivered by the restarted service.
+        pending = not svc.durability.enabled
+        while (
+            svc.futures.unfetched(since=started_wall - PICKUP_S, pending=pending)
+            and time.monotonic() < self._deadline
+        ):
             await asyncio.sleep(TICK_S)
-        left = svc.futures.unfetched(since=started_wall - PICKUP_S)
+        left = svc.futures.unfetched(since=started_wall - PICKUP_S, pending=pending)
         log.warning(
             "drained in %.1f s%s; exiting",
             time.monotonic() - started,

@@ -6,6 +6,7 @@ here knows the Tinker protocol.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
+from openrl_service import crashpoints
 from openrl_service.engine.scheduler import QueueFull
 from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
 
@@ -57,11 +59,25 @@ class BackpressureRoute(APIRoute):
                 if lifecycle is not None:
                     lifecycle.refuse_new_work()
             try:
-                return await handler(request)
+                response = await handler(request)
             except QueueFull as e:
                 return backpressure_response(e)
+            if request.method != "GET":
+                await acknowledge(request, gated)
+            return response
 
         return route
+
+
+async def acknowledge(request: Request, gated: bool) -> None:
+    """Before a reply leaves: make the journal records of what the request changed durable (one
+    fsync shared by every request waiting; InsufficientStorage, 507, when the disk is full)."""
+    svc = getattr(request.app.state, "service", None)
+    if svc is None:
+        return
+    await svc.durability.sync()
+    if gated and crashpoints.armed("after_ack"):  # recovery tests: die just after this reply is sent
+        asyncio.get_running_loop().call_later(0.2, crashpoints.hit, "after_ack")
 
 
 def _too_large(max_bytes: int) -> PayloadTooLarge:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from openrl_service.errors import UserError
+from openrl_service.errors import RestoredError, UserError
 
 HEADER = "X-Idempotency-Key"
 MAX_KEY_CHARS = 128
@@ -50,11 +50,15 @@ class IdempotentReplies:
         self.stored_bytes = 0  # of the remembered reply bodies
         self.waiting = 0  # duplicates now waiting for their first request to finish
 
-    async def reply(self, request: Request, tenant: str, make: Callable[[], Awaitable[Response]]) -> Response:
-        """``make()``'s response, or the remembered one when this request's key was seen before."""
+    async def reply(
+        self, request: Request, tenant: str, make: Callable[[tuple | None], Awaitable[Response]]
+    ) -> Response:
+        """``make(identity)``'s response, or the remembered one when this request's key was seen
+        before. ``identity`` (tenant, method, path, key, body digest; None without a key) is what a
+        journal keeps to remember the reply again after a crash (:meth:`begin`, :meth:`settle`)."""
         key = request.headers.get(HEADER)
         if key is None:
-            return await make()
+            return await make(None)
         if not 0 < len(key) <= MAX_KEY_CHARS:
             raise UserError(f"{HEADER} must be 1 to {MAX_KEY_CHARS} characters; got {len(key)}", field=HEADER)
         digest = hashlib.sha256(await request.body()).digest()
@@ -74,7 +78,8 @@ class IdempotentReplies:
                 return self._replay(entry)
             # The first attempt failed in a way worth retrying (429, 503, a server error): try again.
         entry = self._entries[k] = _Entry(digest)
-        outcome = await asyncio.shield(asyncio.ensure_future(self._run(k, entry, make)))
+        identity = (*k, digest)
+        outcome = await asyncio.shield(asyncio.ensure_future(self._run(k, entry, lambda: make(identity))))
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -101,6 +106,59 @@ class IdempotentReplies:
         entry.done.set()
         self._bound()
         return outcome
+
+    def begin(self, identity: tuple) -> _Entry:
+        """A reply being made again from the journal (recovery): a re-sent request waits for it."""
+        k, digest = tuple(identity[:4]), identity[4]
+        entry = self._entries[k] = _Entry(digest)
+        return entry
+
+    def settle(
+        self,
+        identity: tuple,
+        entry: _Entry,
+        *,
+        reply: tuple[int, bytes] | None = None,
+        error: UserError | None = None,
+    ) -> None:
+        """The outcome of :meth:`begin`'s request: its reply, its UserError, or neither (forgotten:
+        a re-sent request runs again)."""
+        k = tuple(identity[:4])
+        if reply is not None:
+            entry.reply = (reply[0], reply[1], "application/json")
+            self.stored_bytes += len(reply[1])
+        elif isinstance(error, UserError):
+            entry.error = error
+        elif self._entries.get(k) is entry:
+            del self._entries[k]
+        entry.done.set()
+        self._bound()
+
+    def capture(self) -> list[tuple]:
+        """The finished replies, for a snapshot: (key, digest, age in s, reply, error JSON and status)."""
+        now = time.monotonic()
+        return [
+            (
+                k,
+                e.digest,
+                now - e.created_at,
+                e.reply,
+                None if e.error is None else (e.error.to_json(), e.error.status_code),
+            )
+            for k, e in self._entries.items()
+            if e.done.is_set() and (e.reply is not None or e.error is not None)
+        ]
+
+    def restore(self, captured: list[tuple]) -> None:
+        now = time.monotonic()
+        for k, digest, age, reply, error in captured:
+            entry = _Entry(digest, created_at=now - age, reply=reply)
+            if error is not None:
+                entry.error = RestoredError(*error)
+            entry.done.set()
+            self._entries[tuple(k)] = entry
+            if reply is not None:
+                self.stored_bytes += len(reply[1])
 
     @staticmethod
     def _replay(entry: _Entry) -> Response:

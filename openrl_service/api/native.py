@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 
 import anyio
 import orjson
@@ -32,7 +31,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
-from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import NativeRuns
 from openrl_service.engine.service import TrainingService
@@ -46,7 +44,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     native = NativeRuns(svc)
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
-    replies = IdempotentReplies(ttl_s=svc.settings.future_ttl_s)
+    replies = native.replies
 
     def tenant(request: Request) -> str:
         return request.state.tenant
@@ -56,11 +54,11 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         return await replies.reply(request, tenant(request), make)
 
     async def post(request: Request, run_id: str, op, status: int = 200):
-        """An idempotent POST on a run: ``op(tenant, run_id, body)`` (sync or async) as JSON."""
+        """An idempotent POST on a run: ``op(tenant, run_id, body, identity)`` as JSON."""
 
-        async def make():
-            out = op(tenant(request), run_id, await read_json(request, max_body))
-            return json_response(await out if inspect.isawaitable(out) else out, status=status)
+        async def make(identity):
+            out = await op(tenant(request), run_id, await read_json(request, max_body), identity)
+            return json_response(out, status=status)
 
         return await once(request, make)
 
@@ -69,9 +67,9 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     async def create_run(request: Request):
         """Create a LoRA run on the served model (defaults from its capability entry)."""
 
-        async def make():
-            nr = await native.create(tenant(request), await read_json(request, max_body))
-            return json_response(native.describe(nr), status=201)
+        async def make(identity):
+            out = await native.create(tenant(request), await read_json(request, max_body), identity)
+            return json_response(out, status=201)
 
         return await once(request, make)
 

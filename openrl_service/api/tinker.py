@@ -36,7 +36,7 @@ from openrl_service.api.http import (
 )
 from openrl_service.checks import integer
 from openrl_service.engine.service import TrainingService
-from openrl_service.errors import UserError
+from openrl_service.errors import NotFound, UserError
 from openrl_service.training.trainer import adam_params
 
 # api/native.py still imports these from here; the merge points it at api.http and drops this line.
@@ -92,7 +92,10 @@ def build_router(svc: TrainingService) -> APIRouter:
     async def heartbeat(request: Request):
         """Keep a session alive; 410 once it is finished."""
         body = await read_json(request, max_body)
-        if not svc.heartbeat(tenant(request), field(body, "session_id", str)):
+        session_id = field(body, "session_id", str)
+        if coming_up(request) and session_id not in svc.sessions:
+            return json_response({"type": "session_heartbeat"})  # restarting: it may be recovered yet
+        if not svc.heartbeat(tenant(request), session_id):
             return json_response({"error": "session is finished", "category": "user"}, status=410)
         return json_response({"type": "session_heartbeat"})
 
@@ -350,7 +353,13 @@ def build_router(svc: TrainingService) -> APIRouter:
         """Long-poll a future: the result, an error result, or try_again."""
         body = await read_json(request, max_body)
         request_id = field(body, "request_id", str)
-        rec = svc.futures.get(tenant(request), request_id)
+        try:
+            rec = svc.futures.get(tenant(request), request_id)
+        except NotFound:
+            if not coming_up(request):
+                raise
+            # Restarting: the request may be in the journal, about to be replayed. Poll again.
+            return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if not await svc.futures.wait(rec, svc.settings.long_poll_s):
             if not svc.engine.alive and svc.engine.ready.is_set():
                 return json_response(
@@ -376,6 +385,12 @@ def build_router(svc: TrainingService) -> APIRouter:
         return health(svc)
 
     return r
+
+
+def coming_up(request: Request) -> bool:
+    """The service is starting or recovering its journal (see openrl_service.lifecycle)."""
+    lifecycle = getattr(request.app.state, "lifecycle", None)
+    return lifecycle is not None and lifecycle.coming_up
 
 
 def health(svc: TrainingService) -> Response:

@@ -12,10 +12,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrl_service.errors import ApiError, Gone, NotFound
+from openrl_service.errors import ApiError, Gone, NotFound, RestoredError
 
 
 @dataclass
@@ -54,9 +55,14 @@ class FutureStore:
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Called (on the completing thread) after a future completes: the journal drops its record.
+        self.on_complete: Callable[[FutureRecord], None] | None = None
 
-    def new(self, tenant: str, kind: str, **extra) -> FutureRecord:
-        rec = FutureRecord(request_id=f"req-{uuid.uuid4().hex}", tenant=tenant, kind=kind, extra=extra)
+    def new(self, tenant: str, kind: str, *, request_id: str | None = None, **extra) -> FutureRecord:
+        """A pending future; ``request_id`` is given when a journal replay recreates one."""
+        rec = FutureRecord(
+            request_id=request_id or f"req-{uuid.uuid4().hex}", tenant=tenant, kind=kind, extra=extra
+        )
         if self.loop is not None:
             rec._event = asyncio.Event()
         with self._lock:
@@ -72,8 +78,70 @@ class FutureStore:
             rec.completed_at = time.time()
             rec.done = True
             self._done.notify_all()
+        if self.on_complete is not None:
+            self.on_complete(rec)
         if rec._event is not None and self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(rec._event.set)
+
+    def discard(self, rec: FutureRecord) -> None:
+        """Forget a future that was never queued (its request was a retry, or was refused)."""
+        with self._lock:
+            if self._records.get(rec.request_id) is rec and not rec.done:
+                del self._records[rec.request_id]
+
+    def known(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._records
+
+    def capture(self) -> list[dict]:
+        """The completed results, for a snapshot (pending ones are replayed from their records)."""
+        with self._lock:
+            done = [r for r in self._records.values() if r.done]
+        return [
+            {
+                "request_id": r.request_id,
+                "tenant": r.tenant,
+                "kind": r.kind,
+                "created_at": r.created_at,
+                "completed_at": r.completed_at,
+                "result": r.result,
+                "error": None if r.error is None else (r.error.to_json(), r.error.status_code),
+                "extra": {k: v for k, v in r.extra.items()},
+                "idem_key": r.idem_key,
+                "slot": r.slot,
+                "handed_out": r.handed_out,
+            }
+            for r in done
+        ]
+
+    def restore(self, captured: list[dict]) -> dict[str, dict[int, FutureRecord]]:
+        """Put snapshot results back; returns {lane: {seq_id: future}} for the engine's seq index."""
+        slots: dict[str, dict[int, FutureRecord]] = {}
+        with self._lock:
+            for c in captured:
+                error = None if c["error"] is None else RestoredError(*c["error"])
+                rec = FutureRecord(
+                    request_id=c["request_id"],
+                    tenant=c["tenant"],
+                    kind=c["kind"],
+                    created_at=c["created_at"],
+                    done=True,
+                    result=c["result"],
+                    error=error,
+                    completed_at=c["completed_at"],
+                    extra=c["extra"],
+                    idem_key=c["idem_key"],
+                    slot=tuple(c["slot"]) if c["slot"] else None,
+                    handed_out=c["handed_out"],
+                )
+                self._records[rec.request_id] = rec
+                if rec.slot is not None:
+                    slots.setdefault(rec.slot[0], {})[rec.slot[1]] = rec
+        return slots
+
+    def idempotency_index(self) -> list[FutureRecord]:
+        with self._lock:
+            return [r for r in self._records.values() if r.idem_key]
 
     def get(self, tenant: str, request_id: str) -> FutureRecord:
         with self._lock:
@@ -122,14 +190,16 @@ class FutureStore:
                 self._expired.popitem(last=False)
         return old
 
-    def unfetched(self, since: float) -> int:
-        """Results handed out to a client and not fetched yet: pending ones, and those completed after
-        ``since`` (wall clock; older ones' clients are taken to have gone)."""
+    def unfetched(self, since: float, *, pending: bool = True) -> int:
+        """Results handed out to a client and not fetched yet: those completed after ``since`` (wall
+        clock; older ones' clients are taken to have gone) and, with ``pending``, unfinished ones."""
         with self._lock:
             return sum(
                 1
                 for r in self._records.values()
-                if r.handed_out and not r.fetched and (not r.done or (r.completed_at or 0) >= since)
+                if r.handed_out
+                and not r.fetched
+                and ((pending and not r.done) or (r.done and (r.completed_at or 0) >= since))
             )
 
     def pending_count(self) -> int:

@@ -28,6 +28,9 @@ train step submitted before it; ``snapshot`` in replies is the run's optimizer-s
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import random
 import threading
 import time
 import uuid
@@ -37,14 +40,19 @@ from typing import Any
 
 import anyio
 import numpy as np
+import orjson
 
+from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.checks import integer, number
+from openrl_service.engine.registry import new_session_id
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.errors import ApiError, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
 from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult, adam_params
+
+log = logging.getLogger(__name__)
 
 SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
@@ -84,6 +92,11 @@ class NativeRunState:
             self.seq += n
             return self.seq - n + 1
 
+    def bump(self, last: int) -> None:
+        """A replayed request used seq_ids up to ``last``: later requests come after it."""
+        with self.lock:
+            self.seq = max(self.seq, last)
+
 
 class EventBus:
     """Run events fan out to every open SSE stream of the tenant (bounded queues; slow readers drop)."""
@@ -118,16 +131,92 @@ def _offer(q: asyncio.Queue, event: dict) -> None:
     q.put_nowait(event)
 
 
+# The notebook API's requests that change state, journaled as intents, and the status of their reply.
+INTENTS = {"create": 201, "sample": 200, "train_step": 200, "checkpoint": 201, "metrics": 201}
+
+
 class NativeRuns:
     def __init__(self, svc: TrainingService):
         self.svc = svc
         self.runs: dict[str, NativeRunState] = {}
         self.samples: OrderedDict[str, StoredSample] = OrderedDict()
         self.events = EventBus()
+        self.replies = IdempotentReplies(ttl_s=svc.settings.future_ttl_s)
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
         svc.session_listeners.append(self._session_finished)
         svc.sweepers.append(self.sweep_samples)
+        svc.durability.loop_state.append(("native", self.capture, self.restore))
+        for kind in INTENTS:
+            svc.durability.intent_replayers[kind] = functools.partial(self._replay, kind)
+
+    # -- journal ----------------------------------------------------------------------------------
+    async def _intent(self, kind: str, inputs: dict) -> dict:
+        """Journal a request's resolved inputs (its intent), then carry it out; the engine calls it
+        makes are covered by the intent's record."""
+        d = self.svc.durability
+        intent_id = d.intent(kind, inputs)
+        try:
+            with d.inside_intent():
+                return await self._execute(kind, inputs, intent_id)
+        finally:
+            d.intent_done(intent_id)
+
+    async def _execute(self, kind: str, inputs: dict, intent_id: str) -> dict:
+        if kind == "checkpoint":
+            return await self._do_checkpoint(inputs, intent_id)
+        return await getattr(self, f"_do_{kind}")(inputs)
+
+    async def _replay(self, kind: str, intent_id: str, inputs: dict) -> None:
+        """Carry out a journaled intent again after a crash; its reply becomes its idempotency key's,
+        so the client's re-sent request gets it (a re-sent request waits for it meanwhile)."""
+        idem = inputs.get("idem")
+        entry = self.replies.begin(idem) if idem else None
+        try:
+            reply = await self._execute(kind, inputs, intent_id)
+            if entry is not None:
+                self.replies.settle(
+                    idem, entry, reply=(INTENTS[kind], orjson.dumps(reply, option=orjson.OPT_SERIALIZE_NUMPY))
+                )
+        except ApiError as e:
+            if entry is not None:
+                self.replies.settle(idem, entry, error=e)
+        except Exception:  # noqa: BLE001 - logged; the client's retry runs it again
+            log.exception("replaying a %s request failed", kind)
+            if entry is not None:
+                self.replies.settle(idem, entry)
+        finally:
+            self.svc.durability.intent_done(intent_id)
+
+    def capture(self) -> dict:
+        """Runs' names, seq counters, steps and metric rows, the sample store and the idempotent
+        replies, for a snapshot (on the event loop, with the device worker paused)."""
+        with self._lock:
+            runs = [
+                {
+                    "run_id": run_id,
+                    "name": nr.name,
+                    "seq": nr.seq,
+                    "steps": nr.steps,
+                    "metrics": list(nr.metrics),
+                    "metrics_dropped": nr.metrics_dropped,
+                }
+                for run_id, nr in self.runs.items()
+            ]
+            samples = [(sid, vars(smp).copy()) for sid, smp in self.samples.items()]
+        return {"runs": runs, "samples": samples, "replies": self.replies.capture()}
+
+    def restore(self, state: dict) -> None:
+        with self._lock:
+            for r in state["runs"]:
+                run = self.svc.runs.get(r["run_id"])
+                if run is not None:
+                    self.runs[r["run_id"]] = NativeRunState(
+                        run, r["name"], r["seq"], r["steps"], r["metrics"], r["metrics_dropped"]
+                    )
+            for sid, fields in state["samples"]:
+                self.samples[sid] = StoredSample(**fields)
+        self.replies.restore(state["replies"])
 
     # -- runs -----------------------------------------------------------------------------------
     def get(self, tenant: str, run_id: str) -> NativeRunState:
@@ -136,7 +225,8 @@ class NativeRuns:
             raise NotFound(f"unknown run {run_id!r}", field="run_id")
         return nr
 
-    async def create(self, tenant: str, body: dict) -> NativeRunState:
+    async def create(self, tenant: str, body: dict, idem: tuple | None = None) -> dict:
+        """Create a run; the reply describes it (201)."""
         base = self.svc.require_ready()
         defaults = base.defaults
         name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
@@ -148,28 +238,51 @@ class NativeRuns:
             body.get("train_mlp", True),
             body.get("train_unembed", defaults.get("train_unembed", True)),
         )
-        # The session file is written and fsynced: off the event loop, so a slow disk stalls no one else.
-        sess = await anyio.to_thread.run_sync(
-            lambda: self.svc.create_session(
-                tenant, display_name=name, user_metadata=body.get("user_metadata")
+        seed = body.get("seed")
+        seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
+        self.svc._check_base_model(body.get("base_model"))
+        inputs = {
+            "tenant": tenant,
+            "name": name,
+            "spec": spec,
+            "seed": seed,
+            "user_metadata": self.svc.check_metadata(body.get("user_metadata")),
+            "session_id": new_session_id(),
+            "idem": idem,
+        }
+        return await self._intent("create", inputs)
+
+    async def _do_create(self, inputs: dict) -> dict:
+        tenant = inputs["tenant"]
+        sess = self.svc.sessions.get(inputs["session_id"])
+        if sess is None:
+            # The session file is written and fsynced: off the event loop, so a slow disk stalls no one else.
+            sess = await anyio.to_thread.run_sync(
+                lambda: self.svc.create_session(
+                    tenant,
+                    display_name=inputs["name"],
+                    user_metadata=inputs["user_metadata"],
+                    session_id=inputs["session_id"],
+                )
             )
-        )
         rec = self.svc.create_model(
             tenant,
             session_id=sess.session_id,
             model_seq_id=0,
-            base_model=body.get("base_model"),
-            spec=spec,
-            seed=body.get("seed"),
-            user_metadata=body.get("user_metadata"),
+            base_model=None,
+            spec=inputs["spec"],
+            seed=inputs["seed"],
+            user_metadata=inputs["user_metadata"],
             idem=None,
         )
         await self._result(rec)
-        nr = NativeRunState(self.svc.run(tenant, rec.result["model_id"]), name)
+        run_id = rec.result["model_id"]
         with self._lock:
-            self.runs[nr.run.run_id] = nr
-        self.events.publish(tenant, {"event": "created", "run_id": nr.run.run_id, "name": name})
-        return nr
+            nr = self.runs.get(run_id)
+            if nr is None:
+                nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
+        self.events.publish(tenant, {"event": "created", "run_id": run_id, "name": inputs["name"]})
+        return self.describe(nr)
 
     def describe(self, nr: NativeRunState) -> dict:
         run = nr.run
@@ -234,7 +347,7 @@ class NativeRuns:
             field=f"prompts[{i}]",
         )
 
-    async def sample(self, tenant: str, run_id: str, body: dict) -> dict:
+    async def sample(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:
         nr = self.get(tenant, run_id)
         prompts = body.get("prompts")
         if not isinstance(prompts, list) or not prompts:
@@ -262,15 +375,28 @@ class NativeRuns:
                 SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
             )
 
+        inputs = {
+            "tenant": tenant,
+            "run_id": run_id,
+            "seq": nr.next_seq(),
+            "jobs": [replace(j, params=self.svc._seeded(j.params)) for j in jobs],
+            "sample_ids": [[f"smp-{uuid.uuid4().hex}" for _ in range(num)] for _ in jobs],
+            "idem": idem,
+        }
+        return await self._intent("sample", inputs)
+
+    async def _do_sample(self, inputs: dict) -> dict:
+        tenant, run_id, jobs = inputs["tenant"], inputs["run_id"], inputs["jobs"]
+        nr = self.get(tenant, run_id)
+        nr.bump(inputs["seq"])
         # One batched decode of this call's prompts (with fusion on, other runs' ready sampling joins).
-        rec = self.svc.sample_run(tenant, run_id, nr.next_seq(), jobs, None)
+        rec = self.svc.sample_run(tenant, run_id, inputs["seq"], jobs, None)
         outs = await self._result(rec)
         tok = self.svc.base.tokenizer
         samples = []
-        stop_ids = set(params.stop_token_ids) or set(self.svc.base.eos_token_ids)
         for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
-            for seq in out.sequences:
-                sid = f"smp-{uuid.uuid4().hex}"
+            stop_ids = set(job.params.stop_token_ids) or set(self.svc.base.eos_token_ids)
+            for sid, seq in zip(inputs["sample_ids"][i], out.sequences, strict=True):
                 self._store(sid, StoredSample(run_id, tenant, job.prompt, seq.tokens, seq.logprobs))
                 text_tokens = (
                     seq.tokens[:-1]
@@ -309,7 +435,7 @@ class NativeRuns:
                 self.samples.popitem(last=False)
 
     # -- training -------------------------------------------------------------------------------
-    async def train_step(self, tenant: str, run_id: str, body: dict) -> dict:
+    async def train_step(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:
         nr = self.get(tenant, run_id)
         items = body.get("samples")
         if not isinstance(items, list) or not items:
@@ -351,12 +477,31 @@ class NativeRuns:
         if not data:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
         self.svc.validate_datums(data, loss)
+        inputs = {
+            "tenant": tenant,
+            "run_id": run_id,
+            "seq": nr.next_seq(2),
+            "data": data,  # resolved: a replay does not need the sample store
+            "loss": loss,
+            "config": config,
+            "adam": adam,
+            "idem": idem,
+        }
+        return await self._intent("train_step", inputs)
 
+    async def _do_train_step(self, inputs: dict) -> dict:
+        tenant, run_id, adam = inputs["tenant"], inputs["run_id"], inputs["adam"]
+        nr = self.get(tenant, run_id)
+        nr.bump(inputs["seq"] + 1)
         # The Tinker façade's own two ops, back to back in the run's lane: forward_backward (which
         # fuses with other runs' ready training), then optim_step. Shielded: a client that goes away
         # mid-step does not leave gradients waiting for an optimizer step that never comes.
         result, metrics = await asyncio.shield(
-            asyncio.ensure_future(self._fb_then_optim(tenant, run_id, nr, data, loss, config, adam))
+            asyncio.ensure_future(
+                self._fb_then_optim(
+                    tenant, run_id, inputs["seq"], inputs["data"], inputs["loss"], inputs["config"], adam
+                )
+            )
         )
         nr.steps += 1
         st = result.stats or {}
@@ -379,9 +524,8 @@ class NativeRuns:
         return reply
 
     async def _fb_then_optim(
-        self, tenant: str, run_id: str, nr: NativeRunState, data, loss: str, config: dict, adam: AdamParams
+        self, tenant: str, run_id: str, seq: int, data, loss: str, config: dict, adam: AdamParams
     ) -> tuple[ForwardResult, dict]:
-        seq = nr.next_seq(2)
         fb = self.svc.forward_backward(tenant, run_id, seq, data, loss, config, False, None)
         try:
             result = await self._result(fb)
@@ -393,27 +537,44 @@ class NativeRuns:
         return result, out["metrics"]
 
     # -- checkpoints ----------------------------------------------------------------------------
-    async def save_checkpoint(self, tenant: str, run_id: str, body: dict) -> dict:
+    async def save_checkpoint(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:
         """Weights + optimizer state as a Tinker ``weights`` checkpoint; returns its path."""
         nr = self.get(tenant, run_id)
         name = body.get("name")
         if not isinstance(name, str):
             raise UserError(f"name is required: the checkpoint's name (a string); got {name!r}", field="name")
+        inputs = {
+            "tenant": tenant,
+            "run_id": run_id,
+            "seq": nr.next_seq(),
+            "name": name,
+            "overwrite": bool(body.get("overwrite", False)),
+            "user_metadata": body.get("user_metadata"),
+            "ttl_seconds": body.get("ttl_seconds"),
+            "idem": idem,
+        }
+        return await self._intent("checkpoint", inputs)
+
+    async def _do_checkpoint(self, inputs: dict, intent_id: str) -> dict:
+        tenant, run_id = inputs["tenant"], inputs["run_id"]
+        self.get(tenant, run_id).bump(inputs["seq"])
         rec = self.svc.save_state(
             tenant,
             run_id,
-            nr.next_seq(),
-            name,
-            bool(body.get("overwrite", False)),
-            body.get("user_metadata"),
+            inputs["seq"],
+            inputs["name"],
+            inputs["overwrite"],
+            inputs["user_metadata"],
             None,
-            ttl_seconds=body.get("ttl_seconds"),
+            ttl_seconds=inputs["ttl_seconds"],
+            writer=intent_id,
         )
         return await self._result(rec)
 
     # -- metrics --------------------------------------------------------------------------------
-    def add_metrics(self, tenant: str, run_id: str, body: dict) -> dict:
-        nr = self.get(tenant, run_id)
+    async def add_metrics(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:
+        """Store one row of client-side metrics (validated here, kept with the run; journaled)."""
+        self.get(tenant, run_id)
         step = integer(body.get("step"), "step", 0)
         if len(body) - ("step" in body) > MAX_METRIC_KEYS:
             raise UserError(
@@ -435,6 +596,11 @@ class NativeRuns:
                 row[k] = v
             else:  # whole numbers stay whole (a reward version), others are floats
                 row[k] = v if isinstance(v, int) and not isinstance(v, bool) else number(v, f"metrics.{k}")
+        return await self._intent("metrics", {"tenant": tenant, "run_id": run_id, "row": row, "idem": idem})
+
+    async def _do_metrics(self, inputs: dict) -> dict:
+        tenant, run_id, row = inputs["tenant"], inputs["run_id"], inputs["row"]
+        nr = self.get(tenant, run_id)
         with nr.lock:
             nr.metrics.append(row)
             excess = len(nr.metrics) - self.svc.limits.max_metric_rows

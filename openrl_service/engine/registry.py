@@ -22,6 +22,7 @@ from typing import Any
 
 from openrl_service.checks import integer
 from openrl_service.config import Settings
+from openrl_service.engine.durability import Durability
 from openrl_service.engine.scheduler import Engine
 from openrl_service.errors import NotFound, UserError
 from openrl_service.models.loading import BaseModel
@@ -102,6 +103,10 @@ class SamplerEntry:
     last_used: float = field(default_factory=time.time)
 
 
+def new_session_id() -> str:
+    return f"s{uuid.uuid4().hex[:16]}"
+
+
 def spec_from_manifest(manifest: dict) -> LoraSpec:
     lora = manifest["lora"]
     return LoraSpec(
@@ -117,6 +122,7 @@ class Registry:
     """Sessions, runs and samplers of every tenant (the maps below), guarded by ``_lock``."""
 
     settings: Settings
+    durability: Durability
     store: CheckpointStore
     engine: Engine
     base: BaseModel | None
@@ -145,8 +151,16 @@ class Registry:
 
     # -- sessions -------------------------------------------------------------------------------
     def create_session(
-        self, tenant: str, *, tags=None, user_metadata=None, display_name=None, project_id=None
+        self,
+        tenant: str,
+        *,
+        tags=None,
+        user_metadata=None,
+        display_name=None,
+        project_id=None,
+        session_id: str | None = None,
     ) -> SessionRecord:
+        """A new session (``session_id`` is given only by a journal replay of the request that made it)."""
         if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
             raise UserError("tags must be a list of strings", field="tags")
         for name, value in (("display_name", display_name), ("project_id", project_id)):
@@ -154,16 +168,24 @@ class Registry:
                 raise UserError(f"{name} must be a string of at most 256 characters", field=name)
         self.check_metadata({"tags": tags or []}, "tags")
         sess = SessionRecord(
-            session_id=f"s{uuid.uuid4().hex[:16]}",
+            session_id=session_id or new_session_id(),
             tenant=tenant,
             tags=list(tags or []),
             user_metadata=self.check_metadata(user_metadata),
             display_name=display_name,
             project_id=project_id,
         )
+        self.durability.append(("session", vars(sess).copy()))
         with self._lock:
             self.sessions[sess.session_id] = sess
         self.store.write_session(tenant, sess.record())
+        return sess
+
+    def restore_session(self, fields: dict) -> SessionRecord:
+        """A session again, from its journal record (recovery)."""
+        sess = SessionRecord(**fields)
+        with self._lock:
+            self.sessions[sess.session_id] = sess
         return sess
 
     def session(self, tenant: str, session_id: str, *, live: bool = True) -> SessionRecord:
@@ -187,6 +209,7 @@ class Registry:
     def finish_session(self, tenant: str, session_id: str, reason: str = "success") -> None:
         """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
         sess = self.session(tenant, session_id, live=False)
+        self.durability.append(("finish", tenant, session_id, reason))
         if not sess.finished:
             sess.finish_reason = reason if reason in ("success", "errored", "interrupted") else "success"
         sess.finished = True
@@ -385,8 +408,15 @@ class Registry:
         existing = self.samplers.get(sampler_id)
         if existing is not None and existing.tenant == tenant:
             return sampler_id  # a retry
+        args = {
+            "session_id": session_id,
+            "seq_id": seq_id,
+            "base_model": base_model,
+            "model_path": model_path,
+        }
         if model_path is None:
             name = self._check_base_model(base_model)
+            self.durability.append(("sampler", tenant, args))
             self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
             return sampler_id
         ref = parse_tinker_path(model_path, field="model_path")
@@ -395,6 +425,7 @@ class Registry:
         self.check_adapter_file(tenant, ref, spec_from_manifest(manifest), "model_path")
         if base_model is not None:
             self._check_base_model(base_model)
+        self.durability.append(("sampler", tenant, args))
         self._add_sampler(
             SamplerEntry(
                 sampler_id, tenant, sess.session_id, name, None, model_path=ref.path, source_run=ref.run_id

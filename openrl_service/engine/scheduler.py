@@ -39,6 +39,7 @@ waiting for gaps) and one per sampler (FIFO). Rules it keeps:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -172,6 +173,9 @@ class Engine:
         self._running: list[Op] = []  # the op running now, with its fused companions
         self._in_flight: set[str] = set()  # their lanes
         self._abandoned = False  # set by abandon(): the worker starts no further op
+        # Work that needs the device idle (a snapshot): run by the worker between two ops, never
+        # while a chunked op is between slices.
+        self._exclusive: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, setup: Callable[[], None] | None = None) -> None:
@@ -188,6 +192,9 @@ class Engine:
             self._cv.notify_all()
             if self._abandoned:
                 timeout_s = min(timeout_s, 1.0)
+            for _, fut in self._exclusive:
+                fut.cancel()
+            self._exclusive = []
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -195,6 +202,13 @@ class Engine:
         """Ops that are running or ready to run (not those waiting for an earlier seq_id)."""
         with self._cv:
             return len(self._running) + sum(len(lane.ready) for lane in self._lanes.values())
+
+    def hold(self) -> None:
+        """Start no further op (the one running finishes); queued ops stay queued, their futures
+        pending: the journal has them, and a restarted service runs them."""
+        with self._cv:
+            self._abandoned = True
+            self._cv.notify_all()
 
     def abandon(self, error: ApiError) -> int:
         """The service is going away: start no further op, and complete every queued op's future, and
@@ -248,6 +262,62 @@ class Engine:
                     op.future, error=UserError(f"{lane_key} was closed before this request ran")
                 )
 
+    def run_exclusive(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the worker between two ops (no chunked op half done); its result or error
+        comes back in the returned future. Without a live worker it runs here, now."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            return fut
+        with self._cv:
+            self._exclusive.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def _run_exclusive(self) -> bool:
+        """On the worker (lock held on entry and exit): run the queued exclusive work if the device
+        is between ops. True when something ran."""
+        if not self._exclusive or any(
+            ln.ready and ln.ready[0].steps is not None for ln in self._lanes.values()
+        ):
+            return False
+        work, self._exclusive = self._exclusive, []
+        self._cv.release()
+        try:
+            for fn, fut in work:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+        finally:
+            self._cv.acquire()
+        return True
+
+    def lane_position(self, lane_key: str) -> dict:
+        """An ordered lane's place for a snapshot taken between ops: the first seq_id not yet applied
+        (its queued ops are replayed from their journal records) and the seq_ids skipped by gaps."""
+        with self._cv:
+            lane = self._lanes.get(lane_key)
+            if lane is None:
+                return {"next_seq": 0, "skipped": []}
+            return {"next_seq": (lane.next_seq or 0) - len(lane.ready), "skipped": sorted(lane.skipped)}
+
+    def restore_lane(self, lane_key: str, position: dict, seq_index: dict[int, FutureRecord]) -> None:
+        """Reopen an ordered lane from a snapshot, with the results of its seq_ids already applied."""
+        with self._cv:
+            lane = self._new_lane(lane_key)
+            lane.next_seq = position["next_seq"]
+            lane.skipped = set(position["skipped"])
+            lane.seq_index.update(seq_index)
+
+    def restore_idempotency(self, futures: FutureStore) -> None:
+        with self._cv:
+            for rec in futures.idempotency_index():
+                self._idem[(rec.tenant, rec.idem_key)] = rec
+
     def idempotent(self, tenant: str, key: str | None) -> FutureRecord | None:
         if not key:
             return None
@@ -265,8 +335,12 @@ class Engine:
                     if lane is not None and lane.seq_index.get(rec.slot[1]) is rec:
                         del lane.seq_index[rec.slot[1]]
 
-    def submit(self, op: Op, *, idem_key: str | None = None) -> tuple[FutureRecord, bool]:
-        """Queue ``op``; returns (the future to answer with, whether this was a retry)."""
+    def submit(
+        self, op: Op, *, idem_key: str | None = None, on_accept: Callable[[], None] | None = None
+    ) -> tuple[FutureRecord, bool]:
+        """Queue ``op``; returns (the future to answer with, whether this was a retry). ``on_accept``
+        runs once the op is known to be new and to fit, before anything is queued (the journal records
+        it there; if it raises, nothing was queued)."""
         tenant = op.future.tenant
         with self._cv:
             if idem_key and (tenant, idem_key) in self._idem:
@@ -276,12 +350,15 @@ class Engine:
                 raise UserError(f"{op.lane} is not open", field="model_id")
             if op.refuse_when_full:
                 self._check_room(op, lane)
-            if lane is None:
-                lane = self._new_lane(op.lane)
-            if op.seq_id is not None:
+            if op.seq_id is not None and lane is not None:
                 prior = lane.seq_index.get(op.seq_id)
                 if prior is not None:
                     return prior, True
+            if on_accept is not None:
+                on_accept()
+            if lane is None:
+                lane = self._new_lane(op.lane)
+            if op.seq_id is not None:
                 lane.seq_index[op.seq_id] = op.future
                 op.future.slot = (op.lane, op.seq_id)
                 if op.seq_id < (lane.next_seq or 0) or op.seq_id in lane.skipped:
@@ -487,6 +564,8 @@ class Engine:
                     op = None
                     while not self._stop:
                         self._expire_gaps()
+                        if self._run_exclusive():
+                            continue
                         op = None if self._abandoned else self._next_op()
                         if op is not None:
                             break

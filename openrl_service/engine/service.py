@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from openrl_service import crashpoints
 from openrl_service.checks import integer
 from openrl_service.config import Settings
+from openrl_service.engine.durability import Durability
 from openrl_service.engine.futures import FutureRecord, FutureStore
 from openrl_service.engine.registry import Registry, RunState, SamplerEntry, spec_from_manifest
 from openrl_service.engine.scheduler import Engine, Fusable, Op
@@ -89,6 +91,8 @@ class TrainingService(Registry, Validation):
         self.trainer: Trainer | None = None
         self.sampler: TorchSampler | None = None
         self._init_registry()
+        self.durability = Durability(self)
+        self.futures.on_complete = self.durability.completed
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +140,9 @@ class TrainingService(Registry, Validation):
         self._check_base_model(base_model)
         user_metadata = self.check_metadata(user_metadata)
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
+        call = self.durability.call(
+            "create_model", locals()
+        )  # with the seed drawn: a replay makes the same weights
         run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata)
 
         def work():
@@ -143,7 +150,7 @@ class TrainingService(Registry, Validation):
             self._write_run_meta(run)
             return {"model_id": run.run_id}
 
-        return self._submit_run(run, 0, "create_model", work, idem, model_id=run.run_id)
+        return self._submit_run(run, 0, "create_model", work, idem, call=call, model_id=run.run_id)
 
     def create_from_state(
         self,
@@ -157,6 +164,7 @@ class TrainingService(Registry, Validation):
         user_metadata: dict | None,
         idem: str | None,
     ) -> FutureRecord:
+        call = self.durability.call("create_from_state", locals())
         sess = self.session(tenant, session_id)
         user_metadata = self.check_metadata(user_metadata)
         ref = parse_tinker_path(path)
@@ -185,7 +193,7 @@ class TrainingService(Registry, Validation):
             self._write_run_meta(run, source_checkpoint=ref.path)
             return {"model_id": run.run_id, "path": ref.path}
 
-        return self._submit_run(run, 0, "load_weights", work, idem, model_id=run.run_id)
+        return self._submit_run(run, 0, "load_weights", work, idem, call=call, model_id=run.run_id)
 
     def _submit_run(
         self,
@@ -198,6 +206,7 @@ class TrainingService(Registry, Validation):
         error: UserError | None = None,
         tokens: Callable[[Any], int] | None = None,
         fuse: Fusable | None = None,
+        call: tuple | None = None,
         **extra,
     ) -> FutureRecord:
         integer(seq_id, "seq_id", 0)
@@ -205,7 +214,7 @@ class TrainingService(Registry, Validation):
         if prior is not None:
             return prior
         run.last_request_time = time.time()
-        rec = self.futures.new(run.tenant, kind, **extra)
+        rec = self.futures.new(run.tenant, kind, request_id=call[1] if call else None, **extra)
         op = Op(
             kind=kind,
             lane=f"run:{run.run_id}",
@@ -217,7 +226,18 @@ class TrainingService(Registry, Validation):
             tokens=tokens,
             fuse=fuse if error is None else None,
         )
-        fut, _ = self.engine.submit(op, idem_key=idem)
+        return self._queue(op, idem, call)
+
+    def _queue(self, op: Op, idem: str | None, call: tuple | None) -> FutureRecord:
+        """Submit ``op``, journaling its call once it is known to be new; a retry gets the original
+        future (and the one made for it is dropped)."""
+        try:
+            fut, retry = self.engine.submit(op, idem_key=idem, on_accept=lambda: self.durability.accept(call))
+        except BaseException:
+            self.futures.discard(op.future)
+            raise
+        if retry:
+            self.futures.discard(op.future)
         return fut
 
     def run_op(
@@ -229,6 +249,7 @@ class TrainingService(Registry, Validation):
         prepare: Callable[[RunState], Callable[[], Any]],
         idem: str | None,
         tokens: Callable[[Any], int] | None = None,
+        call: tuple | None = None,
     ) -> FutureRecord:
         """Queue a seq-ordered op on a run. ``prepare`` validates and returns the work, or (work, a
         :class:`Fusable`) when the op may join a fused call; if it raises a UserError the request still
@@ -242,7 +263,9 @@ class TrainingService(Registry, Validation):
                 work, fuse = work
         except UserError as e:
             work, error = None, e
-        return self._submit_run(run, seq_id, kind, work, idem, error=error, tokens=tokens, fuse=fuse)
+        return self._submit_run(
+            run, seq_id, kind, work, idem, error=error, tokens=tokens, fuse=fuse, call=call
+        )
 
     def _state(self, run: RunState) -> TrainState:
         if run.state is None:
@@ -261,12 +284,19 @@ class TrainingService(Registry, Validation):
         forward_only: bool,
         idem: str | None,
     ) -> FutureRecord:
+        call = self.durability.call("forward_backward", locals())
+
         def prepare(run: RunState):
             if isinstance(data, UserError):
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
             self.validate_datums(data, loss_fn)
-            work = lambda: self._forward_backward(self._state(run), data, loss_fn, config, forward_only)  # noqa: E731
+
+            def work():
+                out = self._forward_backward(self._state(run), data, loss_fn, config, forward_only)
+                crashpoints.hit("forward_backward")
+                return out
+
             return work, self.train_fusable(run, data, loss_fn, config, forward_only)
 
         return self.run_op(
@@ -277,6 +307,7 @@ class TrainingService(Registry, Validation):
             prepare,
             idem,
             tokens=lambda r: r.tokens,
+            call=call,
         )
 
     def train_fusable(
@@ -355,12 +386,19 @@ class TrainingService(Registry, Validation):
     def optim_step(
         self, tenant: str, model_id: str, seq_id: Any, adam: AdamParams | UserError, idem: str | None
     ) -> FutureRecord:
+        call = self.durability.call("optim_step", locals())
+
         def prepare(run: RunState):
             if isinstance(adam, UserError):
                 raise adam
-            return lambda: {"metrics": self.trainer.optim_step(self._state(run), adam)}
 
-        return self.run_op(tenant, model_id, seq_id, "optim_step", prepare, idem)
+            def work():
+                crashpoints.hit("before_optim_step")
+                return {"metrics": self.trainer.optim_step(self._state(run), adam)}
+
+            return work
+
+        return self.run_op(tenant, model_id, seq_id, "optim_step", prepare, idem, call=call)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _manifest(self, run: RunState) -> dict:
@@ -382,7 +420,14 @@ class TrainingService(Registry, Validation):
         user_metadata: dict | None,
         idem: str | None,
         ttl_seconds: Any = None,
+        writer: str | None = None,
     ) -> FutureRecord:
+        """save_state. ``writer``: the id recorded in the manifest as the request that wrote it (the
+        notebook API passes its request's; Tinker calls use their request_id), so a replay after a
+        crash recognises a checkpoint it wrote itself."""
+        call = self.durability.call("save_state", locals())
+        request_id = call[1] if call else writer
+
         def prepare(run: RunState):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
             meta = self.check_metadata(user_metadata)
@@ -390,24 +435,40 @@ class TrainingService(Registry, Validation):
 
             def work():
                 st = self._state(run)
+                if request_id and not overwrite and self._saved_by(run.tenant, ref, request_id):
+                    return {"path": ref.path}  # a replay: this very request wrote it before the crash
                 self.store.save(
                     run.tenant,
                     ref,
                     adapter=st.adapter.peft_state_dict(),
                     adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
                     optimizer=Trainer.optimizer_tensors(st),
-                    manifest={**self._manifest(run), "user_metadata": meta, "expires_at": expires_at},
+                    manifest={
+                        **self._manifest(run),
+                        "user_metadata": meta,
+                        "expires_at": expires_at,
+                        "request_id": request_id,
+                    },
                     overwrite=overwrite,
                 )
                 return {"path": ref.path}
 
             return work
 
-        return self.run_op(tenant, model_id, seq_id, "save_weights", prepare, idem)
+        return self.run_op(tenant, model_id, seq_id, "save_weights", prepare, idem, call=call)
+
+    def _saved_by(self, tenant: str, ref: CheckpointRef, request_id: str) -> bool:
+        """True when the checkpoint at ``ref`` exists and was written by request ``request_id``."""
+        try:
+            return self.store.manifest(tenant, ref).get("request_id") == request_id
+        except UserError:
+            return False
 
     def load_state(
         self, tenant: str, model_id: str, seq_id: Any, path: Any, optimizer: bool, idem: str | None
     ) -> FutureRecord:
+        call = self.durability.call("load_state", locals())
+
         def prepare(run: RunState):
             ref = parse_tinker_path(path)
             manifest = self.store.manifest(run.tenant, ref)
@@ -445,7 +506,7 @@ class TrainingService(Registry, Validation):
 
             return work
 
-        return self.run_op(tenant, model_id, seq_id, "load_weights", prepare, idem)
+        return self.run_op(tenant, model_id, seq_id, "load_weights", prepare, idem, call=call)
 
     def save_for_sampler(
         self,
@@ -458,6 +519,8 @@ class TrainingService(Registry, Validation):
         idem: str | None,
         ttl_seconds: Any = None,
     ) -> FutureRecord:
+        call = self.durability.call("save_for_sampler", locals())
+
         def prepare(run: RunState):
             if name is None:
                 if isinstance(sampling_session_seq_id, bool) or not isinstance(sampling_session_seq_id, int):
@@ -484,7 +547,7 @@ class TrainingService(Registry, Validation):
                 return ephemeral
             return self._export(run, "sampler_weights", name, user_metadata, ttl_seconds)
 
-        return self.run_op(tenant, model_id, seq_id, "save_weights_for_sampler", prepare, idem)
+        return self.run_op(tenant, model_id, seq_id, "save_weights_for_sampler", prepare, idem, call=call)
 
     def save_external(
         self,
@@ -497,6 +560,7 @@ class TrainingService(Registry, Validation):
         idem: str | None,
     ) -> FutureRecord:
         """save_weights_external: the adapter as a PEFT folder to download (external_weights checkpoint)."""
+        call = self.durability.call("save_external", locals())
 
         def prepare(run: RunState):
             if recipients:
@@ -507,7 +571,7 @@ class TrainingService(Registry, Validation):
                 )
             return self._export(run, "external_weights", name, None, ttl_seconds)
 
-        return self.run_op(tenant, model_id, seq_id, "save_weights_external", prepare, idem)
+        return self.run_op(tenant, model_id, seq_id, "save_weights_external", prepare, idem, call=call)
 
     def _export(
         self, run: RunState, kind: str, name: Any, user_metadata: Any, ttl_seconds: Any
@@ -538,20 +602,43 @@ class TrainingService(Registry, Validation):
     ) -> FutureRecord:
         """Sample from a training run's current weights, in its lane (a sample sees every train step
         submitted before it): the notebook API's sampling. The jobs decode as one batch; with fusion
-        on, other runs' ready sampling joins it."""
+        on, other runs' ready sampling joins it. Jobs without a seed get one drawn now (journaled, so
+        a replay draws the same tokens)."""
+        jobs = [
+            j if j.params.seed is not None else dataclasses.replace(j, params=self._seeded(j.params))
+            for j in jobs
+        ]
+        call = self.durability.call("sample_run", locals())
 
         def prepare(run: RunState):
             def resolved() -> list[SampleJob]:  # on the worker: the adapter as of this seq_id
                 adapter = self._state(run).adapter
                 return [dataclasses.replace(j, adapter=adapter) for j in jobs]
 
-            return lambda: self.sampler.sample_many(resolved()), self.sample_fusable(
-                resolved, jobs, lambda outs: outs
-            )
+            def work():
+                outs = self.sampler.sample_many(resolved())
+                crashpoints.hit("sample")
+                return outs
+
+            return work, self.sample_fusable(resolved, jobs, lambda outs: outs)
 
         return self.run_op(
-            tenant, model_id, seq_id, "sample", prepare, idem, tokens=lambda outs: sum(o.tokens for o in outs)
+            tenant,
+            model_id,
+            seq_id,
+            "sample",
+            prepare,
+            idem,
+            tokens=lambda outs: sum(o.tokens for o in outs),
+            call=call,
         )
+
+    @staticmethod
+    def _seeded(params: SamplingParams) -> SamplingParams:
+        """``params`` with a seed: an unseeded request draws one here, once, where it is journaled."""
+        if params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=random.SystemRandom().randrange(2**62))
 
     def sample_fusable(
         self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
@@ -625,7 +712,10 @@ class TrainingService(Registry, Validation):
         if prior is not None:
             return prior
         entry = self.sampler_entry(tenant, sampler_id)
-        params = self.check_sample(prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs)
+        params = self._seeded(
+            self.check_sample(prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs)
+        )
+        call = self.durability.call("sample", locals())
         job = SampleJob(
             prompt=prompt,
             num_samples=num_samples,
@@ -636,12 +726,18 @@ class TrainingService(Registry, Validation):
             topk_sample_logprobs=topk_sample_logprobs,
         )
         entry.last_used = time.time()
-        rec = self.futures.new(tenant, "sample")
+        rec = self.futures.new(tenant, "sample", request_id=call[1] if call else None)
         rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
+
+        def work():
+            out = self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
+            crashpoints.hit("sample")
+            return out
+
         op = Op(
             kind="sample",
             lane=f"sampler:{sampler_id}",
-            fn=lambda: self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry))),
+            fn=work,
             future=rec,
             run_id=entry.source_run or sampler_id,
             tokens=lambda out: out.tokens,
@@ -652,8 +748,7 @@ class TrainingService(Registry, Validation):
                 lambda outs: outs[0],
             ),
         )
-        fut, _ = self.engine.submit(op, idem_key=idem)
-        return fut
+        return self._queue(op, idem, call)
 
     # -- results --------------------------------------------------------------------------------
     @staticmethod

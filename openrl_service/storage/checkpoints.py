@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
+from openrl_service import crashpoints
 from openrl_service.config import TENANT_RE
 from openrl_service.errors import NotFound, UserError
 
@@ -210,6 +211,7 @@ class CheckpointStore:
                 **manifest,
             }
             (tmp / "manifest.json").write_text(json.dumps(full, indent=2, sort_keys=True))
+            crashpoints.hit("checkpoint_save")  # written, not yet in place (recovery tests)
         return self._ckpt_dir(tenant, ref)
 
     def manifest(self, tenant: str, ref: CheckpointRef) -> dict:

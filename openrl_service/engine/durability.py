@@ -1,0 +1,489 @@
+"""Crash recovery: what the service acknowledged survives ``kill -9`` (``--durability journal``).
+
+Designed like a database's redo log (see docs/architecture.md, Durability):
+
+- **Journal**: every request that changes state is recorded before it is queued, as the call that
+  made it (``("call", request_id, method, arguments)``: ``forward_backward`` with its datums,
+  ``sample`` with the seed an unseeded request drew...), as a session or sampler record, or, for the
+  notebook API, as the request's *intent* (``("native", id, kind, inputs)``: the resolved datums of a
+  train step, the sample ids a sample call hands out, its seq_ids and its idempotency key). The HTTP
+  layer acknowledges a request only after :meth:`Durability.sync` made its record durable (one fsync
+  for all the requests waiting: group commit).
+- **Snapshot**: every ``snapshot_interval_s`` (and at the end of a drain, and after a recovery) the
+  device worker pauses between two ops (never inside a chunked one) and the whole state is copied:
+  sessions, runs (adapter, optimizer moments, accumulated gradients, step counts, the next seq_id
+  each run expects), samplers with their snapshot tensors, the results of completed requests (so a
+  retried ``retrieve_future`` or a re-sent seq_id gets the original answer), the notebook API's
+  runs, sample store, metric rows and idempotent replies, and the records of everything accepted but
+  not yet done. The journal moves to a new segment at that instant; once the snapshot is durable
+  the older segments are deleted (compaction).
+- **Recovery** (``/readyz`` says ``recovering``): the newest snapshot is restored, then every record
+  after it is replayed through the same code that accepted it, in journal order; ops of a run run
+  in seq_id order as always. A replayed request keeps its request_id; one that had already run (its
+  result is in the snapshot) is answered from its result, never run twice. Ops are deterministic on
+  a given machine (seeded sampling; fusion off is bit-exact), so replay rebuilds the exact state.
+  Idle clocks restart: an outage is not a client's silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from openrl_service.engine.futures import FutureRecord
+from openrl_service.errors import ApiError, RestoredError
+from openrl_service.storage.journal import Journal, JournalFull
+
+if TYPE_CHECKING:
+    from openrl_service.engine.service import TrainingService
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+# Set while a journal record is replayed: the record (so the call it makes is not journaled again).
+_REPLAYING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("openrl_replaying", default=None)
+# Set inside a notebook-API intent: its engine calls are part of the intent, not records of their own.
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("openrl_quiet", default=False)
+
+
+class InsufficientStorage(ApiError):
+    """The journal's disk is full: the request was not recorded, so it was not accepted (507)."""
+
+    status_code = 507
+    category = "server"
+
+
+def _encode(value: Any) -> Any:
+    """Call arguments as journal data: an ApiError argument (a request that failed its checks but
+    keeps its seq slot) as its JSON."""
+    if isinstance(value, ApiError):
+        return {"__api_error__": value.to_json(), "status": value.status_code}
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "__api_error__" in value:
+        return RestoredError(value["__api_error__"], value["status"])
+    return value
+
+
+def tensor_data(t: torch.Tensor) -> tuple[str, np.ndarray]:
+    """A tensor as (dtype, numpy copy); bfloat16 travels as its bits."""
+    t = t.detach().to("cpu")
+    if t.dtype == torch.bfloat16:
+        return "bfloat16", t.view(torch.int16).numpy().copy()
+    return str(t.dtype).removeprefix("torch."), t.numpy().copy()
+
+
+def tensor_from(data: tuple[str, np.ndarray], device: Any) -> torch.Tensor:
+    dtype, arr = data
+    t = torch.from_numpy(np.array(arr))
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.to(device)
+
+
+class Durability:
+    """The journal, snapshots and recovery of one service (a no-op with ``--durability none``)."""
+
+    def __init__(self, svc: TrainingService):
+        s = svc.settings
+        self.svc = svc
+        self.enabled = s.durability == "journal"
+        self.journal = Journal(s.data_dir / "journal") if self.enabled else None
+        self.interval_s = s.snapshot_interval_s
+        self.pending: OrderedDict[str, tuple] = OrderedDict()  # accepted, not yet done, in order
+        self._plock = threading.Lock()
+        # The notebook API's state, captured and restored by the layer that owns it.
+        self.loop_state: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
+        self.intent_replayers: dict[str, Callable[[str, dict], Any]] = {}
+        self.replay_tasks: list[asyncio.Future] = []
+        self._snap_lock = threading.Lock()  # one snapshot at a time
+        self.snapshotted_at = 0  # journal.appended at the last snapshot
+        self.stats = {
+            "snapshots": 0,
+            "snapshot_bytes": 0,
+            "snapshot_s": 0.0,
+            "replayed": 0,
+            "recovery_s": 0.0,
+        }
+
+    # -- recording -------------------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        return not self.enabled or _QUIET.get() or _REPLAYING.get() is not None
+
+    @contextlib.contextmanager
+    def inside_intent(self):
+        """Engine calls made by a notebook-API intent: the intent's record covers them."""
+        token = _QUIET.set(True)
+        try:
+            yield
+        finally:
+            _QUIET.reset(token)
+
+    def call(self, method: str, scope: dict) -> tuple | None:
+        """The journal record of the service call ``method`` that will queue an op: its arguments
+        (taken from ``scope``, the method's ``locals()``, by its signature) and a new request_id. None
+        when nothing is recorded; while a record is replayed, that record (same request_id)."""
+        replaying = _REPLAYING.get()
+        if replaying is not None:
+            return replaying if replaying[0] == "call" else None
+        if self.quiet:
+            return None
+        names = inspect.signature(getattr(self.svc, method)).parameters
+        args = {k: _encode(scope[k]) for k in names if k in scope}
+        return ("call", f"req-{uuid.uuid4().hex}", method, args)
+
+    def accept(self, call: tuple | None) -> None:
+        """Record an accepted call (before it is queued); it stays pending until its future completes.
+        Raises InsufficientStorage (nothing queued) when the disk is full."""
+        if call is None:
+            return
+        self.append(call)
+        with self._plock:
+            self.pending[call[1]] = call
+
+    def append(self, record: tuple) -> None:
+        """Write a record (not while replaying, nor inside an intent, nor with durability off)."""
+        if self.quiet:
+            return
+        try:
+            self.journal.append(record)
+        except JournalFull as e:
+            raise InsufficientStorage(
+                f"openrl-service cannot record the request: {e.strerror}. Nothing was accepted; free disk "
+                "space on the data volume (or run with --durability none) and retry"
+            ) from e
+
+    def completed(self, rec: FutureRecord) -> None:
+        """A future completed: its call record is no longer pending."""
+        if self.pending:
+            with self._plock:
+                self.pending.pop(rec.request_id, None)
+
+    def intent(self, kind: str, inputs: dict) -> str:
+        """Record a notebook-API request's intent; returns its id (pending until :meth:`intent_done`)."""
+        replaying = _REPLAYING.get()
+        if replaying is not None and replaying[0] == "native":
+            return replaying[1]
+        intent_id = f"int-{uuid.uuid4().hex}"
+        if not self.enabled:
+            return intent_id
+        record = ("native", intent_id, kind, inputs)
+        self.append(record)
+        with self._plock:
+            self.pending[intent_id] = record
+        return intent_id
+
+    def intent_done(self, intent_id: str) -> None:
+        with self._plock:
+            self.pending.pop(intent_id, None)
+
+    def unsynced(self) -> bool:
+        return self.enabled and self.journal.synced < self.journal.appended
+
+    async def sync(self) -> None:
+        """Make every record so far durable (the caller acknowledges after this)."""
+        if self.unsynced():
+            try:
+                await asyncio.to_thread(self.journal.sync)
+            except JournalFull as e:
+                raise InsufficientStorage(
+                    f"openrl-service could not make the request durable: {e.strerror}; retry once the data "
+                    "volume has free space"
+                ) from e
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def due(self) -> bool:
+        return (
+            self.enabled
+            and self.journal.appended > self.snapshotted_at
+            and not self._snap_lock.locked()
+            and self.interval_s > 0
+        )
+
+    async def snapshot(self, reason: str = "interval") -> bool:
+        """Take a snapshot: capture on the worker (between ops) and on the loop, write it off both."""
+        if not self.enabled or not self._snap_lock.acquire(blocking=False):
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = time.perf_counter()
+            captured = await asyncio.wrap_future(
+                self.svc.engine.run_exclusive(lambda: self._capture(loop)), loop=loop
+            )
+            if captured is None:
+                return False
+            n, state, appended = captured
+            size = await asyncio.to_thread(self.journal.write_snapshot, n, state)
+            self.snapshotted_at = appended
+            self.stats["snapshots"] += 1
+            self.stats["snapshot_bytes"] = size
+            self.stats["snapshot_s"] += time.perf_counter() - t0
+            log.info("snapshot %d (%s): %d bytes in %.2f s", n, reason, size, time.perf_counter() - t0)
+            return True
+        except Exception:  # noqa: BLE001 - the segments it would replace are kept: nothing is lost
+            log.exception("snapshot failed; the journal keeps everything since the last one")
+            return False
+        finally:
+            self._snap_lock.release()
+
+    def _capture(self, loop: asyncio.AbstractEventLoop) -> tuple[int, dict, int] | None:
+        """On the worker, between ops: the engine's state; then, on the loop (the worker waits), the
+        journal's rotation, the pending records and the loop-side state, all at one instant."""
+        state = self._capture_engine()
+        done = threading.Event()
+        box: dict = {}
+
+        def on_loop():
+            try:
+                box["n"] = self.journal.rotate()
+                box["appended"] = self.journal.appended
+                with self._plock:
+                    state["pending"] = list(self.pending.values())
+                state["loop"] = {name: capture() for name, capture, _ in self.loop_state}
+            except BaseException as e:  # noqa: BLE001 - handed back to the worker
+                box["error"] = e
+            finally:
+                done.set()
+
+        if loop.is_closed():
+            return None
+        loop.call_soon_threadsafe(on_loop)
+        if not done.wait(60.0):
+            log.warning("snapshot: the event loop did not answer within 60 s; skipped")
+            return None
+        if "error" in box:
+            raise box["error"]
+        return box["n"], state, box["appended"]
+
+    def _capture_engine(self) -> dict:
+        svc = self.svc
+        engine = svc.engine
+        runs = []
+        for run in list(svc.runs.values()):
+            st = run.state
+            tensors = None
+            if st is not None:
+                tensors = {
+                    "weights": {
+                        n: (tensor_data(a), tensor_data(b)) for n, (a, b) in st.adapter.weights.items()
+                    },
+                    "grads": {
+                        n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
+                    },
+                    "optimizer": {
+                        k: tensor_data(v) for k, v in type(svc.trainer).optimizer_tensors(st).items()
+                    },
+                    "steps": st.steps,
+                    "pending_backward": st.pending_backward,
+                }
+            runs.append(
+                {
+                    "run_id": run.run_id,
+                    "tenant": run.tenant,
+                    "session_id": run.session_id,
+                    "spec": run.spec,
+                    "seed": run.seed,
+                    "base_model": run.base_model,
+                    "user_metadata": run.user_metadata,
+                    "created_at": run.created_at,
+                    "state": tensors,
+                    "lane": engine.lane_position(f"run:{run.run_id}"),
+                }
+            )
+        samplers = [
+            {
+                "sampler_id": e.sampler_id,
+                "tenant": e.tenant,
+                "session_id": e.session_id,
+                "base_model": e.base_model,
+                "model_path": e.model_path,
+                "source_run": e.source_run,
+                "created_at": e.created_at,
+                "spec": e.adapter.spec if e.adapter is not None and e.model_path is None else None,
+                "weights": (
+                    {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in e.adapter.weights.items()}
+                    if e.adapter is not None and e.model_path is None
+                    else None
+                ),
+            }
+            for e in list(svc.samplers.values())
+        ]
+        return {
+            "version": STATE_VERSION,
+            "base_model": svc.base.name if svc.base else None,
+            "sessions": [vars(s).copy() for s in list(svc.sessions.values())],
+            "ended": dict(svc._ended),
+            "evicted": dict(svc._evicted),
+            "runs": runs,
+            "samplers": samplers,
+            "futures": svc.futures.capture(),
+        }
+
+    # -- recovery --------------------------------------------------------------------------------
+    async def recover(self) -> int:
+        """Restore the newest snapshot and replay the journal after it; returns the records replayed.
+        New appends go to a fresh segment."""
+        if not self.enabled:
+            return 0
+        t0 = time.perf_counter()
+        snap = await asyncio.to_thread(self.journal.latest_snapshot)
+        first = 1
+        records: list[tuple] = []
+        if snap is not None:
+            first, state = snap
+            self._restore(state)
+            records += state.get("pending", [])
+        records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
+        self.journal.open(self.journal.next_segment())
+        seen: set[str] = set()
+        for record in records:
+            self._replay(record, seen)
+        now = time.time()
+        for sess in self.svc.sessions.values():
+            sess.last_heartbeat = now  # the outage was not the client's silence
+        for run in self.svc.runs.values():
+            run.last_request_time = now
+        self.stats["replayed"] = len(seen)
+        self.stats["recovery_s"] = time.perf_counter() - t0
+        if snap is not None or records:
+            log.warning(
+                "recovered: snapshot %s, %d journal records replayed in %.2f s",
+                first if snap is not None else "none",
+                len(seen),
+                self.stats["recovery_s"],
+            )
+        return len(seen)
+
+    def _restore(self, state: dict) -> None:
+        from openrl_service.engine.registry import RunState, SamplerEntry, SessionRecord
+        from openrl_service.training.lora import Adapter
+
+        svc = self.svc
+        if state.get("version") != STATE_VERSION:
+            raise RuntimeError(f"snapshot format {state.get('version')} is not {STATE_VERSION}")
+        if state["base_model"] not in (None, svc.base.name):
+            raise RuntimeError(
+                f"the data dir's journal is for model {state['base_model']!r}, this service serves "
+                f"{svc.base.name!r}; start it with that model or another --data-dir"
+            )
+        device = svc.base.device
+        for fields in state["sessions"]:
+            svc.sessions[fields["session_id"]] = SessionRecord(**fields)
+        svc._ended.update(state["ended"])
+        svc._evicted.update(state["evicted"])
+        slots = svc.futures.restore(state["futures"])
+        for r in state["runs"]:
+            run = RunState(
+                run_id=r["run_id"],
+                tenant=r["tenant"],
+                session_id=r["session_id"],
+                spec=r["spec"],
+                seed=r["seed"],
+                base_model=r["base_model"],
+                user_metadata=r["user_metadata"],
+                created_at=r["created_at"],
+            )
+            t = r["state"]
+            if t is not None:
+                weights = {
+                    n: (
+                        tensor_from(a, device).requires_grad_(True),
+                        tensor_from(b, device).requires_grad_(True),
+                    )
+                    for n, (a, b) in t["weights"].items()
+                }
+                st = svc.trainer.state_for(Adapter(r["spec"], weights))
+                type(svc.trainer).load_optimizer_tensors(
+                    st, {k: tensor_from(v, "cpu") for k, v in t["optimizer"].items()}
+                )
+                for name, p in st.adapter.named_parameters():
+                    if name in t["grads"]:
+                        p.grad = tensor_from(t["grads"][name], device)
+                st.steps = t["steps"]
+                st.pending_backward = t["pending_backward"]
+                run.state = st
+            svc.runs[run.run_id] = run
+            svc.engine.restore_lane(f"run:{run.run_id}", r["lane"], slots.get(f"run:{run.run_id}", {}))
+        for e in state["samplers"]:
+            adapter = None
+            if e["weights"] is not None:
+                adapter = Adapter(
+                    e["spec"],
+                    {
+                        n: (tensor_from(a, device), tensor_from(b, device))
+                        for n, (a, b) in e["weights"].items()
+                    },
+                )
+            svc.samplers[e["sampler_id"]] = SamplerEntry(
+                e["sampler_id"],
+                e["tenant"],
+                e["session_id"],
+                e["base_model"],
+                adapter,
+                model_path=e["model_path"],
+                source_run=e["source_run"],
+                created_at=e["created_at"],
+            )
+        svc.engine.restore_idempotency(svc.futures)
+        loop_state = state.get("loop", {})
+        for name, _, restore in self.loop_state:
+            if name in loop_state:
+                restore(loop_state[name])
+
+    def _replay(self, record: tuple, seen: set[str]) -> None:
+        """Apply one journal record again, through the code that accepted it."""
+        svc = self.svc
+        kind = record[0]
+        token = _REPLAYING.set(record)
+        try:
+            if kind == "session":
+                fields = record[1]
+                if fields["session_id"] not in svc.sessions and fields["session_id"] not in svc._ended:
+                    svc.restore_session(fields)
+            elif kind == "finish":
+                _, tenant, session_id, reason = record
+                sess = svc.sessions.get(session_id)
+                if sess is not None and not sess.finished:
+                    svc.finish_session(tenant, session_id, reason)
+            elif kind == "sampler":
+                svc.create_sampler(record[1], **record[2])
+            elif kind == "call":
+                _, request_id, method, args = record
+                if request_id in seen or svc.futures.known(request_id):
+                    return
+                seen.add(request_id)
+                getattr(svc, method)(**{k: _decode(v) for k, v in args.items()})
+            elif kind == "native":
+                _, intent_id, intent_kind, inputs = record
+                if intent_id in seen:
+                    return
+                seen.add(intent_id)
+                with self._plock:
+                    self.pending[intent_id] = record
+                replay = self.intent_replayers.get(intent_kind)
+                if replay is None:
+                    log.warning("journal: no replayer for %s intent %s; skipped", intent_kind, intent_id)
+                    return
+                self.replay_tasks.append(asyncio.ensure_future(replay(intent_id, inputs)))
+            else:
+                log.warning("journal: unknown record kind %r skipped", kind)
+        except ApiError as e:
+            log.warning("journal: replaying a %s record was refused now (%s); skipped", kind, e.message)
+        finally:
+            _REPLAYING.reset(token)

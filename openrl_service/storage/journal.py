@@ -1,0 +1,262 @@
+"""The recovery journal's files: checksummed records in numbered segments, and snapshots.
+
+Layout under ``<data>/journal/``::
+
+    seg-00000007.log     records appended since snapshot 7 (the newest segment is the open one)
+    snap-00000007.bin    the service's state when segment 7 began (one record)
+
+A record is ``MAGIC (4) | version (1) | payload length (4) | crc32 of the payload (4) | payload``.
+The payload is a pickle that only :class:`_Loader` reads back: it builds plain containers, numpy
+arrays and the few service data classes named in ``_ALLOWED``, nothing else (no function, no module
+of a user). A record whose header or checksum does not match ends its segment: a torn last write
+(a crash mid-``write``) is dropped, never misread.
+
+Appends go to the OS at once (``write``), so a full disk refuses the request that could not be
+recorded (:class:`JournalFull`); :meth:`Journal.sync` makes everything appended so far durable
+(one ``fsync`` for every request that waits on it: group commit). A request is acknowledged only
+after the sync that covers it.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import os
+import pickle
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ORJ\x01"
+VERSION = 1
+HEADER = struct.Struct("<4sBII")  # magic, version, payload length, crc32
+MAX_RECORD_BYTES = 1 << 31
+
+_ALLOWED = {
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("openrl_service.training.trainer", "ForwardResult"),
+    ("openrl_service.training.trainer", "DatumArrays"),
+    ("openrl_service.training.trainer", "AdamParams"),
+    ("openrl_service.training.lora", "LoraSpec"),
+    ("openrl_service.sampling.base", "SamplingParams"),
+    ("openrl_service.sampling.base", "SampleJob"),
+    ("openrl_service.sampling.base", "SampleOutput"),
+    ("openrl_service.sampling.base", "SampledSequence"),
+}
+_NUMPY = {"_reconstruct", "_frombuffer", "ndarray", "dtype", "scalar"}
+
+
+class JournalFull(OSError):
+    """The disk (or the journal's volume) is full: the request was not recorded, so not accepted."""
+
+
+class _Loader(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module.split(".")[0] == "numpy" and name in _NUMPY):
+            return super().find_class(module, name)
+        if module.startswith("numpy.dtypes") and name.endswith("DType"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"journal: {module}.{name} is not a journal type")
+
+
+def dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+def loads(data: bytes) -> Any:
+    return _Loader(io.BytesIO(data)).load()
+
+
+def frame(obj: Any) -> bytes:
+    payload = dumps(obj)
+    return HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
+
+
+def read_records(path: Path) -> Iterator[Any]:
+    """The records of one file in order; stops (with a warning) at the first torn or corrupt one."""
+    with open(path, "rb") as f:
+        data = f.read()
+    at = 0
+    while at < len(data):
+        head = data[at : at + HEADER.size]
+        if len(head) < HEADER.size:
+            log.warning("journal %s: a torn record header at byte %d was dropped", path.name, at)
+            return
+        magic, version, length, crc = HEADER.unpack(head)
+        payload = data[at + HEADER.size : at + HEADER.size + length]
+        if magic != MAGIC or version != VERSION or len(payload) < length or zlib.crc32(payload) != crc:
+            why = "a torn last record" if len(payload) < length else "a record failing its checksum"
+            if magic != MAGIC or version != VERSION:
+                why = f"a record of another format (version {version})"
+            log.warning("journal %s: %s at byte %d; it and what follows were dropped", path.name, why, at)
+            return
+        yield loads(payload)
+        at += HEADER.size + length
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """Append-only segments with group commit, snapshots, and compaction behind each snapshot."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # appends and rotation
+        self._sync_lock = threading.Lock()  # one fsync at a time; waiters share it
+        self._file: io.BufferedWriter | None = None
+        self.segment = 0
+        self.appended = 0  # records appended (this process)
+        self.synced = 0  # records known durable
+        self.bytes = 0  # bytes appended to the open segment
+
+    # -- naming ---------------------------------------------------------------------------------
+    def _seg(self, n: int) -> Path:
+        return self.folder / f"seg-{n:08d}.log"
+
+    def _snap(self, n: int) -> Path:
+        return self.folder / f"snap-{n:08d}.bin"
+
+    def _numbers(self, prefix: str) -> list[int]:
+        out = []
+        for p in self.folder.glob(f"{prefix}-*"):
+            stem = p.name.split("-", 1)[1].split(".", 1)[0]
+            if stem.isdigit() and not p.name.endswith(".tmp"):
+                out.append(int(stem))
+        return sorted(out)
+
+    # -- reading (recovery) ---------------------------------------------------------------------
+    def latest_snapshot(self) -> tuple[int, Any] | None:
+        """(n, state) of the newest readable snapshot, or None."""
+        for n in reversed(self._numbers("snap")):
+            records = list(read_records(self._snap(n)))
+            if records:
+                return n, records[0]
+            log.warning("journal: snapshot %d is unreadable; trying an older one", n)
+        return None
+
+    def records_since(self, n: int) -> Iterator[Any]:
+        """Every record of segments numbered n and up, in order."""
+        for k in self._numbers("seg"):
+            if k >= n:
+                yield from read_records(self._seg(k))
+
+    # -- writing --------------------------------------------------------------------------------
+    def open(self, segment: int) -> None:
+        """Append to a fresh segment ``segment`` (after recovery: one past everything on disk)."""
+        with self._lock:
+            self._open(segment)
+
+    @property
+    def is_open(self) -> bool:
+        return self._file is not None
+
+    def next_segment(self) -> int:
+        return max([0, *self._numbers("seg"), *self._numbers("snap")]) + 1
+
+    def _open(self, segment: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        self.segment = segment
+        self._file = open(self._seg(segment), "ab", buffering=0)  # noqa: SIM115 - held open
+        self.bytes = 0
+        fsync_dir(self.folder)
+
+    def append(self, record: Any) -> int:
+        """Write one record to the OS; returns its number for :meth:`sync`. ``JournalFull`` when the
+        disk is full (the record is cut back off the segment)."""
+        data = frame(record)
+        with self._lock:
+            if self._file is None:  # a service used without recovery (scripts, tests): a new segment
+                self._open(self.next_segment())
+            f = self._file
+            at = f.tell()
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view) :]
+            except OSError as e:
+                try:
+                    f.truncate(at)
+                    f.seek(at)
+                except OSError:
+                    pass
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise JournalFull(e.errno, f"the journal's disk is full ({self.folder})") from e
+                raise
+            self.bytes += len(data)
+            self.appended += 1
+            return self.appended
+
+    def sync(self, upto: int | None = None) -> None:
+        """Make every record appended so far (at least up to number ``upto``) durable."""
+        upto = self.appended if upto is None else upto
+        if self.synced >= upto:
+            return
+        with self._sync_lock:
+            if self.synced >= upto:
+                return  # another caller's fsync covered it
+            with self._lock:
+                f, target = self._file, self.appended
+            if f is not None:
+                try:
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise JournalFull(e.errno, f"the journal's disk is full ({self.folder})") from e
+                    raise
+            self.synced = max(self.synced, target)
+
+    def rotate(self) -> int:
+        """Start segment n+1 for new appends (the old one made durable); returns n+1."""
+        with self._sync_lock, self._lock:
+            if self._file is not None:
+                os.fsync(self._file.fileno())
+            self.synced = self.appended
+            self._open(max(self.segment + 1, self.next_segment()))
+            return self.segment
+
+    def write_snapshot(self, n: int, state: Any) -> int:
+        """Write snapshot ``n`` atomically (temp file, fsync, rename), then drop what it replaces:
+        segments before ``n`` and older snapshots. Returns its size in bytes."""
+        data = frame(state)
+        tmp = self.folder / f"snap-{n:08d}.bin.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._snap(n))
+        fsync_dir(self.folder)
+        for k in self._numbers("seg"):
+            if k < n:
+                self._seg(k).unlink(missing_ok=True)
+        for k in self._numbers("snap"):
+            if k < n:
+                self._snap(k).unlink(missing_ok=True)
+        for stale in self.folder.glob("*.tmp"):
+            if stale != tmp:
+                stale.unlink(missing_ok=True)
+        return len(data)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    os.fsync(self._file.fileno())
+                finally:
+                    self._file.close()
+                    self._file = None
