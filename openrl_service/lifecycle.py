@@ -134,6 +134,8 @@ class Lifecycle:
     def refuse_new_work(self) -> None:
         """Raise :class:`ShuttingDown` once the service drains, and NotReady (503 + Retry-After) while
         it starts or recovers; routes that queue work call this first."""
+        if self.state is State.STARTING:
+            raise NotReady("openrl-service is starting (loading the model); retry in a few seconds")
         if self.state is State.RECOVERING:
             raise NotReady(
                 "openrl-service is recovering its journal after a restart; retry in a few seconds",
@@ -212,6 +214,7 @@ class Lifecycle:
             why = "it waited for an earlier seq_id, which was refused"
         if svc.durability.enabled:
             engine.hold()  # what has not run is journaled: the restarted service runs it
+            svc.futures.hold()  # their long-polls answer try_again now; the SDK polls the successor
             left = engine.queue_depth()
             if left:
                 log.warning("drain: %d accepted ops are journaled and run after the restart (%s)", left, why)

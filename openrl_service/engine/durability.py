@@ -113,6 +113,7 @@ class Durability:
         self.replay_tasks: list[asyncio.Future] = []
         self._snap_lock = threading.Lock()  # one snapshot at a time
         self.snapshotted_at = 0  # journal.appended at the last snapshot
+        self.recovered = False  # recover() ran: only then may a snapshot replace the journal
         self.stats = {
             "snapshots": 0,
             "snapshot_bytes": 0,
@@ -125,6 +126,11 @@ class Durability:
     @property
     def quiet(self) -> bool:
         return not self.enabled or _QUIET.get() or _REPLAYING.get() is not None
+
+    @property
+    def replaying(self) -> bool:
+        """Inside the replay of a journal record (recovery)."""
+        return _REPLAYING.get() is not None
 
     @contextlib.contextmanager
     def inside_intent(self):
@@ -218,8 +224,8 @@ class Durability:
 
     async def snapshot(self, reason: str = "interval") -> bool:
         """Take a snapshot: capture on the worker (between ops) and on the loop, write it off both."""
-        if not self.enabled or not self._snap_lock.acquire(blocking=False):
-            return False
+        if not self.enabled or not self.recovered or not self._snap_lock.acquire(blocking=False):
+            return False  # before recovery a snapshot would replace the journal with an empty state
         try:
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
@@ -352,13 +358,20 @@ class Durability:
         records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
         self.journal.open(self.journal.next_segment())
         seen: set[str] = set()
-        for record in records:
-            self._replay(record, seen)
+        later = [r for r in records if not self._replay(r, seen)]
+        if later:
+            # Sampling on a snapshot that a replayed save_weights_for_sampler makes: once the ops
+            # queued before it have run, the sampler exists.
+            while self.svc.engine.runnable():
+                await asyncio.sleep(0.02)
+            for record in later:
+                self._replay(record, seen, last_chance=True)
         now = time.time()
         for sess in self.svc.sessions.values():
             sess.last_heartbeat = now  # the outage was not the client's silence
         for run in self.svc.runs.values():
             run.last_request_time = now
+        self.recovered = True
         self.stats["replayed"] = len(seen)
         self.stats["recovery_s"] = time.perf_counter() - t0
         if snap is not None or records:
@@ -446,10 +459,18 @@ class Durability:
             if name in loop_state:
                 restore(loop_state[name])
 
-    def _replay(self, record: tuple, seen: set[str]) -> None:
-        """Apply one journal record again, through the code that accepted it."""
+    def _replay(self, record: tuple, seen: set[str], last_chance: bool = False) -> bool:
+        """Apply one journal record again, through the code that accepted it. False when it must wait
+        (a sample on a sampler snapshot that replayed ops have not made yet)."""
         svc = self.svc
         kind = record[0]
+        if (
+            kind == "call"
+            and record[2] == "sample"
+            and not last_chance
+            and record[3].get("sampler_id") not in svc.samplers
+        ):
+            return False
         token = _REPLAYING.set(record)
         try:
             if kind == "session":
@@ -466,20 +487,20 @@ class Durability:
             elif kind == "call":
                 _, request_id, method, args = record
                 if request_id in seen or svc.futures.known(request_id):
-                    return
+                    return True
                 seen.add(request_id)
                 getattr(svc, method)(**{k: _decode(v) for k, v in args.items()})
             elif kind == "native":
                 _, intent_id, intent_kind, inputs = record
                 if intent_id in seen:
-                    return
+                    return True
                 seen.add(intent_id)
                 with self._plock:
                     self.pending[intent_id] = record
                 replay = self.intent_replayers.get(intent_kind)
                 if replay is None:
                     log.warning("journal: no replayer for %s intent %s; skipped", intent_kind, intent_id)
-                    return
+                    return True
                 self.replay_tasks.append(asyncio.ensure_future(replay(intent_id, inputs)))
             else:
                 log.warning("journal: unknown record kind %r skipped", kind)
@@ -487,3 +508,4 @@ class Durability:
             log.warning("journal: replaying a %s record was refused now (%s); skipped", kind, e.message)
         finally:
             _REPLAYING.reset(token)
+        return True

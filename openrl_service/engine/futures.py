@@ -55,6 +55,7 @@ class FutureStore:
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.held = False  # see hold()
         # Called (on the completing thread) after a future completes: the journal drops its record.
         self.on_complete: Callable[[FutureRecord], None] | None = None
 
@@ -157,10 +158,20 @@ class FutureStore:
             raise NotFound(f"unknown request_id {request_id!r}", field="request_id")
         return rec
 
+    def hold(self) -> None:
+        """The service is shutting down with these futures journaled for its successor: wake every
+        long-poll now (it answers try_again) and hold no new one, so none is cut off mid-wait."""
+        with self._lock:
+            self.held = True
+            pending = [r for r in self._records.values() if not r.done and r._event is not None]
+        if self.loop is not None and not self.loop.is_closed():
+            for r in pending:
+                self.loop.call_soon_threadsafe(r._event.set)
+
     async def wait(self, rec: FutureRecord, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for completion; True when done."""
-        if rec.done:
-            return True
+        if rec.done or self.held:
+            return rec.done
         if rec._event is None:
             return rec.done
         try:

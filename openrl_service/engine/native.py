@@ -256,15 +256,19 @@ class NativeRuns:
         tenant = inputs["tenant"]
         sess = self.svc.sessions.get(inputs["session_id"])
         if sess is None:
-            # The session file is written and fsynced: off the event loop, so a slow disk stalls no one else.
-            sess = await anyio.to_thread.run_sync(
-                lambda: self.svc.create_session(
+
+            def new_session():
+                return self.svc.create_session(
                     tenant,
                     display_name=inputs["name"],
                     user_metadata=inputs["user_metadata"],
                     session_id=inputs["session_id"],
                 )
-            )
+
+            if self.svc.durability.replaying:
+                sess = new_session()  # in order: the replayed requests after it use the run
+            else:  # the session file is written and fsynced: off the event loop
+                sess = await anyio.to_thread.run_sync(new_session)
         rec = self.svc.create_model(
             tenant,
             session_id=sess.session_id,
@@ -275,12 +279,17 @@ class NativeRuns:
             user_metadata=inputs["user_metadata"],
             idem=None,
         )
-        await self._result(rec)
-        run_id = rec.result["model_id"]
-        with self._lock:
+        run_id = rec.extra["model_id"]
+        with self._lock:  # at once: requests queued behind the creation find the run
             nr = self.runs.get(run_id)
             if nr is None:
                 nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
+        try:
+            await self._result(rec)
+        except ApiError:
+            with self._lock:
+                self.runs.pop(run_id, None)
+            raise
         self.events.publish(tenant, {"event": "created", "run_id": run_id, "name": inputs["name"]})
         return self.describe(nr)
 

@@ -36,12 +36,15 @@ class Served:
         return (self.data_dir / "stderr.log").read_text()
 
 
-def start(data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None) -> Served:
-    """Start `serve` on a free loopback port; the caller waits for it (``wait_ready``) and stops it."""
+def start(
+    data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None, port: int | None = None
+) -> Served:
+    """Start `serve` on a loopback port (a free one unless given: a restart reuses its predecessor's);
+    the caller waits for it (``wait_ready``) and stops it."""
     models = data_dir / "models" / "openrl-tiny"
     if not models.exists():
         shutil.copytree(tiny_model_dir, models)  # skip building the tiny model on first start
-    port = free_port()
+    port = port or free_port()
     argv, full_env = cli("serve", "--port", str(port), "--data-dir", str(data_dir), *args, env=env)
     with open(data_dir / "stderr.log", "ab") as err:
         proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -70,10 +73,13 @@ def finish(served: Served, timeout_s: float = 60) -> int:
 
 
 @contextlib.contextmanager
-def serving(data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None):
-    """`openrl-service serve` as a subprocess on a free loopback port, ready; SIGTERM'd on exit."""
+def serving(
+    data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None, port: int | None = None
+):
+    """`openrl-service serve` as a subprocess on a loopback port (free unless given), ready;
+    SIGTERM'd on exit."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    served = start(data_dir, tiny_model_dir, *args, env=env)
+    served = start(data_dir, tiny_model_dir, *args, env=env, port=port)
     try:
         wait_ready(served)
         yield served

@@ -110,10 +110,10 @@ def test_remembered_replies_are_bounded_in_count_and_bytes(limit):
 
     async def main():
         for i in range(10):
-            await store.reply(_request(f"k{i}"), "alice", lambda i=i: make(i))
+            await store.reply(_request(f"k{i}"), "alice", lambda _, i=i: make(i))
         assert len(store._entries) <= 3 and store.stored_bytes <= 3000
-        await store.reply(_request("k9"), "alice", lambda: make(99))  # remembered
-        await store.reply(_request("k0"), "alice", lambda: make(100))  # forgotten: runs again
+        await store.reply(_request("k9"), "alice", lambda _: make(99))  # remembered
+        await store.reply(_request("k0"), "alice", lambda _: make(100))  # forgotten: runs again
 
     asyncio.run(main())
     assert calls == [*range(10), 100]

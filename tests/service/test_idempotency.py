@@ -36,7 +36,7 @@ def request(key: str, body: bytes = b"{}", path: str = "/openrl/v1/runs/r/train_
 def counting():
     calls = []
 
-    async def make():
+    async def make(identity):
         calls.append(1)
         return Response(f"reply {len(calls)}".encode(), status_code=200)
 

@@ -3,8 +3,9 @@
 While it drains, new work gets 503 + Retry-After and a JSON error saying the service is shutting down,
 /readyz answers 503 with state "draining" (so Kubernetes stops routing to it) and /healthz stays 200;
 every op it had accepted runs, and retrieve_future hands out the results (try_again in between, never
-a 5xx). With a grace too short for its queue, it still exits in time, and what did not run answers a
-"service shut down" error instead of hanging.
+a 5xx). With a grace too short for its queue, it still exits in time: with the journal (the default)
+what did not run is kept and runs after the restart, its clients' polls getting the results then;
+with ``--durability none`` it answers a "service shut down" error instead of hanging.
 """
 
 from __future__ import annotations
@@ -158,13 +159,25 @@ def assert_cut_short(answers: dict[str, dict], accepted: list[str], why: str) ->
     assert all("loss_fn_outputs" in a for a in answers.values() if "error" not in a)
 
 
+LONG_QUEUE_ENV = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_LONG_POLL_S": str(HANG_GUARD_S)}
+
+
 @contextlib.contextmanager
 def a_long_queue(tmp_path, tiny_model_dir, grace_s: float):
-    """A service with far more work queued than a second (30 forward_backward calls of about a second
-    each), every future long-polled: (served, http, accepted request ids, the answers as they come)."""
-    env = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_LONG_POLL_S": str(HANG_GUARD_S)}
+    """A ``--durability none`` service with far more work queued than a second (30 forward_backward
+    calls of about a second each), every future long-polled: (served, http, accepted request ids,
+    the answers as they come)."""
+    env = LONG_QUEUE_ENV
     with (
-        serving(tmp_path / "data", tiny_model_dir, "--drain-grace-s", str(grace_s), env=env) as served,
+        serving(
+            tmp_path / "data",
+            tiny_model_dir,
+            "--drain-grace-s",
+            str(grace_s),
+            "--durability",
+            "none",
+            env=env,
+        ) as served,
         client(served) as (http, raw, model_id),
     ):
         accepted = [raw.submit_fb(model_id, seq, datums(16, 128)) for seq in range(1, 31)]
@@ -174,7 +187,7 @@ def a_long_queue(tmp_path, tiny_model_dir, grace_s: float):
             t.join(HANG_GUARD_S)
 
 
-def test_a_grace_too_short_for_the_queue_fails_what_did_not_run_and_exits_in_time(tmp_path, tiny_model_dir):
+def test_without_journal_a_grace_too_short_fails_what_did_not_run_and_exits_in_time(tmp_path, tiny_model_dir):
     grace_s = 1.0
     with a_long_queue(tmp_path, tiny_model_dir, grace_s) as (served, http, accepted, answers):
         served.proc.send_signal(signal.SIGTERM)
@@ -186,12 +199,72 @@ def test_a_grace_too_short_for_the_queue_fails_what_did_not_run_and_exits_in_tim
 
 
 def test_a_second_signal_skips_the_rest_of_the_grace(tmp_path, tiny_model_dir):
+    """(--durability none, so what the cut left undone answers the shutdown error.)"""
     with a_long_queue(tmp_path, tiny_model_dir, grace_s=600) as (served, http, accepted, answers):
         served.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: draining(http), "/readyz to say draining")
         served.proc.send_signal(signal.SIGINT)  # Ctrl-C twice: the 600 s grace is never reached
         assert finish(served, HANG_GUARD_S) == 0, served.stderr
     assert_cut_short(answers, accepted, "a second signal (SIGINT) cut the drain short")
+
+
+def poll_through_restart(url: str, request_id: str, answers: dict) -> None:
+    """Poll a future as the Tinker SDK does: through try_again, and through connection errors and
+    503s while the service is down or coming back, until it answers."""
+    deadline = time.monotonic() + 3 * HANG_GUARD_S
+    with httpx.Client(base_url=url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S) as c:
+        while time.monotonic() < deadline:
+            try:
+                r = c.post("/api/v1/retrieve_future", json={"request_id": request_id})
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if r.status_code == 503 or "try_again" in r.text:
+                time.sleep(0.05)
+                continue
+            answers[request_id] = {"status": r.status_code, "body": r.text}
+            return
+
+
+def test_sigterm_with_the_journal_keeps_what_did_not_run_and_the_restart_runs_it(tmp_path, tiny_model_dir):
+    """Grace too short for the queue: the service exits in time, fails nothing, and after a restart
+    on the same data dir every accepted op runs, once, in order; its poller gets the result."""
+    grace_s = 1.0
+    port = free_port()
+    data = tmp_path / "data"
+    args = ("--drain-grace-s", str(grace_s))
+    with serving(data, tiny_model_dir, *args, env=LONG_QUEUE_ENV, port=port) as served:
+        with client(served) as (http, raw, model_id):
+            accepted = [raw.submit_fb(model_id, seq, datums(16, 128)) for seq in range(1, 13)]
+            accepted.append(raw.submit_optim(model_id, 13))
+        answers: dict[str, dict] = {}
+        pollers = [
+            threading.Thread(target=poll_through_restart, args=(served.url, rid, answers), daemon=True)
+            for rid in accepted
+        ]
+        for t in pollers:
+            t.start()
+        served.proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        assert finish(served, grace_s + EXIT_MARGIN_S) == 0, served.stderr
+        assert time.monotonic() - sigterm_at < grace_s + EXIT_MARGIN_S
+    assert "journaled and run after the restart" in served.stderr, served.stderr
+    assert "did not finish" not in served.stderr
+    with serving(data, tiny_model_dir, *args, env=LONG_QUEUE_ENV, port=port) as again:
+        for t in pollers:
+            t.join(3 * HANG_GUARD_S)
+        assert sorted(answers) == sorted(accepted), answers
+        assert all(a["status"] == 200 and '"error"' not in a["body"] for a in answers.values()), answers
+        assert all("loss_fn_outputs" in answers[rid]["body"] for rid in accepted[:-1])
+        assert "metrics" in answers[accepted[-1]]["body"], answers[accepted[-1]]
+        with httpx.Client(base_url=again.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S) as h:
+            raw = RawTinker(h)
+            r = raw.post("save_weights", model_id=model_id, seq_id=14, path="after")
+            assert r.status_code == 200, r.text
+            saved = raw.result(r.json()["request_id"])
+            assert saved["path"].endswith("/weights/after"), saved
+    manifest = next(data.rglob("weights/after/manifest.json")).read_text()
+    assert '"steps": 1' in manifest, manifest
 
 
 @pytest.mark.parametrize("value", ["-1", "soon"])

@@ -1,0 +1,185 @@
+"""Crash recovery: `kill -9` at five points, restart on the same data dir, and nothing acknowledged is lost.
+
+Two clients train at once against a real `openrl-service serve` (fusion off, journal on): the
+unmodified Tinker SDK running an SFT-then-RL loop (tests/_support/recovery_loop.py, a subprocess)
+and a notebook ``Run`` (openrl_jupyter, in this process). The service is killed with SIGKILL five
+times, each time by a crash hook at a different point (mid forward_backward, between a
+forward_backward and its optim_step, mid sampling, right after an acknowledged reply, mid checkpoint
+save); the hook writes a marker before it fires, so the test knows each point was reached, and each
+restart on the same port and data dir arms the next one. Both clients ride through on their own
+retries. Then: both loops finished, every run took exactly its number of optimizer steps, and the
+final adapters are bit-identical to those of the same two loops against a service never killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.numpy import load_file
+
+from openrl_jupyter import session as sess
+from openrl_jupyter.run import RunState
+from openrl_service import crashpoints
+from tests._support.serve import Served, finish, start, wait_ready
+from tests.conftest import ALICE_KEY, free_port
+
+HANG_GUARD_S = 300
+ROOT = Path(__file__).resolve().parents[2]
+# The order the loops reach them in: each restart arms the next (the n-th hit in that process).
+CRASHES = [
+    ("forward_backward", 3),
+    ("before_optim_step", 3),
+    ("sample", 4),
+    ("after_ack", 12),
+    ("checkpoint_save", 1),  # the SDK loop's final save_state comes whatever else happened
+]
+SDK_RL_STEPS = 6
+RUN_STEPS = 6
+ENV = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_FUSION": "off", "OPENRL_LONG_POLL_S": "2"}
+
+
+def reward(prompt, completion, **info):
+    """Deterministic and not constant within a group: every step trains."""
+    return sum(c.isalpha() for c in completion) / max(1, len(completion))
+
+
+class Clients:
+    """The SDK loop (a subprocess) and a notebook Run (here), against ``url``."""
+
+    def __init__(self, url: str, workdir: Path, name: str):
+        self.out = workdir / "sdk.json"
+        self.log = open(workdir / "sdk.log", "w")  # noqa: SIM115 - closed in finish()
+        env = {**os.environ, "TINKER_API_KEY": ALICE_KEY, "TINKER_TELEMETRY": "0", "PYTHONPATH": str(ROOT)}
+        self.sdk = subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests/_support/recovery_loop.py"),
+                url,
+                str(self.out),
+                "--rl",
+                str(SDK_RL_STEPS),
+                "--checkpoint-at",
+                "2",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.name = name
+        self.session = sess.connect(url, token=ALICE_KEY, name=name)
+        self.run = self.session.train(
+            reward=reward,
+            prompts=["Name a colour:", "Say hello:", "Write a word:", "A city you like:"],
+            steps=RUN_STEPS,
+            batch=2,
+            group=4,
+            max_tokens=8,
+            seed=11,
+            overlap=0,
+        )
+
+    def running(self) -> bool:
+        return self.sdk.poll() is None or not self.run.done
+
+    def finish(self) -> dict:
+        """Wait for both loops; what they trained: the SDK's output, the Run's history and run id."""
+        try:
+            assert self.sdk.wait(HANG_GUARD_S) == 0, (ROOT / self.log.name).read_text()
+            self.run.wait(HANG_GUARD_S)
+            assert self.run.state == RunState.FINISHED, (self.run.state, self.run.history)
+            path = self.run.save("final")
+            return {
+                "sdk": json.loads(self.out.read_text()),
+                "run_steps": [r["step"] for r in self.run.history],
+                "run_trained": all(r["trained"] for r in self.run.history),
+                "run_id": self.run.run_id,
+                "run_server_step": self.session.client.get_run(self.run.run_id)["step"],
+                "run_final": path,
+            }
+        finally:
+            self.log.close()
+            sess.disconnect(self.name)
+
+
+def adapter(data_dir: Path, tinker_path: str) -> tuple[dict, dict]:
+    """The tensors and the manifest of a saved ``weights`` checkpoint, from the data dir."""
+    run_id, _, rest = tinker_path.removeprefix("tinker://").partition("/")
+    folder = next(data_dir.glob(f"tenants/*/runs/{run_id.replace(':', '~')}/{rest}"))
+    return load_file(folder / "adapter_model.safetensors"), json.loads((folder / "manifest.json").read_text())
+
+
+def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -> tuple[dict, list[str]]:
+    """Both loops against one service, killed at each of ``crashes`` in turn; returns their outcome
+    and the points whose hooks fired."""
+    data = workdir / "data"
+    data.mkdir(parents=True)
+    port = free_port()
+    fired = []
+
+    def serve(k: int) -> Served:
+        env = dict(ENV)
+        if k < len(crashes):
+            point, nth = crashes[k]
+            env |= {"OPENRL_CRASH_AT": f"{point}:{nth}", "OPENRL_CRASH_MARKER": str(workdir / f"crash-{k}")}
+        return start(data, tiny_model_dir, env=env, port=port)
+
+    served = serve(0)
+    wait_ready(served)
+    clients = Clients(served.url, workdir, name=f"recovery-{workdir.name}")
+    try:
+        for k, (point, _) in enumerate(crashes):
+            marker = workdir / f"crash-{k}"
+            deadline = time.monotonic() + HANG_GUARD_S
+            while not marker.exists():
+                assert clients.running(), f"both loops ended before the crash point {point!r} was reached"
+                assert time.monotonic() < deadline, f"crash point {point!r} not reached"
+                time.sleep(0.05)
+            assert finish(served, 30) == -9, served.stderr  # SIGKILL: no drain, no snapshot
+            fired.append(marker.read_text())
+            served = serve(k + 1)
+        outcome = clients.finish()
+        status = httpx.get(f"{served.url}/readyz", timeout=30).json()
+        assert status["state"] == "ready", status
+        outcome["data_dir"] = data
+        return outcome, fired
+    finally:
+        if served.proc.poll() is None:
+            served.proc.terminate()
+            finish(served, 30)
+
+
+@pytest.mark.slow
+def test_kill_9_at_five_points_loses_nothing_and_the_adapters_match_an_uninterrupted_run(
+    tmp_path, tiny_model_dir
+):
+    assert [p for p, _ in CRASHES] == sorted(crashpoints.POINTS, key=[p for p, _ in CRASHES].index)
+    crashed, fired = train(tmp_path / "crashed", tiny_model_dir, CRASHES)
+    assert fired == [p for p, _ in CRASHES]  # every hook fired, in turn: no point was skipped
+    reference, _ = train(tmp_path / "reference", tiny_model_dir, [])
+
+    # Both loops finished with exactly their steps: none lost, none applied twice.
+    sft, rl = len(crashed["sdk"]["sft_losses"]), len(crashed["sdk"]["means"])
+    assert (sft, rl) == (2, SDK_RL_STEPS)
+    assert crashed["run_steps"] == list(range(1, RUN_STEPS + 1)) and crashed["run_trained"]
+    assert crashed["run_server_step"] == RUN_STEPS
+    sdk_weights, sdk_manifest = adapter(crashed["data_dir"], crashed["sdk"]["final_path"])
+    run_weights, run_manifest = adapter(crashed["data_dir"], crashed["run_final"])
+    assert sdk_manifest["steps"] == sft + rl and run_manifest["steps"] == RUN_STEPS
+
+    # What the clients saw and what they trained equal the uninterrupted run's, bit for bit.
+    assert crashed["sdk"]["sft_losses"] == reference["sdk"]["sft_losses"]
+    assert crashed["sdk"]["means"] == reference["sdk"]["means"]
+    for mine, theirs in [
+        (sdk_weights, adapter(reference["data_dir"], reference["sdk"]["final_path"])[0]),
+        (run_weights, adapter(reference["data_dir"], reference["run_final"])[0]),
+    ]:
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            assert mine[name].tobytes() == theirs[name].tobytes(), name
