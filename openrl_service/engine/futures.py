@@ -94,10 +94,17 @@ class FutureStore:
         with self._lock:
             return request_id in self._records
 
-    def capture(self) -> list[dict]:
-        """The completed results, for a snapshot (pending ones are replayed from their records)."""
+    def capture(self, recent_s: float = 120.0) -> list[dict]:
+        """The completed results a client may still ask for, for a snapshot: those handed out and not
+        fetched yet, and any completed in the last ``recent_s`` (a retry of a request whose reply was
+        lost, a replayed intent's first op). Pending ones are replayed from their records."""
+        now = time.time()
         with self._lock:
-            done = [r for r in self._records.values() if r.done]
+            done = [
+                r
+                for r in self._records.values()
+                if r.done and ((r.handed_out and not r.fetched) or now - (r.completed_at or now) < recent_s)
+            ]
         return [
             {
                 "request_id": r.request_id,
@@ -111,6 +118,7 @@ class FutureStore:
                 "idem_key": r.idem_key,
                 "slot": r.slot,
                 "handed_out": r.handed_out,
+                "fetched": r.fetched,
             }
             for r in done
         ]
@@ -134,6 +142,7 @@ class FutureStore:
                     idem_key=c["idem_key"],
                     slot=tuple(c["slot"]) if c["slot"] else None,
                     handed_out=c["handed_out"],
+                    fetched=c["fetched"],
                 )
                 self._records[rec.request_id] = rec
                 if rec.slot is not None:

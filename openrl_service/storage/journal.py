@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"ORJ\x01"
 VERSION = 1
 HEADER = struct.Struct("<4sBII")  # magic, version, payload length, crc32
-MAX_RECORD_BYTES = 1 << 31
+# No room: the volume is full, a quota is reached, or the file may not grow (RLIMIT_FSIZE).
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 _ALLOWED = {
     ("collections", "OrderedDict"),
@@ -195,8 +196,8 @@ class Journal:
                     f.seek(at)
                 except OSError:
                     pass
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise JournalFull(e.errno, f"the journal's disk is full ({self.folder})") from e
+                if e.errno in FULL:
+                    raise JournalFull(e.errno, f"the journal's disk is full ({self.folder}: {e.strerror})") from e
                 raise
             self.bytes += len(data)
             self.appended += 1
@@ -216,8 +217,10 @@ class Journal:
                 try:
                     os.fsync(f.fileno())
                 except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise JournalFull(e.errno, f"the journal's disk is full ({self.folder})") from e
+                    if e.errno in FULL:
+                        raise JournalFull(
+                            e.errno, f"the journal's disk is full ({self.folder}: {e.strerror})"
+                        ) from e
                     raise
             self.synced = max(self.synced, target)
 

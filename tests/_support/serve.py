@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -37,18 +39,31 @@ class Served:
 
 
 def start(
-    data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None, port: int | None = None
+    data_dir: Path,
+    tiny_model_dir: Path,
+    *args: str,
+    env: dict | None = None,
+    port: int | None = None,
+    max_file_bytes: int | None = None,
 ) -> Served:
     """Start `serve` on a loopback port (a free one unless given: a restart reuses its predecessor's);
-    the caller waits for it (``wait_ready``) and stops it."""
+    the caller waits for it (``wait_ready``) and stops it. ``max_file_bytes``: the kernel refuses to
+    grow any file it writes past that size (RLIMIT_FSIZE), as a full volume would."""
     models = data_dir / "models" / "openrl-tiny"
     if not models.exists():
         shutil.copytree(tiny_model_dir, models)  # skip building the tiny model on first start
     port = port or free_port()
     argv, full_env = cli("serve", "--port", str(port), "--data-dir", str(data_dir), *args, env=env)
     with open(data_dir / "stderr.log", "ab") as err:
-        proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True)
+        limit = None if max_file_bytes is None else functools.partial(_limit_files, max_file_bytes)
+        proc = subprocess.Popen(
+            argv, env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=limit
+        )
     return Served(f"http://127.0.0.1:{port}", proc, data_dir)
+
+
+def _limit_files(max_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def wait_ready(served: Served) -> None:
@@ -73,13 +88,11 @@ def finish(served: Served, timeout_s: float = 60) -> int:
 
 
 @contextlib.contextmanager
-def serving(
-    data_dir: Path, tiny_model_dir: Path, *args: str, env: dict | None = None, port: int | None = None
-):
+def serving(data_dir: Path, tiny_model_dir: Path, *args: str, **options):
     """`openrl-service serve` as a subprocess on a loopback port (free unless given), ready;
-    SIGTERM'd on exit."""
+    SIGTERM'd on exit. ``options``: those of :func:`start`."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    served = start(data_dir, tiny_model_dir, *args, env=env, port=port)
+    served = start(data_dir, tiny_model_dir, *args, **options)
     try:
         wait_ready(served)
         yield served

@@ -183,3 +183,43 @@ def test_kill_9_at_five_points_loses_nothing_and_the_adapters_match_an_uninterru
         assert mine.keys() == theirs.keys()
         for name in mine:
             assert mine[name].tobytes() == theirs[name].tobytes(), name
+
+
+def test_an_outage_longer_than_the_idle_timeout_reaps_no_session(tmp_path, tiny_model_dir):
+    """Idle clocks restart with the service: clients that were waiting through the outage are not
+    'idle', so their sessions and runs are still there."""
+    from tests._support.raw import RawTinker, fb_body, sft_datum
+
+    data, port = tmp_path / "data", free_port()
+    data.mkdir()
+    env = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_SESSION_IDLE_TIMEOUT_S": "3"}
+    served = start(data, tiny_model_dir, env=env, port=port)
+    wait_ready(served)
+    with httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S) as http:
+        raw = RawTinker(http)
+        session = raw.session()
+        model_id = raw.create_model(session)
+        r = http.post(
+            "/api/v1/forward_backward",
+            content=fb_body(model_id, 1, [sft_datum([10, 11, 12], [13, 14])]),
+            headers={"Content-Type": "application/x-protobuf"},
+        )
+        assert r.status_code == 200
+        fb = r.json()["request_id"]
+    served.proc.kill()
+    assert finish(served, 30) == -9
+    time.sleep(5)  # the outage: longer than the 3 s idle timeout
+    served = start(data, tiny_model_dir, env=env, port=port)
+    try:
+        wait_ready(served)
+        with httpx.Client(
+            base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S
+        ) as http:
+            raw = RawTinker(http)
+            beat = raw.post("session_heartbeat", session_id=session)
+            assert beat.status_code == 200, beat.text  # not 410: the session was not reaped
+            assert "loss_fn_outputs" in raw.result(fb)
+            assert "metrics" in raw.result(raw.submit_optim(model_id, 2))
+    finally:
+        served.proc.terminate()
+        finish(served, 30)

@@ -302,21 +302,38 @@ def _answers(http: httpx.Client) -> bool:
     return False
 
 
-def test_readyz_reports_starting_then_ready_and_draining(tmp_path, tiny_model_dir):
+def test_readyz_reports_starting_recovering_ready_and_draining(tmp_path, tiny_model_dir):
+    import asyncio
+
     from openrl_service.config import Settings
     from openrl_service.engine.service import TrainingService
 
     shutil.copytree(tiny_model_dir, tmp_path / "models" / "openrl-tiny")
     settings = Settings(data_dir=tmp_path, port=free_port(), no_auth=True)
     svc = TrainingService(settings)
-    loading = threading.Event()
-    setup = svc._setup
+    loading, replaying = threading.Event(), threading.Event()
+    setup, recover = svc._setup, svc.durability.recover
     svc._setup = lambda: (loading.wait(HANG_GUARD_S), setup())  # the model "loads" until the test says
+
+    async def slow_recovery():  # and the journal "replays" until it says so too
+        await asyncio.to_thread(replaying.wait, HANG_GUARD_S)
+        return await recover()
+
+    svc.durability.recover = slow_recovery
     with in_thread(settings, svc) as (app, http):
-        r = http.get("/readyz")
-        assert (r.status_code, r.json()["state"], r.json()["status"]) == (503, "starting", "loading")
-        assert http.post("/api/v1/create_session", json={}).status_code == 200  # starting is not draining
-        loading.set()
+        for state, status in [("starting", "loading"), ("recovering", "recovering")]:
+            r = wait_for(lambda s=state: (r := http.get("/readyz")).json()["state"] == s and r, state)
+            assert (r.status_code, r.json()["status"]) == (503, status)
+            refused = http.post("/api/v1/create_session", json={})  # new work: come back shortly
+            assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+            assert state in refused.json()["error"]
+            # A future it may be about to replay, and a session it may be about to restore, are not 404s.
+            poll = http.post("/api/v1/retrieve_future", json={"request_id": "req-from-before-the-crash"})
+            assert (poll.status_code, poll.json()["type"]) == (200, "try_again")
+            beat = http.post("/api/v1/session_heartbeat", json={"session_id": "s-from-before"})
+            assert beat.status_code == 200
+            loading.set()
+        replaying.set()
         ready = wait_for(
             lambda: http.get("/readyz").json()["state"] == "ready" and http.get("/readyz"), "ready"
         )
