@@ -117,43 +117,47 @@ def in_process(tokens: int, steps: int) -> list[float]:
 
 
 def over_http(tokens: int, steps: int) -> list[float]:
-    import tinker
-    from tinker import types
-
     from openrl_jupyter.local import start_service
 
     service = start_service(auth=False, timeout_s=120)
-    url = service.url
     try:
-        os.environ.setdefault("TINKER_API_KEY", "tml-bench")
-        os.environ.setdefault("TINKER_TELEMETRY", "0")
-        sc = tinker.ServiceClient(base_url=url)
-        tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0).result()
-        params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
-        times = []
-        for step in range(steps + 1):
-            t0 = time.perf_counter()
-            sampler = tc.save_weights_and_get_sampling_client().result()
-            futs = [sampler.sample(types.ModelInput.from_ints(p), GROUP, params) for p in PROMPTS]
-            datums = []
-            for p, f in zip(PROMPTS, futs, strict=True):
-                seqs = [{"tokens": s.tokens, "logprobs": s.logprobs} for s in f.result().sequences]
-                for toks, tgt, q, adv in rl_datums(p, seqs):
-                    datums.append(
-                        types.Datum(
-                            model_input=types.ModelInput.from_ints(toks),
-                            loss_fn_inputs={"target_tokens": tgt, "logprobs": q, "advantages": adv},
-                        )
-                    )
-            fb = tc.forward_backward(datums, "importance_sampling")
-            opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
-            fb.result()
-            opt.result()
-            if step:
-                times.append(time.perf_counter() - t0)
-        sc.close("success").result()
+        return sdk_steps(service.url, tokens, steps)
     finally:
         service.stop()
+
+
+def sdk_steps(url: str, tokens: int, steps: int) -> list[float]:
+    """Seconds per RL step through the Tinker SDK against ``url`` (the first, warm-up, left out)."""
+    import tinker
+    from tinker import types
+
+    os.environ.setdefault("TINKER_API_KEY", "tml-bench")
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    sc = tinker.ServiceClient(base_url=url)
+    tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0).result()
+    params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
+    times = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        futs = [sampler.sample(types.ModelInput.from_ints(p), GROUP, params) for p in PROMPTS]
+        datums = []
+        for p, f in zip(PROMPTS, futs, strict=True):
+            seqs = [{"tokens": s.tokens, "logprobs": s.logprobs} for s in f.result().sequences]
+            for toks, tgt, q, adv in rl_datums(p, seqs):
+                datums.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(toks),
+                        loss_fn_inputs={"target_tokens": tgt, "logprobs": q, "advantages": adv},
+                    )
+                )
+        fb = tc.forward_backward(datums, "importance_sampling")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        fb.result()
+        opt.result()
+        if step:
+            times.append(time.perf_counter() - t0)
+    sc.close("success").result()
     return times
 
 

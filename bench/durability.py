@@ -30,38 +30,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from api_overhead import GROUP, PROMPTS, rl_datums  # noqa: E402
+from api_overhead import sdk_steps  # noqa: E402
 
 from openrl_jupyter.local import start_service  # noqa: E402
-
-
-def steps_over_http(url: str, tokens: int, steps: int) -> list[float]:
-    import tinker
-    from tinker import types
-
-    sc = tinker.ServiceClient(base_url=url)
-    tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0).result()
-    params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[], seed=1)
-    times = []
-    for step in range(steps + 1):
-        t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        futs = [sampler.sample(types.ModelInput.from_ints(p), GROUP, params) for p in PROMPTS]
-        datums = []
-        for p, f in zip(PROMPTS, futs, strict=True):
-            seqs = [{"tokens": s.tokens, "logprobs": s.logprobs} for s in f.result().sequences]
-            for toks, tgt, q, adv in rl_datums(p, seqs):
-                datums.append(
-                    types.Datum(
-                        model_input=types.ModelInput.from_ints(toks),
-                        loss_fn_inputs={"target_tokens": tgt, "logprobs": q, "advantages": adv},
-                    )
-                )
-        tc.forward_backward(datums, "importance_sampling").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-        if step:  # the first step warms up
-            times.append(time.perf_counter() - t0)
-    return times
 
 
 def folder_bytes(path: Path, pattern: str) -> int:
@@ -87,7 +58,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="openrl-durability-") as data:
             service = start_service(data_dir=data, auth=False, env=env, timeout_s=300)
             try:
-                medians[name] = statistics.median(steps_over_http(service.url, args.tokens, args.steps))
+                medians[name] = statistics.median(sdk_steps(service.url, args.tokens, args.steps))
                 if name == "journal, snapshot/1 s":
                     restart = measure_restart(service, Path(data))
             finally:

@@ -356,7 +356,14 @@ class Durability:
             self._restore(state)
             records += state.get("pending", [])
         records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
+        for record in records:
+            if record[0] == "meta" and record[1].get("base_model") != self.svc.base.name:
+                raise RuntimeError(
+                    f"the data dir's journal is for model {record[1].get('base_model')!r}, this service "
+                    f"serves {self.svc.base.name!r}; start it with that model or another --data-dir"
+                )
         self.journal.open(self.journal.next_segment())
+        self.journal.append(("meta", {"base_model": self.svc.base.name, "version": STATE_VERSION}))
         seen: set[str] = set()
         later = [r for r in records if not self._replay(r, seen)]
         if later:
@@ -490,6 +497,8 @@ class Durability:
                     return True
                 seen.add(request_id)
                 getattr(svc, method)(**{k: _decode(v) for k, v in args.items()})
+            elif kind == "meta":
+                pass  # checked before the replay
             elif kind == "native":
                 _, intent_id, intent_kind, inputs = record
                 if intent_id in seen:

@@ -388,7 +388,7 @@ class NativeRuns:
             "tenant": tenant,
             "run_id": run_id,
             "seq": nr.next_seq(),
-            "jobs": [replace(j, params=self.svc._seeded(j.params)) for j in jobs],
+            "jobs": [replace(j, params=self.svc.seeded(j.params)) for j in jobs],
             "sample_ids": [[f"smp-{uuid.uuid4().hex}" for _ in range(num)] for _ in jobs],
             "idem": idem,
         }

@@ -605,7 +605,7 @@ class TrainingService(Registry, Validation):
         on, other runs' ready sampling joins it. Jobs without a seed get one drawn now (journaled, so
         a replay draws the same tokens)."""
         jobs = [
-            j if j.params.seed is not None else dataclasses.replace(j, params=self._seeded(j.params))
+            j if j.params.seed is not None else dataclasses.replace(j, params=self.seeded(j.params))
             for j in jobs
         ]
         call = self.durability.call("sample_run", locals())
@@ -634,7 +634,7 @@ class TrainingService(Registry, Validation):
         )
 
     @staticmethod
-    def _seeded(params: SamplingParams) -> SamplingParams:
+    def seeded(params: SamplingParams) -> SamplingParams:
         """``params`` with a seed: an unseeded request draws one here, once, where it is journaled."""
         if params.seed is not None:
             return params
@@ -712,7 +712,7 @@ class TrainingService(Registry, Validation):
         if prior is not None:
             return prior
         entry = self.sampler_entry(tenant, sampler_id)
-        params = self._seeded(
+        params = self.seeded(
             self.check_sample(prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs)
         )
         call = self.durability.call("sample", locals())

@@ -197,7 +197,9 @@ class Journal:
                 except OSError:
                     pass
                 if e.errno in FULL:
-                    raise JournalFull(e.errno, f"the journal's disk is full ({self.folder}: {e.strerror})") from e
+                    raise JournalFull(
+                        e.errno, f"the journal's disk is full ({self.folder}: {e.strerror})"
+                    ) from e
                 raise
             self.bytes += len(data)
             self.appended += 1

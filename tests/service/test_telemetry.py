@@ -232,7 +232,9 @@ def fake_service(device: str) -> types.SimpleNamespace:
         runs={},
         samplers={},
         session_listeners=[],
-        sweepers=[],  # NativeRuns hooks into both
+        sweepers=[],  # NativeRuns hooks into both, and into the journal
+        settings=types.SimpleNamespace(future_ttl_s=3600.0),
+        durability=types.SimpleNamespace(loop_state=[], intent_replayers={}),
     )
 
 
