@@ -130,7 +130,12 @@ class _Lane:
     next_seq: int | None = None
     waiting: dict[int, Op] = field(default_factory=dict)
     seq_index: dict[int, FutureRecord] = field(default_factory=dict)
-    skipped: set[int] = field(default_factory=set)
+    # seq_ids a gap expiry moved past, as [lo, hi) ranges (a far-ahead seq_id must not expand into a
+    # set of every id before it)
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+
+    def was_skipped(self, seq_id: int) -> bool:
+        return any(lo <= seq_id < hi for lo, hi in self.skipped)
 
 
 class Engine:
@@ -303,14 +308,14 @@ class Engine:
             lane = self._lanes.get(lane_key)
             if lane is None:
                 return {"next_seq": 0, "skipped": []}
-            return {"next_seq": (lane.next_seq or 0) - len(lane.ready), "skipped": sorted(lane.skipped)}
+            return {"next_seq": (lane.next_seq or 0) - len(lane.ready), "skipped": list(lane.skipped)}
 
     def restore_lane(self, lane_key: str, position: dict, seq_index: dict[int, FutureRecord]) -> None:
         """Reopen an ordered lane from a snapshot, with the results of its seq_ids already applied."""
         with self._cv:
             lane = self._new_lane(lane_key)
             lane.next_seq = position["next_seq"]
-            lane.skipped = set(position["skipped"])
+            lane.skipped = [tuple(r) for r in position["skipped"]]
             lane.seq_index.update(seq_index)
 
     def restore_idempotency(self, futures: FutureStore) -> None:
@@ -361,7 +366,7 @@ class Engine:
             if op.seq_id is not None:
                 lane.seq_index[op.seq_id] = op.future
                 op.future.slot = (op.lane, op.seq_id)
-                if op.seq_id < (lane.next_seq or 0) or op.seq_id in lane.skipped:
+                if op.seq_id < (lane.next_seq or 0) or lane.was_skipped(op.seq_id):
                     late = UserError(
                         f"seq_id {op.seq_id} arrived after model {op.run_id} had moved past it "
                         f"(next expected seq_id is {lane.next_seq}); it was not executed",
@@ -541,9 +546,9 @@ class Engine:
                 f"requests with seq_id {', '.join(map(str, stuck))} waiting behind it were not executed",
                 field="seq_id",
             )
-            for s in range(missing, stuck[-1] + 1):
-                if s not in lane.waiting:
-                    lane.skipped.add(s)
+            for lo, hi in zip([missing, *(k + 1 for k in stuck[:-1])], stuck, strict=True):
+                if lo < hi:
+                    lane.skipped.append((lo, hi))
             for s in stuck:
                 self._queued -= 1
                 self.futures.complete(lane.waiting.pop(s).future, error=err)

@@ -174,6 +174,20 @@ def test_a_gap_times_out_naming_the_missing_seq_id(make_server):
     assert "grad_norm:mean" in raw.result(raw.submit_optim(m, 4))["metrics"]  # the run goes on
 
 
+def test_a_far_ahead_seq_id_times_out_without_the_service_counting_to_it(make_server):
+    """A gap of 10**12 seq_ids expires like any other (the fuzzer once made one take all memory)."""
+    live = make_server(seq_gap_timeout_s=0.5)
+    raw = RawTinker(live.client())
+    m = raw.create_model(raw.session())
+    far = 10**12
+    err = raw.result(raw.submit_optim(m, far))
+    assert "seq_id 1 never arrived" in err["error"]
+    for seq in (1, far - 1):  # moved past: refused, never run
+        assert "arrived after" in raw.result(raw.submit_optim(m, seq))["error"]
+    assert raw.result(raw.submit_optim(m, far)) == err  # a retry: the original answer
+    assert "grad_norm:mean" in raw.result(raw.submit_optim(m, far + 1))["metrics"]  # the run goes on
+
+
 # -- futures -----------------------------------------------------------------------------------------
 def test_long_poll_answers_try_again_then_results_expire_with_410(make_server):
     # A TTL far longer than the test: results expire only when the test sweeps with a later clock.
