@@ -13,7 +13,7 @@
 
 Not a test: prints tables.
 
-    python bench/durability.py [--tokens 256] [--steps 5]
+    python bench/durability.py [--tokens 256] [--steps 4] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def folder_bytes(path: Path, pattern: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-bench")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -52,22 +53,23 @@ def main() -> None:
         ("journal (default)", {"OPENRL_DURABILITY": "journal"}),
         ("journal, snapshot/1 s", {"OPENRL_DURABILITY": "journal", "OPENRL_SNAPSHOT_INTERVAL_S": "1"}),
     ]
-    medians = {}
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
     restart = None
-    for name, env in variants:
-        with tempfile.TemporaryDirectory(prefix="openrl-durability-") as data:
-            service = start_service(data_dir=data, auth=False, env=env, timeout_s=300)
-            try:
-                medians[name] = statistics.median(sdk_steps(service.url, args.tokens, args.steps))
-                if name == "journal, snapshot/1 s":
-                    restart = measure_restart(service, Path(data))
-            finally:
-                service.stop()
-
+    for round_ in range(args.rounds):  # variants in turn, so a drifting machine load hits each alike
+        for name, env in variants:
+            with tempfile.TemporaryDirectory(prefix="openrl-durability-") as data:
+                service = start_service(data_dir=data, auth=False, env=env, timeout_s=300)
+                try:
+                    times[name] += sdk_steps(service.url, args.tokens, args.steps)
+                    if name == "journal, snapshot/1 s" and round_ == args.rounds - 1:
+                        restart = measure_restart(service, Path(data))
+                finally:
+                    service.stop()
+    medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians["none"]
     print(
         f"one RL step, openrl/tiny, 64 sequences x {args.tokens} sampled tokens, SDK over HTTP, "
-        f"median of {args.steps} (s/step)"
+        f"median of {args.rounds} x {args.steps} steps (s/step)"
     )
     print(f"{'durability':>24} {'s/step':>8} {'vs none':>8}")
     for name, m in medians.items():
