@@ -32,6 +32,7 @@ TINKER_PATH_PATTERN = (
     + "|".join(KINDS)
     + r")/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 )
+FLOAT32_MAX = 3.4028234663852886e38  # AdamW holds its parameters as float32
 RL_LOSSES = [name for name in LOSSES if name != "cross_entropy"]
 
 STR: dict = {"type": "string"}
@@ -99,7 +100,7 @@ def ttl(min_ttl_s: float) -> dict:
 # -- shared pieces -----------------------------------------------------------------------------
 def adam(lr_required: bool = False) -> dict:
     """AdamW parameters (training.trainer.adam_params)."""
-    nonneg = {"type": "number", "minimum": 0}
+    nonneg = {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX}
     beta = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
     return obj(
         {
@@ -381,6 +382,16 @@ def native_sample(lim: Limits) -> dict:
     )
 
 
+def _loss_config(loss: str) -> dict:
+    """The config keys a loss accepts (training.losses.check_loss), each a number."""
+    keys = LOSSES[loss].config
+    return {
+        "type": "object",
+        "properties": {k: {"type": "number"} for k in keys},
+        "additionalProperties": False,
+    }
+
+
 TRAIN_STEP = obj(
     {
         "samples": {
@@ -391,12 +402,16 @@ TRAIN_STEP = obj(
         "loss": {"enum": RL_LOSSES},
         "loss_config": {
             "type": "object",
-            "additionalProperties": {"type": "number"},
-            "description": "the loss's own keys only (ppo, cispo: clip_low_threshold <= clip_high_threshold)",
+            "description": "the loss's own keys; clip_low_threshold <= clip_high_threshold",
         },
         "optimizer": adam(),
     },
     "samples",
+    anyOf=[
+        {"properties": {"loss": {"const": loss}, "loss_config": _loss_config(loss)}, "required": ["loss"]}
+        for loss in RL_LOSSES
+    ]
+    + [{"not": {"required": ["loss"]}, "properties": {"loss_config": _loss_config("importance_sampling")}}],
 )
 
 

@@ -16,6 +16,7 @@ import random
 import numpy as np
 import torch
 
+from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput
 
@@ -294,5 +295,11 @@ def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tenso
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(scaled, dim=-1)
+    if not torch.isfinite(probs).all():
+        raise UserError(
+            "sampling: the weights give NaN or infinite logits (did training diverge? a lower "
+            "learning_rate, or a checkpoint from before, samples again)",
+            field="model",
+        )
     picks = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)]
     return torch.cat(picks)
