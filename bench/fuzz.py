@@ -56,7 +56,12 @@ STATELESS_ROUTES = (
     r"^(info|tree|hub_|healthz|readyz|metrics|native_list_runs|rest_list_"
     r"|tinker_(api_healthz|client_config|dynamic_config|telemetry|capabilities))"
 )
-SERVICE_ENV = {"OPENRL_LONG_POLL_S": "0.5", "OPENRL_SEQ_GAP_TIMEOUT_S": "2"}
+# Short waits, so generated requests do not idle; no cap on runs (generated sessions are never finished).
+SERVICE_ENV = {
+    "OPENRL_LONG_POLL_S": "0.5",
+    "OPENRL_SEQ_GAP_TIMEOUT_S": "2",
+    "OPENRL_MAX_RUNS_PER_TENANT": "1000000",
+}
 
 
 class FuzzError(RuntimeError):
@@ -94,12 +99,15 @@ def run_schemathesis(url: str, key: str, args: argparse.Namespace, work: Path) -
     ``--examples`` cases per operation), then the stateful phase (``--stateful-examples`` scenarios of
     up to ``--stateful-steps`` linked calls). The HAR entries both recorded and their output tails."""
     entries, tails = [], []
+    stateless = "examples,fuzzing" if args.short else "examples,coverage,fuzzing"
     passes = (
-        ("stateless", "examples,fuzzing" if args.short else "examples,coverage,fuzzing", args.examples, "all"),
-        # positive bodies only: a scenario goes deeper while each step's reply feeds the next one
-        ("stateful", "stateful", args.stateful_examples, "positive"),
+        ("stateless", stateless, args.examples, "all", None),
+        # positive bodies only: a scenario goes deeper while each step's reply feeds the next one.
+        # Two passes, the Tinker API's chains and the notebook API's, so that neither starves the other.
+        ("stateful-tinker", "stateful", args.stateful_examples, "positive", r"^native_"),
+        ("stateful-native", "stateful", args.stateful_examples, "positive", r"^tinker_"),
     )
-    for name, phases, examples, mode in passes:
+    for name, phases, examples, mode, skip in passes:
         har = work / f"{name}.har"
         config = work / "schemathesis.toml"
         # the schema's own links, not links guessed from names
@@ -109,14 +117,23 @@ def run_schemathesis(url: str, key: str, args: argparse.Namespace, work: Path) -
         )
         argv = [str(Path(sys.executable).with_name("st")), "--config-file", str(config), "run"]
         argv += [f"{url}/openapi.json", "--header", f"X-API-Key: {key}", "--checks", "not_a_server_error"]
-        argv += ["--phases", phases, "--max-examples", str(examples), "--mode", mode, "--seed", str(args.seed)]
+        argv += [
+            "--phases",
+            phases,
+            "--max-examples",
+            str(examples),
+            "--mode",
+            mode,
+            "--seed",
+            str(args.seed),
+        ]
         argv += ["--workers", "1", "--no-shrink", "--request-timeout", "60", "--generation-database", "none"]
         argv += ["--continue-on-failure", "--suppress-health-check", "all", "--no-color"]
         argv += ["--report", "har", "--report-har-path", str(har)]
         for op in STREAMS:
             argv += ["--exclude-operation-id", op]
-        if name == "stateful":  # scenarios spend their steps on the routes that create and use state
-            argv += ["--exclude-operation-id-regex", STATELESS_ROUTES]
+        if skip:  # scenarios spend their steps on the routes that create and use state
+            argv += ["--exclude-operation-id-regex", f"{STATELESS_ROUTES}|{skip}"]
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "PYTHONPATH": str(ROOT / "bench")}
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s, cwd=work, env=env)
         if not har.exists():
@@ -178,7 +195,8 @@ def proto_strategies(model_ids: list[str], vocab: int, context: int):
         t.shape.extend(shape)
         np_dtype = {1: np.float32, 2: np.int64, 3: np.int32}.get(dtype, np.float32)
         count = int(np.prod([s for s in shape if s > 0])) if shape else n
-        count = min(count, 4096)
+        count = min(count, 8192)
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # bulk values: fast to draw
         if draw(st.booleans()) and len(shape) == 2:
             csr = t.sparse_csr
             rows = max(0, shape[0])
@@ -193,10 +211,12 @@ def proto_strategies(model_ids: list[str], vocab: int, context: int):
             ).tobytes()
         elif draw(st.booleans()):
             if np_dtype is np.float32:
-                vals = draw(st.lists(st.floats(-3, 3, width=32), min_size=count, max_size=count))
+                vals = rng.uniform(-3, 3, count).astype(np.float32)
+                if count and draw(st.booleans()):
+                    vals[rng.integers(count)] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 3e38]))
             else:
-                vals = draw(st.lists(st.integers(0, vocab - 1), min_size=count, max_size=count))
-            t.dense = np.asarray(vals, dtype=np_dtype).tobytes()
+                vals = rng.integers(0, vocab + draw(st.sampled_from([0, 0, 1000])), count).astype(np_dtype)
+            t.dense = vals.tobytes()
         else:
             t.dense = draw(st.binary(max_size=64))
         return t
@@ -241,10 +261,52 @@ def proto_strategies(model_ids: list[str], vocab: int, context: int):
         return msg, (model_id if next_seq else None)
 
     @st.composite
+    def good_request(draw):
+        """A request the service accepts (a real loss over in-vocabulary tokens) at the run's next
+        seq_id, with at most one field made wrong: these reach the trainer."""
+        msg = proto.ForwardBackwardRequest(model_id=draw(st.sampled_from(model_ids)))
+        msg.loss_fn = draw(st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        for _ in range(draw(st.integers(1, 3))):
+            n = draw(st.integers(1, min(32, context)))
+            d = msg.data.add()
+            d.model_input.add().encoded_text.tokens = rng.integers(0, vocab, n).astype(np.int32).tobytes()
+            inputs = {"target_tokens": rng.integers(0, vocab, n).astype(np.int64)}
+            if msg.loss_fn == "cross_entropy":
+                inputs["weights"] = rng.uniform(0, 1, n).astype(np.float32)
+            else:
+                inputs["logprobs"] = rng.uniform(-5, 0, n).astype(np.float32)
+                inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+            for name, arr in inputs.items():
+                t = d.loss_fn_inputs[name]
+                t.dtype = proto.DTYPE_INT64 if arr.dtype == np.int64 else proto.DTYPE_FLOAT32
+                t.dense = arr.tobytes()
+                t.shape.extend(arr.shape)
+        flaw = draw(st.sampled_from([None, None, None, "token", "nan", "extra", "config", "forward_only"]))
+        d = msg.data[0]
+        if flaw == "token":
+            d.model_input[0].encoded_text.tokens = np.asarray([vocab + 5], dtype=np.int32).tobytes()
+        elif flaw == "nan":
+            name = "weights" if msg.loss_fn == "cross_entropy" else "advantages"
+            d.loss_fn_inputs[name].dense = np.full(
+                len(d.loss_fn_inputs[name].dense) // 4, np.nan, np.float32
+            ).tobytes()
+        elif flaw == "extra":
+            d.loss_fn_inputs["mask"].CopyFrom(d.loss_fn_inputs["target_tokens"])
+        elif flaw == "config":
+            msg.loss_fn_config["clip_low_threshold"] = draw(numbers)
+        elif flaw == "forward_only":
+            msg.forward_only = True
+        return msg, msg.model_id
+
+    @st.composite
     def body(draw):
-        kind = draw(st.sampled_from(["message", "message", "message", "mutated", "raw"]))
+        kind = draw(st.sampled_from(["good", "good", "message", "message", "mutated", "raw"]))
         if kind == "raw":
             return draw(st.binary(max_size=256)), None, None
+        if kind == "good":
+            msg, seq_model = draw(good_request())
+            return None, msg, seq_model
         msg, seq_model = draw(request())
         if kind == "mutated":
             data = bytearray(msg.SerializeToString())
@@ -260,9 +322,9 @@ def proto_strategies(model_ids: list[str], vocab: int, context: int):
     return body()
 
 
-def run_protobuf(url: str, key: str, args: argparse.Namespace) -> tuple[Counter, Counter]:
+def run_protobuf(url: str, key: str, args: argparse.Namespace) -> tuple[Counter, Counter, Counter]:
     """POST generated bodies to forward_backward; retrieve every accepted future.
-    (HTTP status counts, future outcome counts)."""
+    (HTTP status counts of the posts, of the retrieves, future outcome counts)."""
     import httpx
     from hypothesis import HealthCheck, given, seed, settings
 
@@ -282,6 +344,7 @@ def run_protobuf(url: str, key: str, args: argparse.Namespace) -> tuple[Counter,
         wait_future(http, rep["request_id"])
         next_seq[rep["model_id"]] = 1
     statuses: Counter = Counter()
+    retrieves: Counter = Counter()  # the retrieve_future calls that fetched their results
     outcomes: Counter = Counter()
     pending: list[str] = []
 
@@ -307,18 +370,20 @@ def run_protobuf(url: str, key: str, args: argparse.Namespace) -> tuple[Counter,
                 next_seq[seq_model] += 1
             pending.append(r.json()["request_id"])
         if len(pending) >= 16:
-            drain(http, pending, outcomes)
+            drain(http, pending, outcomes, retrieves)
 
     one()
-    drain(http, pending, outcomes)
+    drain(http, pending, outcomes, retrieves)
     http.close()
-    return statuses, outcomes
+    return statuses, retrieves, outcomes
 
 
-def wait_future(http, request_id: str, timeout_s: float = 120) -> dict:
+def wait_future(http, request_id: str, timeout_s: float = 120, statuses: Counter | None = None) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rep = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if statuses is not None:
+            bump(statuses, rep.status_code)
         if rep.status_code >= 500:
             return {"error": f"HTTP {rep.status_code}", "category": "server"}
         out = rep.json()
@@ -327,12 +392,11 @@ def wait_future(http, request_id: str, timeout_s: float = 120) -> dict:
     return {"error": "no result in time", "category": "timeout"}
 
 
-def drain(http, pending: list[str], outcomes: Counter) -> None:
+def drain(http, pending: list[str], outcomes: Counter, statuses: Counter) -> None:
     for rid in pending:
-        out = wait_future(http, rid)
+        out = wait_future(http, rid, statuses=statuses)
         outcomes["error:" + str(out.get("category")) if "error" in out else "result"] += 1
         if out.get("category") == "server":
-            outcomes.setdefault("server_messages", 0)
             print(f"  future {rid} failed on the server: {out.get('error')}", file=sys.stderr)
     pending.clear()
 
@@ -396,10 +460,12 @@ def run(args: argparse.Namespace) -> dict:
     from openrl_jupyter.local import start_service
 
     key = "tml-fuzz-" + secrets.token_hex(16)
+    good_key = "tml-good-" + secrets.token_hex(16)  # the good client is another tenant, as a neighbour is
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="openrl-fuzz-") as tmp:
         work = Path(tmp)
-        local = start_service(data_dir=work / "service", api_key=key, env=SERVICE_ENV)
+        keys = {"OPENRL_API_KEYS": f"fuzz:{key},good:{good_key}"}
+        local = start_service(data_dir=work / "service", env={**SERVICE_ENV, **keys})
         try:
             spec = httpx.get(f"{local.url}/openapi.json", headers={"X-API-Key": key}).json()
             match = operation_matcher(spec)
@@ -408,9 +474,9 @@ def run(args: argparse.Namespace) -> dict:
             st_wall = time.time() - t_st
             per_op = count_har(entries, match, local.url)
             t_pb = time.time()
-            pb_status, pb_outcomes = run_protobuf(local.url, key, args)
+            pb_status, pb_retrieves, pb_outcomes = run_protobuf(local.url, key, args)
             pb_wall = time.time() - t_pb
-            good = good_client(local.url, key)
+            good = good_client(local.url, good_key)
             alive = httpx.get(f"{local.url}/readyz").status_code == 200
         except BaseException:
             print(local.log_tail(), file=sys.stderr)
@@ -427,6 +493,7 @@ def run(args: argparse.Namespace) -> dict:
         if op.get("operationId") not in STREAMS
     )
     per_op["tinker_forward_backward (protobuf)"] = pb_status
+    per_op["tinker_retrieve_future (protobuf)"] = pb_retrieves
     return {
         "seed": args.seed,
         "examples_per_operation": args.examples,
