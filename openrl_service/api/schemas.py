@@ -292,7 +292,12 @@ CREATE_SAMPLING_SESSION = obj(
 
 def asample(lim: Limits) -> dict:
     topk = {"type": "integer", "minimum": 0, "maximum": lim.max_topk}
-    chunk = obj({"type": {"enum": ["encoded_text"]}, "tokens": {"type": "array", "items": TOKEN}}, "tokens")
+    tokens = {
+        "type": "array",
+        "items": TOKEN,
+        "minItems": 1,
+    }  # (the handler takes an empty chunk beside others)
+    chunk = obj({"type": {"enum": ["encoded_text"]}, "tokens": tokens}, "tokens")
     return obj(
         {
             "sampling_session_id": STR,
