@@ -83,12 +83,22 @@ def links(status: int, **targets: dict) -> dict:
     return {status: {"description": "Successful Response", "links": targets}}
 
 
-def to(operation_id: str, *, parameters: dict | None = None, request_body: dict | None = None) -> dict:
+def to(
+    operation_id: str,
+    *,
+    parameters: dict | None = None,
+    request_body: dict | None = None,
+    exact: bool = False,
+) -> dict:
+    """A link; ``exact``: the request body is ``request_body`` itself (schemathesis would otherwise
+    merge it into a generated one, appending generated items to its lists)."""
     link: dict = {"operationId": operation_id}
     if parameters:
         link["parameters"] = parameters
     if request_body:
         link["requestBody"] = request_body
+    if exact:
+        link["x-schemathesis"] = {"merge_body": False}
     return link
 
 
@@ -552,6 +562,7 @@ NATIVE_SAMPLE_LINKS = links(
         "native_train_step",
         parameters={"path.run_id": "$request.path.run_id"},
         request_body={"samples": [{"sample_id": "$response.body#/samples/0/sample_id", "advantage": 1.0}]},
+        exact=True,
     ),
     sample_again=to("native_sample", parameters={"path.run_id": "$request.path.run_id"}),
 )
