@@ -12,7 +12,7 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk test lint format pytest test-real bench bench-packing bench-load conformance serve clean
+.PHONY: help venv demo demo-sdk test lint format pytest test-real bench bench-packing bench-load fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, s
 
 bench-load: $(STAMP) ## 16 Tinker SDK users (SFT, RL, sampling) x 50 steps on one service: ops/s, latency, 5xx, RSS
 	$(BIN)/python bench/load.py
+
+fuzz: $(STAMP) ## schemathesis on /openapi.json + protobuf bodies (>= 5,000 requests): 0 x 5xx, then the SDK still works
+	$(BIN)/python bench/fuzz.py
 
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/_support/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny

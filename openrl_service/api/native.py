@@ -30,20 +30,29 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
+from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
-from openrl_service.engine.native import NativeRuns
+from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS, NativeRuns
 from openrl_service.engine.service import TrainingService
+from openrl_service.errors import UserError
 from openrl_service.lifecycle import State
 
 TICK_S = 1.0
 
 
 def build_native_router(svc: TrainingService) -> APIRouter:
-    r = APIRouter(prefix="/openrl/v1", tags=["native"], route_class=BackpressureRoute)
+    r = APIRouter(
+        prefix="/openrl/v1",
+        tags=["native"],
+        route_class=BackpressureRoute,
+        generate_unique_id_function=S.operation_ids("native"),
+    )
     native = NativeRuns(svc)
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
+    lim, ttl = svc.limits, svc.settings.min_ttl_s
     replies = native.replies
 
     def tenant(request: Request) -> str:
@@ -62,7 +71,20 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
         return await once(request, make)
 
-    @r.post("/runs")
+    async def sample_prompts(who: str, run_id: str, body: dict, identity) -> dict:
+        check_chat_messages(body.get("prompts"))
+        return await native.sample(who, run_id, body, identity)
+
+    async def train_samples(who: str, run_id: str, body: dict, identity) -> dict:
+        check_sample_ids(body.get("samples"))
+        return await native.train_step(who, run_id, body, identity)
+
+    @r.post(
+        "/runs",
+        status_code=201,
+        openapi_extra=body(S.create_run(lim), required=False),
+        responses=S.CREATE_RUN_LINKS,
+    )
     @new_work
     async def create_run(request: Request):
         """Create a LoRA run on the served model (defaults from its capability entry)."""
@@ -94,19 +116,26 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         await native.delete(tenant(request), run_id)
         return json_response({"run_id": run_id, "deleted": True})
 
-    @r.post("/runs/{run_id}/sample")
+    @r.post(
+        "/runs/{run_id}/sample", openapi_extra=body(S.native_sample(lim)), responses=S.NATIVE_SAMPLE_LINKS
+    )
     @new_work
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
-        return await post(request, run_id, native.sample)
+        return await post(request, run_id, sample_prompts)
 
-    @r.post("/runs/{run_id}/train_step")
+    @r.post("/runs/{run_id}/train_step", openapi_extra=body(S.TRAIN_STEP))
     @new_work
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
-        return await post(request, run_id, native.train_step)
+        return await post(request, run_id, train_samples)
 
-    @r.post("/runs/{run_id}/checkpoints")
+    @r.post(
+        "/runs/{run_id}/checkpoints",
+        status_code=201,
+        openapi_extra=body(S.save_checkpoint(lim, ttl)),
+        responses=S.NATIVE_SAVE_LINKS,
+    )
     @new_work
     async def save(run_id: str, request: Request):
         """Save weights + optimizer; the path loads with the Tinker SDK."""
@@ -119,7 +148,11 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         listing = await anyio.to_thread.run_sync(cat.list_checkpoints, tenant(request), run_id)  # reads disk
         return json_response(listing)
 
-    @r.post("/runs/{run_id}/metrics")
+    @r.post(
+        "/runs/{run_id}/metrics",
+        status_code=201,
+        openapi_extra=body(S.add_metrics(MAX_METRIC_KEYS, MAX_METRIC_KEY_CHARS)),
+    )
     @new_work
     async def add_metrics(run_id: str, request: Request):
         """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
@@ -160,6 +193,30 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         )
 
     return r
+
+
+def check_chat_messages(prompts) -> None:
+    """Chat prompts are lists of {role, content} strings (the chat template reads both)."""
+    for i, prompt in enumerate(prompts if isinstance(prompts, list) else ()):
+        for j, m in enumerate(prompt if isinstance(prompt, list) else ()):
+            if not (
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            ):
+                raise UserError(
+                    f"prompts[{i}][{j}] must be a chat message {{role, content}} of strings; got {repr(m)[:200]}",
+                    field=f"prompts[{i}][{j}]",
+                )
+
+
+def check_sample_ids(samples) -> None:
+    """Each named sample's id is a string (the sample store is looked up by it)."""
+    for i, item in enumerate(samples if isinstance(samples, list) else ()):
+        if isinstance(item, dict) and not isinstance(item.get("sample_id"), str):
+            got = repr(item.get("sample_id"))[:200]
+            raise UserError(
+                f"samples[{i}].sample_id must be a string (a sample id from /sample); got {got}",
+                field=f"samples[{i}].sample_id",
+            )
 
 
 def stopped(request: Request) -> bool:

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from starlette.concurrency import run_in_threadpool
 
 from openrl_service.api import proto
+from openrl_service.api import schemas as S
 from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config, prompt_tokens
 from openrl_service.api.http import (
     BackpressureRoute,
@@ -34,6 +35,7 @@ from openrl_service.api.http import (
     read_json,
     tenant,
 )
+from openrl_service.api.schemas import body
 from openrl_service.checks import integer
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
@@ -54,8 +56,11 @@ CLIENT_CONFIG = {
 
 
 def build_router(svc: TrainingService) -> APIRouter:
-    r = APIRouter(prefix="/api/v1", route_class=BackpressureRoute)
+    r = APIRouter(
+        prefix="/api/v1", route_class=BackpressureRoute, generate_unique_id_function=S.operation_ids("tinker")
+    )
     max_body = svc.limits.max_body_bytes
+    lim, ttl = svc.limits, svc.settings.min_ttl_s
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")
@@ -73,7 +78,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
         )
 
-    @r.post("/create_session")
+    @r.post("/create_session", openapi_extra=body(S.create_session(lim)), responses=S.CREATE_SESSION_LINKS)
     @new_work
     async def create_session(request: Request):
         """Start a session (one ServiceClient)."""
@@ -88,7 +93,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response({"type": "create_session", "session_id": sess.session_id})
 
-    @r.post("/session_heartbeat")
+    @r.post("/session_heartbeat", openapi_extra=body(S.SESSION_HEARTBEAT))
     async def heartbeat(request: Request):
         """Keep a session alive; 410 once it is finished."""
         body = await read_json(request, max_body)
@@ -99,7 +104,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             return json_response({"error": "session is finished", "category": "user"}, status=410)
         return json_response({"type": "session_heartbeat"})
 
-    @r.post("/sessions/{session_id}/finish")
+    @r.post("/sessions/{session_id}/finish", openapi_extra=body(S.FINISH, required=False))
     async def finish(session_id: str, request: Request):
         """End a session; its runs and samplers leave device memory, checkpoints stay."""
         body = await read_json(request, max_body)
@@ -120,7 +125,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({"supported_models": svc.capabilities()})
 
     # -- training ------------------------------------------------------------------------------
-    @r.post("/create_model")
+    @r.post("/create_model", openapi_extra=body(S.create_model(lim)), responses=S.CREATE_MODEL_LINKS)
     @new_work
     async def create_model(request: Request):
         """Create a LoRA training run; future → {model_id}."""
@@ -153,13 +158,13 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/get_info")
+    @r.post("/get_info", openapi_extra=body(S.MODEL_ID))
     async def get_info(request: Request):
         """A run's model name, LoRA rank and tokenizer id."""
         body = await read_json(request, max_body)
         return json_response(svc.get_info(tenant(request), field(body, "model_id", str)))
 
-    @r.post("/forward_backward")
+    @r.post("/forward_backward", openapi_extra=S.PROTOBUF_BODY, responses=S.SUBMIT_LINKS)
     @new_work
     async def forward_backward(request: Request):
         """Protobuf ForwardBackwardRequest; future → protobuf ForwardBackwardOutput."""
@@ -196,7 +201,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/optim_step")
+    @r.post("/optim_step", openapi_extra=body(S.OPTIM_STEP), responses=S.SUBMIT_LINKS)
     @new_work
     async def optim_step(request: Request):
         """AdamW step over the run's accumulated gradients; future → {metrics}."""
@@ -210,7 +215,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         rec = svc.optim_step(tenant(request), model_id, seq_id, adam, idem(request))
         return json_response(rec.reply())
 
-    @r.post("/save_weights")
+    @r.post("/save_weights", openapi_extra=body(S.save_weights(lim, ttl)), responses=S.SAVE_WEIGHTS_LINKS)
     @new_work
     async def save_weights(request: Request):
         """save_state: adapter + optimizer under tinker://<run>/weights/<name>."""
@@ -227,7 +232,11 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/save_weights_external")
+    @r.post(
+        "/save_weights_external",
+        openapi_extra=body(S.save_weights_external(lim, ttl)),
+        responses=S.SUBMIT_LINKS,
+    )
     @new_work
     async def save_weights_external(request: Request):
         """The adapter as a downloadable PEFT folder under tinker://<run>/external_weights/<name>."""
@@ -243,7 +252,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/load_weights")
+    @r.post("/load_weights", openapi_extra=body(S.LOAD_WEIGHTS), responses=S.CREATE_MODEL_LINKS)
     @new_work
     async def load_weights(request: Request):
         """load_state (model_id + seq_id) or create-via-load (session_id + model_seq_id)."""
@@ -272,7 +281,11 @@ def build_router(svc: TrainingService) -> APIRouter:
             )
         return json_response(rec.reply())
 
-    @r.post("/save_weights_for_sampler")
+    @r.post(
+        "/save_weights_for_sampler",
+        openapi_extra=body(S.save_for_sampler(lim, ttl)),
+        responses=S.SAVE_FOR_SAMPLER_LINKS,
+    )
     @new_work
     async def save_for_sampler(request: Request):
         """Named → tinker://<run>/sampler_weights/<name>; without a name → a new sampling session."""
@@ -290,7 +303,11 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response(rec.reply())
 
     # -- sampling ------------------------------------------------------------------------------
-    @r.post("/create_sampling_session")
+    @r.post(
+        "/create_sampling_session",
+        openapi_extra=body(S.CREATE_SAMPLING_SESSION),
+        responses=S.SAMPLING_SESSION_LINKS,
+    )
     @new_work
     async def create_sampling_session(request: Request):
         """A sampler on the base model or on a saved sampler checkpoint."""
@@ -314,7 +331,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             out["model_path"] = e.model_path
         return json_response(out)
 
-    @r.post("/asample")
+    @r.post("/asample", openapi_extra=body(S.asample(lim)), responses=S.SUBMIT_LINKS)
     @new_work
     async def asample(request: Request):
         """Queue a sample request; the reply carries one sequence id per sample."""
@@ -348,7 +365,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({k: v for k, v in rec.reply().items() if not k.startswith("_")})
 
     # -- futures -------------------------------------------------------------------------------
-    @r.post("/retrieve_future")
+    @r.post("/retrieve_future", openapi_extra=body(S.REQUEST_ID), responses=S.RESULT_LINKS)
     async def retrieve_future(request: Request):
         """Long-poll a future: the result, an error result, or try_again."""
         body = await read_json(request, max_body)

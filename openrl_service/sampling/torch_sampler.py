@@ -16,6 +16,7 @@ import random
 import numpy as np
 import torch
 
+from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput
 
@@ -274,9 +275,13 @@ def _prompt_outputs(job: SampleJob, logits_prompt: torch.Tensor, prompt: torch.T
 
 def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tensor:
     """Pick one token per row: greedy at temperature 0, else top-k/top-p filtered sampling."""
-    if p.temperature == 0:
+    if p.temperature == 0 or torch.tensor(p.temperature, dtype=logits.dtype) == 0:  # 1e-300 is 0 in fp32
         return logits.argmax(dim=-1)
     scaled = logits / p.temperature
+    if not torch.isfinite(scaled).all():
+        # A tiny temperature overflows the division; shifted by the row's max, the best token's
+        # logit is 0 and the others fall to -inf (the greedy limit) instead of inf - inf = NaN.
+        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / p.temperature
     if p.top_k is not None and p.top_k > 0 and p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -286,8 +291,15 @@ def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tenso
         cum = probs.cumsum(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = (cum - probs) >= p.top_p
+        drop[..., 0] = False  # a top_p below float32's smallest value (5e-324) would drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(scaled, dim=-1)
+    if not torch.isfinite(probs).all():
+        raise UserError(
+            "sampling: the weights give NaN or infinite logits (did training diverge? a lower "
+            "learning_rate, or a checkpoint from before, samples again)",
+            field="model",
+        )
     picks = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)]
     return torch.cat(picks)

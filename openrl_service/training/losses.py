@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openrl_service.checks import number
 from openrl_service.errors import UserError
 
 
@@ -60,6 +61,10 @@ def check_loss(loss_fn: str, config: dict[str, float]) -> dict[str, float]:
         prefix = f"loss_fn {loss_fn!r} is not supported ({why})" if why else f"unknown loss_fn {loss_fn!r}"
         raise UserError(f"{prefix}; supported losses: {supported}", field="loss_fn")
     spec = LOSSES[loss_fn]
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        raise UserError("loss_fn_config must be an object of named numbers", field="loss_fn_config")
+    for k, v in config.items():
+        number(v, f"loss_fn_config.{k}")
     unknown = sorted(set(config) - set(spec.config))
     if unknown:
         accepted = ", ".join(spec.config) or "none"

@@ -64,18 +64,19 @@ def adam_params(body: dict) -> AdamParams:
     if not isinstance(raw, dict):
         raise UserError("adam_params must be an object", field="adam_params")
     out = AdamParams()
+    big = float(torch.finfo(torch.float32).max)  # the optimizer holds them as float32
     bounds = {
-        "learning_rate": (0, math.inf),
+        "learning_rate": (0, big),
         "beta1": (0, 1),
         "beta2": (0, 1),
-        "eps": (0, math.inf),
-        "weight_decay": (0, math.inf),
-        "grad_clip_norm": (0, math.inf),
+        "eps": (0, big),
+        "weight_decay": (0, big),
+        "grad_clip_norm": (0, big),
     }
     for name, (lo, hi) in bounds.items():
         if name not in raw or raw[name] is None:
             continue
-        v = number(raw[name], f"adam_params.{name}", lo, None if math.isinf(hi) else hi)
+        v = number(raw[name], f"adam_params.{name}", lo, hi)
         if name in ("beta1", "beta2") and v >= 1:  # [0, 1): a beta of 1 never forgets
             raise UserError(
                 f"adam_params.{name} must be a finite number in [0, 1); got {raw[name]!r}",

@@ -1,0 +1,178 @@
+"""What `make fuzz` found: each request below was answered 500 (or failed its future as a server error)
+before its fix; now it is a 4xx naming the field, or it works. Also: the published schema's links
+name real operations and parameters, so a stateful client can follow them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.raw import result
+from tests.service.test_bad_input import RawRun, asample, assert_refused, assert_still_serves
+
+
+@pytest.fixture
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture
+def native_run(client):
+    r = client.post("/openrl/v1/runs", json={"name": "fuzz-findings", "rank": 4})
+    assert r.status_code == 201, r.text
+    run_id = r.json()["run_id"]
+    yield run_id
+    client.delete(f"/openrl/v1/runs/{run_id}")
+
+
+# -- sampling parameters at the edge of float32 -----------------------------------------------
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_p": 5e-324},  # 0.0 in float32: every token was dropped, softmax of all -inf is NaN
+        {"temperature": 1e-300},  # 0 in float32: logits / 0
+        {"temperature": 1e-40},  # a float32 subnormal: logits / 1e-40 overflowed to inf
+        {"temperature": 1e-300, "top_k": 3, "top_p": 0.5},
+    ],
+)
+def test_extreme_sampling_params_sample_instead_of_failing_on_the_worker(server, client, params):
+    run = RawRun(client)
+    try:
+        r = asample(client, run.sampler(), sampling_params={"max_tokens": 4, **params})
+        assert r.status_code == 200, r.text
+        out = result(client, r.json()["request_id"])
+        assert "error" not in out, out
+        assert len(out["sequences"][0]["tokens"]) >= 1
+    finally:
+        run.finish()
+    assert_still_serves(server.url)
+
+
+def test_tiny_top_p_is_greedy_on_the_notebook_api(client, native_run):
+    """The notebook API waits for its sample: it answered 500 here."""
+    body = {"prompts": ["Say hi:"], "chat": False, "max_tokens": 3, "top_p": 5e-324, "seed": 1}
+    first = client.post(f"/openrl/v1/runs/{native_run}/sample", json=body)
+    greedy = client.post(f"/openrl/v1/runs/{native_run}/sample", json={**body, "temperature": 0})
+    assert first.status_code == 200, first.text
+    assert first.json()["samples"][0]["tokens"] == greedy.json()["samples"][0]["tokens"]
+
+
+def test_learning_rate_beyond_float32_fails_as_a_result_naming_the_limit(client):
+    run = RawRun(client)
+    try:
+        r = run.post_optim({"learning_rate": 7e306})
+        out = result(client, r.json()["request_id"])
+        assert out["category"] == "user" and "adam_params.learning_rate" in out["error"], out
+        assert "3.4028234663852886e+38" in out["error"], out
+        run.train_ok()
+    finally:
+        run.finish()
+
+
+def test_sampling_diverged_weights_is_a_user_error_not_a_crash(client, native_run):
+    """A learning rate of 1e30 is legal and ruins the run: sampling it says so instead of a 500."""
+    url = f"/openrl/v1/runs/{native_run}"
+    smp = client.post(f"{url}/sample", json={"prompts": ["Hi"], "max_tokens": 4, "num_samples": 2, "seed": 3})
+    samples = [
+        {"sample_id": s["sample_id"], "advantage": a}
+        for s, a in zip(smp.json()["samples"], (1, -1), strict=True)
+    ]
+    step = client.post(f"{url}/train_step", json={"samples": samples, "optimizer": {"learning_rate": 1e30}})
+    assert step.status_code == 200, step.text
+    again = client.post(f"{url}/sample", json={"prompts": ["Hi"], "max_tokens": 4, "temperature": 1.0})
+    assert_refused(again, 400, "NaN or infinite logits", "learning_rate")
+
+
+# -- notebook API bodies ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "message", [{"role": "user"}, {"content": "hi"}, {"role": "user", "content": {"text": "hi"}}, "hi"]
+)
+def test_chat_message_that_is_not_role_and_content_strings_is_a_400(client, native_run, message):
+    r = client.post(f"/openrl/v1/runs/{native_run}/sample", json={"prompts": [[message]]})
+    assert_refused(r, 400, "prompts[0][0]", "role, content")
+
+
+@pytest.mark.parametrize("sample_id", [{}, [None], 7])
+def test_sample_id_that_is_not_a_string_is_a_400(client, native_run, sample_id):
+    r = client.post(
+        f"/openrl/v1/runs/{native_run}/train_step",
+        json={"samples": [{"sample_id": sample_id, "advantage": 1}]},
+    )
+    assert_refused(r, 400, "samples[0].sample_id")
+
+
+@pytest.mark.parametrize(
+    "loss_config, needle",
+    [([None], "loss_fn_config"), ({"clip_low_threshold": "low"}, "loss_fn_config.clip_low_threshold")],
+)
+def test_loss_config_that_is_not_named_numbers_is_a_400(client, native_run, loss_config, needle):
+    smp = client.post(f"/openrl/v1/runs/{native_run}/sample", json={"prompts": ["Hi"], "max_tokens": 2})
+    sid = smp.json()["samples"][0]["sample_id"]
+    r = client.post(
+        f"/openrl/v1/runs/{native_run}/train_step",
+        json={"samples": [{"sample_id": sid, "advantage": 1}], "loss": "ppo", "loss_config": loss_config},
+    )
+    assert_refused(r, 400, needle)
+
+
+# -- REST bodies ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"owner": "own"}, "owner"),
+        ({"user_metadata": [1]}, "user_metadata"),
+        ({"project_ids": 3}, "project_ids"),
+        ({"statuses": [["active"]]}, "statuses[0]"),
+        ({"cursor": {"last_created_at": 1, "last_session_id": "s"}}, "cursor.last_created_at"),
+        ({"cursor": {"last_created_at": "2026-01-01T00:00:00Z"}}, "cursor.last_session_id"),
+    ],
+)
+def test_session_search_filters_of_the_wrong_type_are_a_400(client, body, field):
+    assert_refused(client.post("/api/v1/sessions/search", json=body), 400, field)
+
+
+def test_session_search_still_pages_with_a_well_formed_cursor(client):
+    for _ in range(2):
+        client.post("/api/v1/create_session", json={"display_name": "paged"})
+    first = client.post("/api/v1/sessions/search", json={"display_name": "paged", "limit": 1}).json()
+    cursor = first["next_cursor"]
+    assert cursor is not None
+    second = client.post(
+        "/api/v1/sessions/search", json={"display_name": "paged", "limit": 1, "cursor": cursor}
+    )
+    assert second.status_code == 200, second.text
+    assert second.json()["sessions"][0]["session_id"] != first["sessions"][0]["session_id"]
+
+
+@pytest.mark.parametrize("session_id", [{}, ["s"]])
+def test_copy_weights_into_a_session_id_that_is_not_a_string_is_a_400(client, session_id):
+    body = {"source_path": "tinker://r/weights/x", "session_id": session_id, "model_seq_id": 0}
+    assert_refused(client.post("/api/v1/copy_weights", json=body), 400, "session_id")
+
+
+# -- the published schema ---------------------------------------------------------------------
+def test_every_link_names_a_real_operation_and_parameter(server):
+    with server.client() as c:
+        spec = c.get("/openapi.json").json()
+    ops = {
+        op["operationId"]: (path, op) for path, methods in spec["paths"].items() for op in methods.values()
+    }
+    links = 0
+    for _, op in ops.values():
+        for response in op["responses"].values():
+            for name, link in response.get("links", {}).items():
+                links += 1
+                target_path, target = ops[link["operationId"]]  # KeyError: a link to nowhere
+                for param in link.get("parameters", {}):
+                    pname = param.partition(".")[2]
+                    assert f"{{{pname}}}" in target_path, (name, param, target_path)
+                if "requestBody" in link:
+                    schema = target["requestBody"]["content"]["application/json"]["schema"]
+                    variants = [schema, *schema.get("anyOf", [])]
+                    for key in link["requestBody"]:
+                        assert any(key in v.get("properties", {}) for v in variants), (name, key)
+    assert links >= 40
+    # each JSON body the handlers read is described, with its required fields
+    create_model = ops["tinker_create_model"][1]["requestBody"]["content"]["application/json"]["schema"]
+    assert create_model["required"] == ["session_id", "model_seq_id"]
+    assert create_model["properties"]["lora_config"]["properties"]["rank"]["maximum"] == 128
