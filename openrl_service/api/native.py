@@ -36,7 +36,6 @@ from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS, NativeRuns
 from openrl_service.engine.service import TrainingService
-from openrl_service.errors import UserError
 from openrl_service.lifecycle import State
 
 TICK_S = 1.0
@@ -70,14 +69,6 @@ def build_native_router(svc: TrainingService) -> APIRouter:
             return json_response(out, status=status)
 
         return await once(request, make)
-
-    async def sample_prompts(who: str, run_id: str, body: dict, identity) -> dict:
-        check_chat_messages(body.get("prompts"))
-        return await native.sample(who, run_id, body, identity)
-
-    async def train_samples(who: str, run_id: str, body: dict, identity) -> dict:
-        check_sample_ids(body.get("samples"))
-        return await native.train_step(who, run_id, body, identity)
 
     @r.post(
         "/runs",
@@ -122,13 +113,13 @@ def build_native_router(svc: TrainingService) -> APIRouter:
     @new_work
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
-        return await post(request, run_id, sample_prompts)
+        return await post(request, run_id, native.sample)
 
     @r.post("/runs/{run_id}/train_step", openapi_extra=body(S.TRAIN_STEP))
     @new_work
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
-        return await post(request, run_id, train_samples)
+        return await post(request, run_id, native.train_step)
 
     @r.post(
         "/runs/{run_id}/checkpoints",
@@ -193,30 +184,6 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         )
 
     return r
-
-
-def check_chat_messages(prompts) -> None:
-    """Chat prompts are lists of {role, content} strings (the chat template reads both)."""
-    for i, prompt in enumerate(prompts if isinstance(prompts, list) else ()):
-        for j, m in enumerate(prompt if isinstance(prompt, list) else ()):
-            if not (
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            ):
-                raise UserError(
-                    f"prompts[{i}][{j}] must be a chat message {{role, content}} of strings; got {repr(m)[:200]}",
-                    field=f"prompts[{i}][{j}]",
-                )
-
-
-def check_sample_ids(samples) -> None:
-    """Each named sample's id is a string (the sample store is looked up by it)."""
-    for i, item in enumerate(samples if isinstance(samples, list) else ()):
-        if isinstance(item, dict) and not isinstance(item.get("sample_id"), str):
-            got = repr(item.get("sample_id"))[:200]
-            raise UserError(
-                f"samples[{i}].sample_id must be a string (a sample id from /sample); got {got}",
-                field=f"samples[{i}].sample_id",
-            )
 
 
 def stopped(request: Request) -> bool:

@@ -348,7 +348,18 @@ class NativeRuns:
                 )
                 return list(tok.encode(ids, add_special_tokens=False))
             return list(tok.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        if isinstance(prompt, list) and prompt:
+            for j, m in enumerate(prompt):  # the chat template reads both, as strings
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise UserError(
+                        f"prompts[{i}][{j}] must be a chat message {{role, content}} of strings; "
+                        f"got {repr(m)[:200]}",
+                        field=f"prompts[{i}][{j}]",
+                    )
             text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return list(tok.encode(text, add_special_tokens=False))
         raise UserError(
@@ -459,6 +470,12 @@ class NativeRuns:
             where = f"samples[{i}]"
             if not isinstance(item, dict):
                 raise UserError(f"{where} must be an object {{sample_id, advantage}}", field=where)
+            if not isinstance(item.get("sample_id"), str):
+                raise UserError(
+                    f"{where}.sample_id must be a string (a sample id from /sample); "
+                    f"got {repr(item.get('sample_id'))[:200]}",
+                    field=f"{where}.sample_id",
+                )
             stored = self.samples.get(item.get("sample_id"))
             if stored is None or stored.tenant != tenant or stored.run_id != run_id:
                 raise NotFound(
