@@ -96,6 +96,27 @@ def tensor_from(data: tuple[str, np.ndarray], device: Any) -> torch.Tensor:
     return t.to(device)
 
 
+def adapter_data(adapter) -> dict:
+    """An adapter's weights as journal data: {module: (A, B)}."""
+    return {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in adapter.weights.items()}
+
+
+def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
+    """The inverse of :func:`adapter_data`."""
+    from openrl_service.training.lora import Adapter
+
+    return Adapter(
+        spec,
+        {
+            n: (
+                tensor_from(a, device).requires_grad_(trainable),
+                tensor_from(b, device).requires_grad_(trainable),
+            )
+            for n, (a, b) in data.items()
+        },
+    )
+
+
 class Durability:
     """The journal, snapshots and recovery of one service (a no-op with ``--durability none``)."""
 
@@ -110,17 +131,10 @@ class Durability:
         # The notebook API's state, captured and restored by the layer that owns it.
         self.loop_state: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
         self.intent_replayers: dict[str, Callable[[str, dict], Any]] = {}
-        self.replay_tasks: list[asyncio.Future] = []
+        self._replay_tasks: set[asyncio.Future] = set()  # replayed intents, referenced until done
         self._snap_lock = threading.Lock()  # one snapshot at a time
         self.snapshotted_at = 0  # journal.appended at the last snapshot
         self.recovered = False  # recover() ran: only then may a snapshot replace the journal
-        self.stats = {
-            "snapshots": 0,
-            "snapshot_bytes": 0,
-            "snapshot_s": 0.0,
-            "replayed": 0,
-            "recovery_s": 0.0,
-        }
 
     # -- recording -------------------------------------------------------------------------------
     @property
@@ -237,9 +251,6 @@ class Durability:
             n, state, appended = captured
             size = await asyncio.to_thread(self.journal.write_snapshot, n, state)
             self.snapshotted_at = appended
-            self.stats["snapshots"] += 1
-            self.stats["snapshot_bytes"] = size
-            self.stats["snapshot_s"] += time.perf_counter() - t0
             log.info("snapshot %d (%s): %d bytes in %.2f s", n, reason, size, time.perf_counter() - t0)
             return True
         except Exception:  # noqa: BLE001 - the segments it would replace are kept: nothing is lost
@@ -286,9 +297,7 @@ class Durability:
             tensors = None
             if st is not None:
                 tensors = {
-                    "weights": {
-                        n: (tensor_data(a), tensor_data(b)) for n, (a, b) in st.adapter.weights.items()
-                    },
+                    "weights": adapter_data(st.adapter),
                     "grads": {
                         n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
                     },
@@ -323,9 +332,7 @@ class Durability:
                 "created_at": e.created_at,
                 "spec": e.adapter.spec if e.adapter is not None and e.model_path is None else None,
                 "weights": (
-                    {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in e.adapter.weights.items()}
-                    if e.adapter is not None and e.model_path is None
-                    else None
+                    adapter_data(e.adapter) if e.adapter is not None and e.model_path is None else None
                 ),
             }
             for e in list(svc.samplers.values())
@@ -357,11 +364,8 @@ class Durability:
             records += state.get("pending", [])
         records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
         for record in records:
-            if record[0] == "meta" and record[1].get("base_model") != self.svc.base.name:
-                raise RuntimeError(
-                    f"the data dir's journal is for model {record[1].get('base_model')!r}, this service "
-                    f"serves {self.svc.base.name!r}; start it with that model or another --data-dir"
-                )
+            if record[0] == "meta":
+                self._check_model(record[1].get("base_model"))
         self.journal.open(self.journal.next_segment())
         self.journal.append(("meta", {"base_model": self.svc.base.name, "version": STATE_VERSION}))
         seen: set[str] = set()
@@ -379,32 +383,33 @@ class Durability:
         for run in self.svc.runs.values():
             run.last_request_time = now
         self.recovered = True
-        self.stats["replayed"] = len(seen)
-        self.stats["recovery_s"] = time.perf_counter() - t0
         if snap is not None or records:
             log.warning(
                 "recovered: snapshot %s, %d journal records replayed in %.2f s",
                 first if snap is not None else "none",
                 len(seen),
-                self.stats["recovery_s"],
+                time.perf_counter() - t0,
             )
         return len(seen)
 
+    def _check_model(self, name: str | None) -> None:
+        """Refuse a journal written for another base model (before anything replaces it)."""
+        if name not in (None, self.svc.base.name):
+            raise RuntimeError(
+                f"the data dir's journal is for model {name!r}, this service serves "
+                f"{self.svc.base.name!r}; start it with that model or another --data-dir"
+            )
+
     def _restore(self, state: dict) -> None:
-        from openrl_service.engine.registry import RunState, SamplerEntry, SessionRecord
-        from openrl_service.training.lora import Adapter
+        from openrl_service.engine.registry import RunState, SamplerEntry
 
         svc = self.svc
         if state.get("version") != STATE_VERSION:
             raise RuntimeError(f"snapshot format {state.get('version')} is not {STATE_VERSION}")
-        if state["base_model"] not in (None, svc.base.name):
-            raise RuntimeError(
-                f"the data dir's journal is for model {state['base_model']!r}, this service serves "
-                f"{svc.base.name!r}; start it with that model or another --data-dir"
-            )
+        self._check_model(state["base_model"])
         device = svc.base.device
         for fields in state["sessions"]:
-            svc.sessions[fields["session_id"]] = SessionRecord(**fields)
+            svc.restore_session(fields)
         svc._ended.update(state["ended"])
         svc._evicted.update(state["evicted"])
         slots = svc.futures.restore(state["futures"])
@@ -421,14 +426,7 @@ class Durability:
             )
             t = r["state"]
             if t is not None:
-                weights = {
-                    n: (
-                        tensor_from(a, device).requires_grad_(True),
-                        tensor_from(b, device).requires_grad_(True),
-                    )
-                    for n, (a, b) in t["weights"].items()
-                }
-                st = svc.trainer.state_for(Adapter(r["spec"], weights))
+                st = svc.trainer.state_for(adapter_from(r["spec"], t["weights"], device, trainable=True))
                 type(svc.trainer).load_optimizer_tensors(
                     st, {k: tensor_from(v, "cpu") for k, v in t["optimizer"].items()}
                 )
@@ -443,13 +441,7 @@ class Durability:
         for e in state["samplers"]:
             adapter = None
             if e["weights"] is not None:
-                adapter = Adapter(
-                    e["spec"],
-                    {
-                        n: (tensor_from(a, device), tensor_from(b, device))
-                        for n, (a, b) in e["weights"].items()
-                    },
-                )
+                adapter = adapter_from(e["spec"], e["weights"], device, trainable=False)
             svc.samplers[e["sampler_id"]] = SamplerEntry(
                 e["sampler_id"],
                 e["tenant"],
@@ -510,7 +502,9 @@ class Durability:
                 if replay is None:
                     log.warning("journal: no replayer for %s intent %s; skipped", intent_kind, intent_id)
                     return True
-                self.replay_tasks.append(asyncio.ensure_future(replay(intent_id, inputs)))
+                task = asyncio.ensure_future(replay(intent_id, inputs))
+                self._replay_tasks.add(task)
+                task.add_done_callback(self._replay_tasks.discard)
             else:
                 log.warning("journal: unknown record kind %r skipped", kind)
         except ApiError as e:

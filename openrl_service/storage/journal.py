@@ -123,7 +123,6 @@ class Journal:
         self.segment = 0
         self.appended = 0  # records appended (this process)
         self.synced = 0  # records known durable
-        self.bytes = 0  # bytes appended to the open segment
 
     # -- naming ---------------------------------------------------------------------------------
     def _seg(self, n: int) -> Path:
@@ -162,10 +161,6 @@ class Journal:
         with self._lock:
             self._open(segment)
 
-    @property
-    def is_open(self) -> bool:
-        return self._file is not None
-
     def next_segment(self) -> int:
         return max([0, *self._numbers("seg"), *self._numbers("snap")]) + 1
 
@@ -174,7 +169,6 @@ class Journal:
             self._file.close()
         self.segment = segment
         self._file = open(self._seg(segment), "ab", buffering=0)  # noqa: SIM115 - held open
-        self.bytes = 0
         fsync_dir(self.folder)
 
     def append(self, record: Any) -> int:
@@ -201,7 +195,6 @@ class Journal:
                         e.errno, f"the journal's disk is full ({self.folder}: {e.strerror})"
                     ) from e
                 raise
-            self.bytes += len(data)
             self.appended += 1
             return self.appended
 
