@@ -187,12 +187,18 @@ def test_kill_9_at_five_points_loses_nothing_and_the_adapters_match_an_uninterru
 
 def test_an_outage_longer_than_the_idle_timeout_reaps_no_session(tmp_path, tiny_model_dir):
     """Idle clocks restart with the service: clients that were waiting through the outage are not
-    'idle', so their sessions and runs are still there."""
+    'idle', so their sessions and runs are still there. Housekeeping runs every 0.5 s here (a 2 s
+    result TTL), so without the restart of the clocks the session, silent for longer than its 6 s
+    timeout, would be finished by the rounds that run before the client speaks again."""
     from tests._support.raw import RawTinker, fb_body, sft_datum
 
     data, port = tmp_path / "data", free_port()
     data.mkdir()
-    env = {"OPENRL_API_KEYS": f"alice:{ALICE_KEY}", "OPENRL_SESSION_IDLE_TIMEOUT_S": "3"}
+    env = {
+        "OPENRL_API_KEYS": f"alice:{ALICE_KEY}",
+        "OPENRL_SESSION_IDLE_TIMEOUT_S": "6",
+        "OPENRL_FUTURE_TTL_S": "2",  # housekeeping every 0.5 s
+    }
     served = start(data, tiny_model_dir, env=env, port=port)
     wait_ready(served)
     with httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S) as http:
@@ -205,21 +211,30 @@ def test_an_outage_longer_than_the_idle_timeout_reaps_no_session(tmp_path, tiny_
             headers={"Content-Type": "application/x-protobuf"},
         )
         assert r.status_code == 200
-        fb = r.json()["request_id"]
+        sampling = raw.session()  # a client that only samples: no run keeps its session busy
+        r = raw.post(
+            "create_sampling_session",
+            session_id=sampling,
+            sampling_session_seq_id=0,
+            base_model="openrl/tiny",
+        )
+        assert r.status_code == 200, r.text
     served.proc.kill()
     assert finish(served, 30) == -9
-    time.sleep(5)  # the outage: longer than the 3 s idle timeout
+    time.sleep(8)  # the outage itself: longer than the 6 s idle timeout
     served = start(data, tiny_model_dir, env=env, port=port)
     try:
         wait_ready(served)
+        time.sleep(2)  # four housekeeping rounds while the client is still away (the scenario, not a wait)
         with httpx.Client(
             base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S
         ) as http:
             raw = RawTinker(http)
-            beat = raw.post("session_heartbeat", session_id=session)
-            assert beat.status_code == 200, beat.text  # not 410: the session was not reaped
-            assert "loss_fn_outputs" in raw.result(fb)
-            assert "metrics" in raw.result(raw.submit_optim(model_id, 2))
+            for sid in (session, sampling):
+                beat = raw.post("session_heartbeat", session_id=sid)
+                assert (beat.status_code, beat.json()) == (200, {"type": "session_heartbeat"}), beat.text
+            # The run is there, with the replayed forward_backward's gradient waiting for its step.
+            assert raw.result(raw.submit_optim(model_id, 2))["metrics"]["grad_norm:mean"] > 0
     finally:
         served.proc.terminate()
         finish(served, 30)
