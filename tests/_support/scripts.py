@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,3 +21,13 @@ def run_script(argv: list[str], *, timeout_s: float, env: dict | None = None) ->
 def failure(proc: subprocess.CompletedProcess, chars: int = 3000) -> str:
     """The tail of a script's output, for an assertion message."""
     return f"exit {proc.returncode}\n{proc.stdout[-chars:]}\n{proc.stderr[-chars:]}"
+
+
+def short_mode(script: str, out: Path, *, timeout_s: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """``python bench/<script> --short --out <out>`` as a user runs it: the process and the JSON
+    results it wrote (their absence fails the test with the script's output)."""
+    proc = run_script(
+        [sys.executable, str(ROOT / "bench" / script), "--short", "--out", str(out)], timeout_s=timeout_s
+    )
+    assert out.exists(), failure(proc)
+    return proc, json.loads(out.read_text())

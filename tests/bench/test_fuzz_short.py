@@ -10,13 +10,11 @@ and a notebook-API round (create, sample, train_step, checkpoint) still pass.
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import pytest
 
-from tests._support.scripts import ROOT, failure, run_script
+from tests._support.scripts import short_mode
 
 LINE = re.compile(
     r"^fuzz: requests=\d+ ok_2xx=\d+ http_5xx=0 server_errors=0 ops_with_2xx=\d+/\d+ good_client=True wall_s=\d+$"
@@ -40,12 +38,7 @@ MIN_OPERATIONS_WITH_2XX = 30  # of 60 (the hub mirror's 9 routes need the served
 
 @pytest.mark.timeout(600)  # ~40 s on an idle 2-core machine
 def test_fuzz_short_mode_finds_no_server_error_and_reaches_the_core(tmp_path):
-    out = tmp_path / "fuzz.json"
-    proc = run_script(
-        [sys.executable, str(ROOT / "bench" / "fuzz.py"), "--short", "--out", str(out)], timeout_s=540
-    )
-    assert out.exists(), failure(proc)
-    result = json.loads(out.read_text())
+    proc, result = short_mode("fuzz.py", tmp_path / "fuzz.json", timeout_s=540)
 
     fives = {op: c for op, c in result["operations"].items() if c.get("5xx")}
     assert result["http_5xx"] == 0, fives

@@ -9,13 +9,11 @@ the clients are gone when the script returns. Speed and memory are printed, neve
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import pytest
 
-from tests._support.scripts import ROOT, failure, run_script
+from tests._support.scripts import short_mode
 
 LINE = re.compile(
     r"^load: clients=16 steps=5 ops=\d+ ops_per_s=[\d.]+ .* lost=0 duplicated=0 order_ok=True fresh_ok=True$"
@@ -24,12 +22,7 @@ LINE = re.compile(
 
 @pytest.mark.timeout(600)  # ~50 s on an idle 2-core machine
 def test_load_short_mode_loses_nothing(tmp_path):
-    out = tmp_path / "load.json"
-    proc = run_script(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--short", "--out", str(out)], timeout_s=540
-    )
-    assert out.exists(), failure(proc)
-    result = json.loads(out.read_text())
+    proc, result = short_mode("load.py", tmp_path / "load.json", timeout_s=540)
     f = result["futures"]
 
     assert result["kinds"] == {"sft": 6, "rl": 6, "sample": 4}

@@ -5,13 +5,11 @@ Speed is never asserted here (CI machines are shared); the numbers are printed f
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import pytest
 
-from tests._support.scripts import ROOT, failure, run_script
+from tests._support.scripts import failure, short_mode
 
 LINE = re.compile(
     r"^packing: runs=\d+ duty=\d+\.\d\d speedup=\d+\.\d\d bound=\d+\.\d\d slowdown=\d+\.\d\d "
@@ -23,15 +21,11 @@ ROW_KEYS |= {"fairness", "batching_gain", "window_s", "runs"}
 
 @pytest.mark.timeout(900)  # ~1 min on an idle 2-core machine; CI machines may be shared
 def test_packing_bench_short_mode(tmp_path):
-    out = tmp_path / "packing.json"
-    proc = run_script(
-        [sys.executable, str(ROOT / "bench" / "packing.py"), "--short", "--out", str(out)], timeout_s=840
-    )
+    proc, result = short_mode("packing.py", tmp_path / "packing.json", timeout_s=840)
     assert proc.returncode == 0, failure(proc)
     last = proc.stdout.strip().splitlines()[-1]
     assert LINE.match(last), last
 
-    result = json.loads(out.read_text())
     assert set(result["by_n"]) == {"1", "3"}
     for n, row in result["by_n"].items():
         assert set(row) >= ROW_KEYS, (n, sorted(ROW_KEYS - set(row)))
