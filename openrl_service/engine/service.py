@@ -39,7 +39,7 @@ from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError
 from openrl_service.models.loading import BaseModel, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
-from openrl_service.sampling.torch_sampler import TorchSampler
+from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.lora import (
@@ -89,7 +89,7 @@ class TrainingService(Registry, Validation):
         )
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
-        self.sampler: TorchSampler | None = None
+        self.sampler: CountingSampler | None = None
         self._init_registry()
         self.durability = Durability(self)
         self.futures.on_complete = self.durability.completed
@@ -105,10 +105,12 @@ class TrainingService(Registry, Validation):
         if self.base is None:
             self.base = load_base_model(s.model, data_dir=s.data_dir, name=s.model_name, device=s.device)
         self.trainer = Trainer(self.base, microbatch_tokens=s.microbatch_tokens)
-        self.sampler = TorchSampler(self.base)
+        self.sampler = make_sampler(self.base, s)
 
     def stop(self) -> None:
         self.engine.stop()
+        if self.sampler is not None and not self.engine.alive:
+            self.sampler.close()  # vLLM's engine, shut down explicitly
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         return self.engine.ready.wait(timeout_s)
