@@ -90,6 +90,7 @@ class TrainingService(Registry, Validation):
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
         self.sampler: CountingSampler | None = None
+        self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
         self._init_registry()
         self.durability = Durability(self)
         self.futures.on_complete = self.durability.completed
@@ -620,6 +621,7 @@ class TrainingService(Registry, Validation):
             def work():
                 outs = self.sampler.sample_many(resolved())
                 crashpoints.hit("sample")
+                self._note_backend(run.run_id, outs)
                 return outs
 
             return work, self.sample_fusable(resolved, jobs, lambda outs: outs)
@@ -683,6 +685,12 @@ class TrainingService(Registry, Validation):
             k += len(part)
         return split
 
+    def _note_backend(self, key: str, outs: list[SampleOutput]) -> None:
+        """Remember the latest fallback notice (vLLM handed a job to torch) of a run or sampler: its info."""
+        for out in outs:
+            if out.notice:
+                self.sample_notices[key] = out.notice
+
     def _sampler_adapter(self, entry: SamplerEntry) -> Adapter | None:
         """On the worker: the entry's adapter, reloaded from its checkpoint if the budget dropped it."""
         adapter = entry.adapter
@@ -734,6 +742,7 @@ class TrainingService(Registry, Validation):
         def work():
             out = self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
             crashpoints.hit("sample")
+            self._note_backend(sampler_id, [out])
             return out
 
         op = Op(

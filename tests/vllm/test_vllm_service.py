@@ -70,6 +70,9 @@ def vllm_service(tmp_path_factory, tiny_model_dir):
         OMP_NUM_THREADS="1",
         OPENRL_VLLM_KV_CACHE_GB="0.25",
         OPENRL_VLLM_MAX_MODEL_LEN="1024",
+        # vLLM computes every LoRA at max_lora_rank (the smallest allowed >= OPENRL_MAX_RANK): on CPU
+        # rank 128 slots make each step ~10x slower than the rank 8 the tests train
+        OPENRL_MAX_RANK="8",
     )
     argv = [str(VLLM_PYTHON), "-m", "openrl_service.cli", "serve", "--port", str(port)]
     argv += ["--data-dir", str(data), "--sampler", "vllm", "--durability", "none", "--exit-with-parent"]
@@ -103,8 +106,8 @@ def sdk(vllm_service):
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     sc = tinker.ServiceClient(base_url=vllm_service.url, api_key=ALICE_KEY)
     yield sc
-    with contextlib.suppress(Exception):
-        sc.close("success").result()
+    if vllm_service.proc.poll() is None:  # the last test kill -9s the service: nothing to close then
+        sc.close("success").result(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +261,35 @@ def test_greedy_equals_torch_sampler_and_follows_every_snapshot(vllm_service, sd
     assert vllm_service.samples()["torch"] == before["torch"]
 
 
+def test_prompt_logprobs_go_to_torch_with_a_notice(vllm_service, taught):
+    """vLLM 0.32 cannot compute prompt logprobs with its lm_head LoRA layer: torch does, and says so."""
+    from tinker import types
+
+    before = vllm_service.samples()
+    sampler = taught.save_weights_and_get_sampling_client().result()
+    seq = PROMPT + list(b"hello")
+    got = sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result()
+    out = taught.forward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(seq[:-1]),
+                loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+            )
+        ],
+        "cross_entropy",
+    ).result()
+    assert got[0] is None
+    assert np.abs(np.asarray(got[1:]) - out.loss_fn_outputs[0]["logprobs"].to_numpy()).max() < 1e-4
+    assert vllm_service.samples()["torch"] - before["torch"] == 1
+    assert vllm_service.samples()["vllm"] == before["vllm"]
+    info = httpx.get(
+        f"{vllm_service.url}/api/v1/samplers/{sampler._sampling_session_id}",
+        headers={"X-API-Key": ALICE_KEY},
+        timeout=10,
+    ).json()
+    assert "prompt logprobs" in info["sampler_notice"], info
+
+
 def test_three_runs_sample_in_one_vllm_batch(vllm_service, sdk):
     from tinker import types
 
@@ -302,10 +334,12 @@ def test_rl_20_steps_raise_the_letter_reward(vllm_service, monkeypatch):
 
     monkeypatch.setenv("TINKER_API_KEY", ALICE_KEY)
     before = vllm_service.samples()
-    means = run(vllm_service.url, steps=20, seed=0, log=lambda *_: None)
+    # lr 1e-2 (the tiny defaults' 1e-3 needs ~60 steps): measured 0.29 -> 1.00 in 20 steps through
+    # vLLM, and the same with --sampler torch
+    means = run(vllm_service.url, steps=20, seed=0, lr=1e-2, log=lambda *_: None)
     first, last = statistics.fmean(means[:5]), statistics.fmean(means[-5:])
     print(f"RL through vLLM: letter reward {first:.2f} -> {last:.2f} in 20 steps")
-    assert last - first >= 0.15, means
+    assert last - first >= 0.3, means
     assert vllm_service.samples()["vllm"] - before["vllm"] == 20 * 8 * 8
     assert vllm_service.samples()["torch"] == before["torch"]
 
