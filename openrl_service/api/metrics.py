@@ -110,7 +110,8 @@ class EngineCollector:
         )
         yield GaugeMetricFamily("openrl_runs", "Live training runs (all tenants)", value=len(svc.runs))
         yield GaugeMetricFamily("openrl_samplers", "Live samplers (all tenants)", value=len(svc.samplers))
-        yield from _sampler_families(svc.sampler.stats() if svc.sampler is not None else {})
+        sampler = getattr(svc, "sampler", None)
+        yield from _sampler_families(sampler.stats() if sampler is not None else {})
 
         if self.tenant is None:
             return

@@ -624,7 +624,9 @@ class TrainingService(Registry, Validation):
                 self._note_backend(run.run_id, outs)
                 return outs
 
-            return work, self.sample_fusable(resolved, jobs, lambda outs: outs)
+            return work, self.sample_fusable(
+                resolved, jobs, lambda outs: self._note_backend(run.run_id, outs)
+            )
 
         return self.run_op(
             tenant,
@@ -685,11 +687,15 @@ class TrainingService(Registry, Validation):
             k += len(part)
         return split
 
-    def _note_backend(self, key: str, outs: list[SampleOutput]) -> None:
+    def _note_backend(self, key: str, outs: list[SampleOutput]) -> list[SampleOutput]:
         """Remember the latest fallback notice (vLLM handed a job to torch) of a run or sampler: its info."""
         for out in outs:
             if out.notice:
+                self.sample_notices.pop(key, None)
                 self.sample_notices[key] = out.notice
+                while len(self.sample_notices) > 10_000:  # bounded: the oldest notices go first
+                    del self.sample_notices[next(iter(self.sample_notices))]
+        return outs
 
     def _sampler_adapter(self, entry: SamplerEntry) -> Adapter | None:
         """On the worker: the entry's adapter, reloaded from its checkpoint if the budget dropped it."""
@@ -756,7 +762,7 @@ class TrainingService(Registry, Validation):
             fuse=self.sample_fusable(
                 lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
                 [job],
-                lambda outs: outs[0],
+                lambda outs: self._note_backend(sampler_id, outs)[0],
             ),
         )
         return self._queue(op, idem, call)

@@ -21,6 +21,7 @@ different tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 # vLLM 0.32's LoRAConfig.max_lora_rank choices (read from the installed vLLM when it has them).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 GIB = 1 << 30
+GREEDY_BELOW = 1e-5  # vllm.sampling_params._SAMPLING_EPS
 
 
 def vllm_lora_ranks() -> tuple[int, ...]:
@@ -201,6 +203,9 @@ class VLLMSampler:
         trainer_bytes: int = 0,
         fallback: TorchSampler | None = None,
     ):
+        # before vLLM is first imported: its engine core in this process (it dies with us), quiet logs
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.base = base
         self.fallback = fallback or TorchSampler(base)
         self.folder = model_folder(base, data_dir)
@@ -216,6 +221,10 @@ class VLLMSampler:
                 f"vLLM {self.caps.version} has no logprobs_mode: its sampled-token logprobs would not be "
                 "the raw model's; install vllm==0.32.0 or use --sampler torch"
             )
+        if not self.caps.lora_lm_head and base.defaults.get("train_unembed"):
+            # the capability entry's defaults then train what vLLM serves (an lm_head adapter still
+            # works: the torch sampler samples it, with a notice)
+            base.defaults["train_unembed"] = False
         dtype = str(base.dtype).removeprefix("torch.")
         on_gpu = base.device.type == "cuda"
         args = dict(
@@ -289,12 +298,13 @@ class VLLMSampler:
                 torch_jobs.append((i, why))
                 continue
             rid = f"r{next(self._requests)}"
-            self.engine.add_request(
-                rid,
-                {"prompt_token_ids": list(job.prompt)},
-                self._params(job),
-                lora_request=lora,
-            )
+            try:
+                self.engine.add_request(
+                    rid, {"prompt_token_ids": list(job.prompt)}, self._params(job), lora_request=lora
+                )
+            except Exception as e:  # noqa: BLE001 - vLLM refused the parameters: torch samples the job
+                torch_jobs.append((i, f"vLLM refused the request ({type(e).__name__}: {str(e)[:160]})"))
+                continue
             pending[rid] = i
         try:
             while pending and self.engine.has_unfinished_requests():
@@ -308,6 +318,9 @@ class VLLMSampler:
             raise
         if pending:
             raise RuntimeError(f"vLLM finished without results for {len(pending)} request(s)")
+        # least recently used first; only now, so that no folder this call's requests read goes away
+        while len(self._loras) > self.max_cpu_loras:
+            self._drop(next(iter(self._loras)))
         if torch_jobs:
             done = self.fallback.sample_many([jobs[i] for i, _ in torch_jobs])
             for (i, why), out in zip(torch_jobs, done, strict=True):
@@ -357,10 +370,11 @@ class VLLMSampler:
         from vllm.sampling_params import RequestOutputKind
 
         p = job.params
-        greedy = p.temperature == 0 or float(np.float32(p.temperature)) == 0.0
+        # vLLM samples greedily below 1e-5 (and then refuses n > 1); torch's limit is the same argmax
+        greedy = p.temperature < GREEDY_BELOW
         want_prompt = job.prompt_logprobs or job.topk_prompt_logprobs
         return SamplingParams(
-            n=job.num_samples,
+            n=1 if greedy else job.num_samples,  # vLLM refuses n > 1 when greedy; rows are copies
             temperature=0.0 if greedy else float(p.temperature),
             top_p=float(p.top_p),
             top_k=int(p.top_k) if p.top_k and p.top_k > 0 else 0,
@@ -394,6 +408,11 @@ class VLLMSampler:
             if k:
                 seq.topk_ids, seq.topk_logprobs = _topk_arrays(steps[: len(toks)], k)
             out.sequences.append(seq)
+        while 0 < len(out.sequences) < job.num_samples:  # greedy: every row is the same sequence
+            first = out.sequences[0]
+            out.sequences.append(
+                dataclasses.replace(first, tokens=list(first.tokens), logprobs=list(first.logprobs))
+            )
         n = len(job.prompt)
         if job.prompt_logprobs or job.topk_prompt_logprobs:
             rows = ro.prompt_logprobs or [None] * n
@@ -436,8 +455,6 @@ class VLLMSampler:
             lora = _Lora(int_id, f"a{uid}v{key[1]}", folder, uid)
             self._loras[key] = lora
             self.lora_loads += 1
-            while len(self._loras) > self.max_cpu_loras:
-                self._drop(next(iter(self._loras)))
         self._loras.move_to_end(key)
         return LoRARequest(lora.name, lora.int_id, str(lora.folder))
 
@@ -500,8 +517,6 @@ def _json(obj) -> str:
 
 def _start_engine(args: dict):
     """vLLM's engine in this process, leaving the trainer's torch threads and the RNGs as they were."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in-process: it dies with us
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to 1 thread
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
