@@ -10,14 +10,17 @@ measured N = 1 and 2, and the tick thread ran in every long section.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import sys
+import time
 
 import pytest
 
 from tests._support.scripts import ROOT, failure, run_script
+from tests.conftest import fake_pynvml
 
 SECTIONS = ["env", "model", "load", "fused", "sampler", "agreement", "snapshot", "packing"]
 
@@ -85,3 +88,26 @@ def test_gpu_check_smoke(tmp_path):
     assert "torch sampler: 2 prompts x 2 samples x 8 tokens = 32 tokens" in out
     assert "vllm" not in json.dumps(sec).lower() and "vllm" not in out.lower()
     assert (tmp_path / "gpu_check.log").read_text().count("gpu_check: 8 sections") == 1
+
+
+def test_gpu_check_ticks_read_the_projects_nvml_reader(monkeypatch):
+    """On a CUDA device the ticks come from telemetry.NvmlReader (NVML faked at the library boundary:
+    73 % busy, 3 GiB used), summarised per time window; nothing is ticked outside the window."""
+    fake_pynvml(monkeypatch)
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    ticker = gpu_check.make_ticker("cuda", smoke=False)
+    t0 = time.time()
+    deadline = time.monotonic() + 10
+    while len(ticker.ticks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ticker.stop()
+    t1 = time.time()
+    assert ticker.source == "nvml" and ticker.label == "GPU utilisation (NVML)" and ticker.device == "FakeGPU"
+    s = ticker.summary(t0 - 1, t1)
+    assert s["ticks"] >= 3 and s["util_mean"] == pytest.approx(0.73) and s["util_max"] == pytest.approx(0.73)
+    assert s["memory_used_max_bytes"] == 3 << 30
+    assert ticker.summary(t1 + 1, t1 + 2)["ticks"] == 0
+    assert gpu_check.make_ticker("cpu", smoke=False).source == "none"  # no stand-in outside --smoke
