@@ -61,9 +61,9 @@ SAMPLER_LABEL = "torch sampler"
 
 # (name, budget seconds on the GPU, in --smoke). The total is also capped by --deadline-s.
 SECTIONS = (
-    ("env", 15, 15),
+    ("env", 45, 30),
     ("model", 60, 30),
-    ("load", 45, 30),
+    ("load", 60, 30),
     ("fused", 30, 20),
     ("sampler", 40, 20),
     ("agreement", 20, 15),
@@ -101,7 +101,7 @@ SIZES = {  # workload sizes per mode
         samples=8,
         max_tokens=64,
         packing_args="--runs 1 2 3 --steps 5 --ramp 1 --warmup 1 --calib-steps 2 --seq-runs 0 "
-        "--prompts 8 --group 4 --max-tokens 32 --fused-repeats 1",
+        "--prompts 8 --group 4 --max-tokens 16 --fused-repeats 1",
     ),
     "smoke": dict(
         fused_seqs=2,
@@ -153,11 +153,11 @@ CORE_PROJECT = PROJECT_MODULES[:4]  # the torch sections cannot run without thes
 PACKING_NEEDS = ["openrl_service.app", "openrl_jupyter.client", "uvicorn", "httpx"]
 
 
-class SectionTimeout(Exception):
+class SectionTimeout(BaseException):  # noqa: N818 - not an Exception: a broad `except Exception` must not swallow it
     pass
 
 
-class Terminated(Exception):
+class Terminated(BaseException):  # noqa: N818 - SIGTERM (the outer timeout); likewise
     pass
 
 
@@ -341,6 +341,8 @@ class Check:
                 rec["result"] = fn(budget)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            if rec["result"].pop("_status", None) == "timeout":  # a part ran out; the rest is kept
+                rec.update(status="timeout", error=f"a part ran past the budget of {budget:.0f} s")
         except Skip as e:
             rec.update(status="skipped", reason=str(e))
             print(f"   {name}: SKIPPED: {e}", flush=True)
@@ -360,8 +362,11 @@ class Check:
         if self.ticker is not None and self.ticker.source != "none":
             rec["ticks"] = self.ticker.summary(t0, t1)
         self.results[name] = rec
-        if rec["status"] == "ok":
-            print(f"   {name}: ok in {rec['seconds']:.1f} s: {self.brief(name, rec['result'])}", flush=True)
+        if "result" in rec:
+            print(
+                f"   {name}: {rec['status']} in {rec['seconds']:.1f} s: {self.brief(name, rec['result'])}",
+                flush=True,
+            )
         self.write()
 
     # -- env ---------------------------------------------------------------------------------------
@@ -672,6 +677,10 @@ class Check:
         # PEFT's own loader on the same folder, on a fresh copy of the base model.
         try:
             out["peft"] = self._peft_check(Path(folder), live)
+        except SectionTimeout:
+            out["peft"] = {"error": "the section's budget ran out during PEFT's load"}
+            out["_status"] = "timeout"
+            print("   snapshot: PEFT cross-check ran past the section's budget", flush=True)
         except Exception as e:  # noqa: BLE001 - reported inside the section's result
             out["peft"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"   snapshot: PEFT cross-check failed: {type(e).__name__}: {e}", flush=True)
@@ -858,10 +867,7 @@ class Check:
             if r is None:
                 continue
             took = f"{r.get('seconds', 0):.1f}/{r.get('budget_s', 0):.0f}"
-            if r["status"] == "ok":
-                text = self.brief(name, r["result"])
-            else:
-                text = r.get("reason") or r.get("error") or ""
+            text = self.brief(name, r["result"]) if "result" in r else (r.get("reason") or r.get("error"))
             print(f"{name:<10} {r['status']:<9} {took:>11}  {text}")
         label = self.ticker.label if self.ticker and self.ticker.label else "NVML"
         if src == "none":
