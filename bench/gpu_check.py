@@ -68,7 +68,7 @@ SECTIONS = (
     ("sampler", 40, 20),
     ("agreement", 20, 15),
     ("snapshot", 40, 20),
-    ("packing", 150, 120),
+    ("packing", 150, 150),
 )
 NEEDS_MODEL = {"load", "fused", "sampler", "agreement", "snapshot", "packing"}
 NEEDS_BENCH = {"fused", "sampler", "agreement", "snapshot"}
@@ -163,6 +163,10 @@ class Terminated(BaseException):  # noqa: N818 - SIGTERM (the outer timeout); li
 
 class Skip(Exception):
     """A section that cannot run here (a missing package, an earlier section's failure)."""
+
+
+class NoTime(Exception):
+    """Too little of the deadline left to start a section (counted as a failure, unlike Skip)."""
 
 
 # -- NVML ticks --------------------------------------------------------------------------------
@@ -330,7 +334,7 @@ class Check:
         fn = getattr(self, f"s_{name}")
         try:
             if budget < 5:
-                raise Skip(f"only {budget:.0f} s left before the deadline")
+                raise NoTime(f"not started: only {max(budget, 0):.0f} s left before the deadline")
             if name in NEEDS_MODEL and self.folder is None:
                 raise Skip("no model folder (the model section did not finish)")
             if name in NEEDS_BENCH and self.bench is None:
@@ -346,6 +350,9 @@ class Check:
         except Skip as e:
             rec.update(status="skipped", reason=str(e))
             print(f"   {name}: SKIPPED: {e}", flush=True)
+        except NoTime as e:
+            rec.update(status="not run", error=str(e))
+            print(f"   {name}: NOT RUN: {e}", flush=True)
         except SectionTimeout:
             rec.update(status="timeout", error=f"ran past its budget of {budget:.0f} s")
             print(f"   {name}: TIMEOUT after {budget:.0f} s (the other sections still run)", flush=True)
@@ -675,6 +682,9 @@ class Check:
             "roundtrip_max_abs_delta": diff,
         }
         # PEFT's own loader on the same folder, on a fresh copy of the base model.
+        if self.importable.get("peft") is not None:
+            out["peft"] = {"error": f"skipped: peft is not importable ({self.importable['peft']})"}
+            return out
         try:
             out["peft"] = self._peft_check(Path(folder), live)
         except SectionTimeout:
@@ -871,7 +881,10 @@ class Check:
             print(f"{name:<10} {r['status']:<9} {took:>11}  {text}")
         label = self.ticker.label if self.ticker and self.ticker.label else "NVML"
         if src == "none":
-            print("NVML ticks: none (no NVML reader for this device)")
+            why = (
+                "pynvml missing or NVML unreadable" if self.device.startswith("cuda") else "not a CUDA device"
+            )
+            print(f"NVML ticks: none ({why}: telemetry.NvmlReader is not available)")
         else:
             print(f"NVML ticks ({label}, every {self.ticker.period_s} s, device {self.ticker.device}):")
             print(f"{'section':<10} {'ticks':>6} {'util mean':>10} {'util max':>9} {'mem max GiB':>12}")
@@ -897,14 +910,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: every code path, no speed")
     p.add_argument("--device", default=None, help="torch device (default cuda; cpu with --smoke)")
-    p.add_argument("--deadline-s", type=float, default=None, help="total seconds (default 250; smoke 220)")
+    p.add_argument("--deadline-s", type=float, default=None, help="total seconds (default 250; smoke 240)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151936; smoke 4096)")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
     p.add_argument("--only", nargs="+", choices=[s for s, _, _ in SECTIONS], help="run only these sections")
     p.add_argument("--packing-args", default=None, help="bench/packing.py's options (replaces the defaults)")
     args = p.parse_args(argv)
     args.device = args.device or ("cpu" if args.smoke else "cuda")
-    args.deadline_s = args.deadline_s or (220.0 if args.smoke else 250.0)
+    args.deadline_s = args.deadline_s or (240.0 if args.smoke else 250.0)
     args.out = args.out or os.environ.get("OUT") or str(ROOT / "bench" / "results")
     if args.only:  # the import listing decides what can run; later sections need the model
         need = {"env"} | ({"model"} if NEEDS_MODEL & set(args.only) else set())

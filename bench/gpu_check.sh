@@ -28,7 +28,7 @@
 # gpu_check.log (everything printed) and nvidia-smi.txt (before and after).
 #
 # Environment: PYTHON (default python3; .venv/bin/python for --smoke), GPU_CHECK_TIMEOUT_S (the hard
-# limit, default 270; smoke 240), GPU_CHECK_WHEELS (default .whl). Other options go to gpu_check.py
+# limit, default 270; smoke 260), GPU_CHECK_WHEELS (default .whl). Other options go to gpu_check.py
 # (e.g. --vocab 32768, --only sampler agreement, --packing-args "--runs 1 2 3 --steps 4").
 set -uo pipefail
 
@@ -52,7 +52,7 @@ done
 
 if [ "$MODE" = smoke ]; then
     PY="${PYTHON:-$ROOT/.venv/bin/python}"
-    TOTAL_S="${GPU_CHECK_TIMEOUT_S:-240}"
+    TOTAL_S="${GPU_CHECK_TIMEOUT_S:-260}"
     ARGS=(--smoke "${ARGS[@]}")
 else
     PY="${PYTHON:-python3}"
