@@ -84,6 +84,13 @@ bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, s
 bench-load: $(STAMP) ## 16 Tinker SDK users (SFT, RL, sampling) x 50 steps on one service: ops/s, latency, 5xx, RSS
 	$(BIN)/python bench/load.py
 
+# No venv dependency (its constraints pin the CPU torch): GPU_CHECK_PYTHON is .venv's python when there
+# is one, else python3; GPU_CHECK_ARGS=--smoke runs the same sections on the CPU with tiny sizes.
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+.PHONY: gpu-check
+gpu-check: ## on a GPU: fused step, torch sampler tok/s, logprob agreement, snapshot load, packing, NVML (< 5 min)
+	PYTHON=$(GPU_CHECK_PYTHON) bash bench/gpu_check.sh $(GPU_CHECK_ARGS)
+
 fuzz: $(STAMP) ## schemathesis on /openapi.json + protobuf bodies (>= 5,000 requests): 0 x 5xx, then the SDK still works
 	$(BIN)/python bench/fuzz.py
 

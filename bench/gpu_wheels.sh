@@ -27,8 +27,9 @@ PACKAGES=(
     typing-extensions opentelemetry-api anyio uvicorn orjson zstandard platformdirs httpx-sse
 )
 
-mkdir -p .git/info
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)" # a worktree too
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
 
 rm -rf .whl
 mkdir -p .whl

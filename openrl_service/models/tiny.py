@@ -1,9 +1,11 @@
 """The deterministic tiny model `openrl/tiny`: built offline, same bytes every build.
 
 A byte-level tokenizer whose token id *is* the byte value (ids 0-255), four specials after them,
-a Qwen-style chat template, and a 4-layer Qwen2 config with fixed-seed random weights (~0.6 M
+a Qwen-style chat template, and a 4-layer Llama-shaped config with fixed-seed random weights (~0.6 M
 parameters). It exists so that the whole service, the SDK conformance suite and the notebooks run
-on a laptop CPU with no model hub.
+on a laptop CPU with no model hub. Llama-shaped (not Qwen2) because vLLM serves LoRA on a Llama's
+``lm_head`` but not on a Qwen2's, and the tiny model's defaults train the unembedding: with a Qwen2
+the vLLM sampler could not serve the default runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ TINY_MODEL_NAME = "openrl/tiny"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 SEED = 20260501
+ARCH = "LlamaForCausalLM"
 
 # What RL on this model needs (measured; see README "The tiny model"): rank 8 on every linear layer
 # plus the unembedding at lr 1e-3 lifts a letter-fraction reward from ~0.24 to ~1.0 in 60 steps.
@@ -90,7 +93,7 @@ def _build_tokenizer():
 def build_tiny_model(out_dir: str | os.PathLike) -> Path:
     """Write the tiny model (config, weights, tokenizer) to ``out_dir``; deterministic bytes."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,7 @@ def build_tiny_model(out_dir: str | os.PathLike) -> Path:
     ids = tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)
     assert ids == list(range(256, VOCAB_SIZE)), ids
     endoftext, _im_start, im_end, pad = ids
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
@@ -109,16 +112,18 @@ def build_tiny_model(out_dir: str | os.PathLike) -> Path:
         tie_word_embeddings=True,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
+        attention_bias=False,
+        mlp_bias=False,
         bos_token_id=None,
         eos_token_id=im_end,
         pad_token_id=pad,
         torch_dtype="float32",
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = [ARCH]
     # Fork the global RNG so building the model never disturbs a caller's seeded state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[im_end, endoftext], pad_token_id=pad, bos_token_id=None
     )
@@ -161,7 +166,10 @@ def ensure_tiny_model(cache_dir: str | os.PathLike) -> Path:
     target = Path(cache_dir)
     marker = target / "config.json"
     if marker.exists():
-        return target
+        if json.loads(marker.read_text()).get("architectures") == [ARCH]:
+            return target
+        # A folder built by an older release (a Qwen2-shaped tiny model): rebuild it in place.
+        shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-build-"))
     try:

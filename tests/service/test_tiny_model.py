@@ -39,3 +39,18 @@ def test_cli_make_tiny_model(tmp_path, tiny_model_dir):
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert tree_digest(tmp_path / "m") == tree_digest(tiny_model_dir)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["_name_or_path"] == "openrl/tiny"
+
+
+def test_llama_shaped_so_vllm_serves_lora_on_the_unembedding(tiny_model_dir):
+    # vLLM serves LoRA on a Llama's lm_head (not a Qwen2's); the defaults train the unembedding.
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and TINY_DEFAULTS["train_unembed"]
+
+
+def test_a_stale_cached_build_is_replaced(tmp_path, tiny_model_dir):
+    from openrl_service.models.tiny import ensure_tiny_model
+
+    stale = build_tiny_model(tmp_path / "cache")
+    cfg = json.loads((stale / "config.json").read_text())
+    (stale / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen2ForCausalLM"]}))
+    assert tree_digest(ensure_tiny_model(stale)) == tree_digest(tiny_model_dir)
