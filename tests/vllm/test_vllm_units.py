@@ -88,7 +88,7 @@ def test_what_vllm_cannot_do_goes_to_torch_with_a_notice(tmp_path):
     s = object.__new__(VLLMSampler)  # the routing rules only: no engine
     s.base, s.max_lora_rank, s.fallback = base, 8, _Fallback()
     s.caps = Capabilities("0.32.0", "Qwen2ForCausalLM", False, True, False, 64, 20)
-    s._collect = lambda: None
+    s._collect, s._loras, s.max_cpu_loras = (lambda: None), {}, 16
     unembed = new_adapter(LoraSpec(rank=8), base.targets, seed=0, device="cpu")
     body = new_adapter(LoraSpec(rank=8, train_unembed=False), base.targets, seed=0, device="cpu")
 
