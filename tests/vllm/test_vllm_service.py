@@ -293,6 +293,28 @@ def test_prompt_logprobs_go_to_torch_with_a_notice(vllm_service, taught):
     assert "prompt logprobs" in info["sampler_notice"], info
 
 
+def test_notebook_api_samples_the_live_adapter_after_each_step(vllm_service):
+    """The notebook API samples a run's current (mutable) adapter: vLLM must follow every step."""
+    with httpx.Client(base_url=vllm_service.url, headers={"X-API-Key": ALICE_KEY}, timeout=120) as c:
+        run_id = c.post("/openrl/v1/runs", json={"name": "vllm-live", "seed": 0}).json()["run_id"]
+        before = vllm_service.samples()
+        body = {"prompts": ["Name a colour"], "num_samples": 8, "max_tokens": 8, "seed": 3, "stop": []}
+        first = c.post(f"/openrl/v1/runs/{run_id}/sample", json=body).json()
+        items = [
+            {"sample_id": s["sample_id"], "advantage": (i % 2) - 0.5} for i, s in enumerate(first["samples"])
+        ]
+        step = c.post(f"/openrl/v1/runs/{run_id}/train_step", json={"samples": items, "loss": "ppo"}).json()
+        # on-policy: the trainer's logprobs of vLLM's samples equal vLLM's own
+        assert step["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and step["kl"] == pytest.approx(0, abs=1e-4)
+        again = c.post(f"/openrl/v1/runs/{run_id}/sample", json=body).json()
+        assert again["snapshot"] == 1
+        assert [s["logprobs"] for s in again["samples"]] != [s["logprobs"] for s in first["samples"]]
+        assert c.get(f"/openrl/v1/runs/{run_id}").json()["sampler_notice"] is None
+        c.delete(f"/openrl/v1/runs/{run_id}")
+    assert vllm_service.samples()["vllm"] - before["vllm"] == 16
+    assert vllm_service.samples()["torch"] == before["torch"]
+
+
 def test_three_runs_sample_in_one_vllm_batch(vllm_service, sdk):
     from tinker import types
 
