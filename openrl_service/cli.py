@@ -39,7 +39,12 @@ def _serve(args: argparse.Namespace) -> int:
             drain_grace_s=args.drain_grace_s,
             durability=args.durability,
             snapshot_interval_s=args.snapshot_interval_s,
+            **{k: v for k, v in vars(args).items() if k == "sampler" or k.startswith("vllm_")},
         )
+        if settings.sampler == "vllm":
+            from openrl_service.sampling.factory import resolve_sampler
+
+            resolve_sampler("vllm")  # vLLM missing: say so now, not after the model loads
         number(
             settings.drain_grace_s,
             "--drain-grace-s",
@@ -215,6 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         help="snapshot the state and compact the journal this often when anything changed (default 30; "
         "0: only at shutdown; OPENRL_SNAPSHOT_INTERVAL_S)",
     )
+    s.add_argument(
+        "--sampler",
+        choices=cfg.SAMPLERS,
+        default=None,
+        help="auto (default): vLLM where CUDA and vllm are installed, else torch (OPENRL_SAMPLER)",
+    )
+    v = s.add_argument_group("vLLM sampler (--sampler vllm/auto; OPENRL_VLLM_*)")
+    v.add_argument("--vllm-gpu-memory-utilization", type=float, help="GPU memory fraction for vLLM (0.5)")
+    v.add_argument("--vllm-kv-cache-gb", type=float, help="CPU: vLLM's KV cache in GiB (1)")
+    v.add_argument("--vllm-max-loras", type=int, help="LoRA adapters in one vLLM batch (4)")
+    v.add_argument("--vllm-max-cpu-loras", type=int, help="LoRA adapters kept loaded (16)")
+    v.add_argument("--vllm-max-model-len", type=int, help="longest prompt + decode (model context)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument(

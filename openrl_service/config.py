@@ -81,6 +81,15 @@ class Settings:
     # OPENRL_SNAPSHOT_INTERVAL_S / --snapshot-interval-s: how often (when anything changed) the state
     # is snapshotted and the journal compacted; it bounds the replay a restart does
     snapshot_interval_s: float = 30.0
+    # OPENRL_SAMPLER / --sampler (auto|torch|vllm): auto = vLLM where CUDA and vllm are installed.
+    # vLLM settings (OPENRL_VLLM_*): GPU memory fraction vLLM may take (the trainer's share is checked
+    # at startup), CPU KV cache size, LoRA slots per batch / kept loaded, longest prompt + decode.
+    sampler: str = "auto"
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_kv_cache_gb: float = 1.0
+    vllm_max_loras: int = 4
+    vllm_max_cpu_loras: int = 16
+    vllm_max_model_len: int | None = None  # None: the model's context length
     limits: Limits = field(default_factory=Limits)
 
     @property
@@ -114,11 +123,18 @@ _ENV_FIELDS = {
     "OPENRL_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
     "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
     "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
+    "OPENRL_SAMPLER": ("sampler", lambda v: parse_choice(v, "OPENRL_SAMPLER", SAMPLERS)),
+    "OPENRL_VLLM_GPU_MEMORY_UTILIZATION": ("vllm_gpu_memory_utilization", float),
+    "OPENRL_VLLM_KV_CACHE_GB": ("vllm_kv_cache_gb", float),
+    "OPENRL_VLLM_MAX_LORAS": ("vllm_max_loras", int),
+    "OPENRL_VLLM_MAX_CPU_LORAS": ("vllm_max_cpu_loras", int),
+    "OPENRL_VLLM_MAX_MODEL_LEN": ("vllm_max_model_len", int),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 
 
 DURABILITY = ("journal", "none")
+SAMPLERS = ("auto", "torch", "vllm")
 
 
 def parse_choice(value: str, name: str, choices: tuple[str, ...]) -> str:

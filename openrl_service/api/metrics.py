@@ -110,6 +110,8 @@ class EngineCollector:
         )
         yield GaugeMetricFamily("openrl_runs", "Live training runs (all tenants)", value=len(svc.runs))
         yield GaugeMetricFamily("openrl_samplers", "Live samplers (all tenants)", value=len(svc.samplers))
+        sampler = getattr(svc, "sampler", None)
+        yield from _sampler_families(sampler.stats() if sampler is not None else {})
 
         if self.tenant is None:
             return
@@ -132,6 +134,25 @@ class EngineCollector:
             sampled.add_metric([rid], t.tokens["sampled"])
             run_ops.add_metric([rid], t.ops)
         yield from (busy, trained, sampled, run_ops)
+
+
+def _sampler_families(stats: dict):
+    """Sequences sampled per backend (torch | vllm) and vLLM's own scheduler peaks, when it runs."""
+    samples = CounterMetricFamily(
+        "openrl_samples", "Sequences sampled, by the backend that sampled them", labels=["backend"]
+    )
+    for backend, n in sorted(stats.get("samples", {}).items()):
+        samples.add_metric([backend], n)
+    yield samples
+    help_text = {
+        "vllm_max_running_loras": "Most distinct LoRA adapters running in one vLLM scheduler step",
+        "vllm_max_running_requests": "Most requests running in one vLLM scheduler step",
+        "vllm_lora_loads": "Adapter snapshots written and registered as vLLM LoRA ids",
+        "vllm_resident_adapters": "Adapter snapshots registered with vLLM now",
+    }
+    for key, text in help_text.items():
+        if key in stats:
+            yield GaugeMetricFamily(f"openrl_{key}", text, value=stats[key])
 
 
 def build_metrics_router(svc: TrainingService) -> APIRouter:

@@ -329,6 +329,8 @@ def build_router(svc: TrainingService) -> APIRouter:
         out = {"sampler_id": e.sampler_id, "base_model": e.base_model}
         if e.model_path:
             out["model_path"] = e.model_path
+        if sampler_id in svc.sample_notices:  # the vLLM sampler handed its last job to torch: why
+            out["sampler_notice"] = svc.sample_notices[sampler_id]
         return json_response(out)
 
     @r.post("/asample", openapi_extra=body(S.asample(lim)), responses=S.SUBMIT_LINKS)

@@ -307,6 +307,8 @@ class NativeRuns:
             "metrics_dropped": nr.metrics_dropped,
             # without a heartbeat or a request for this long, the run's session is finished
             "idle_timeout_s": self.svc.settings.session_idle_timeout_s,
+            # set when the vLLM sampler handed this run's sampling to torch: why
+            "sampler_notice": self.svc.sample_notices.get(run.run_id),
         }
 
     def list(self, tenant: str) -> list[dict]:

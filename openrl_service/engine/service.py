@@ -39,7 +39,7 @@ from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError
 from openrl_service.models.loading import BaseModel, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
-from openrl_service.sampling.torch_sampler import TorchSampler
+from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.lora import (
@@ -89,7 +89,8 @@ class TrainingService(Registry, Validation):
         )
         self.base: BaseModel | None = base
         self.trainer: Trainer | None = None
-        self.sampler: TorchSampler | None = None
+        self.sampler: CountingSampler | None = None
+        self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
         self._init_registry()
         self.durability = Durability(self)
         self.futures.on_complete = self.durability.completed
@@ -105,10 +106,12 @@ class TrainingService(Registry, Validation):
         if self.base is None:
             self.base = load_base_model(s.model, data_dir=s.data_dir, name=s.model_name, device=s.device)
         self.trainer = Trainer(self.base, microbatch_tokens=s.microbatch_tokens)
-        self.sampler = TorchSampler(self.base)
+        self.sampler = make_sampler(self.base, s)
 
     def stop(self) -> None:
         self.engine.stop()
+        if self.sampler is not None and not self.engine.alive:
+            self.sampler.close()  # vLLM's engine, shut down explicitly
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         return self.engine.ready.wait(timeout_s)
@@ -618,9 +621,12 @@ class TrainingService(Registry, Validation):
             def work():
                 outs = self.sampler.sample_many(resolved())
                 crashpoints.hit("sample")
+                self._note_backend(run.run_id, outs)
                 return outs
 
-            return work, self.sample_fusable(resolved, jobs, lambda outs: outs)
+            return work, self.sample_fusable(
+                resolved, jobs, lambda outs: self._note_backend(run.run_id, outs)
+            )
 
         return self.run_op(
             tenant,
@@ -681,6 +687,16 @@ class TrainingService(Registry, Validation):
             k += len(part)
         return split
 
+    def _note_backend(self, key: str, outs: list[SampleOutput]) -> list[SampleOutput]:
+        """Remember the latest fallback notice (vLLM handed a job to torch) of a run or sampler: its info."""
+        for out in outs:
+            if out.notice:
+                self.sample_notices.pop(key, None)
+                self.sample_notices[key] = out.notice
+                while len(self.sample_notices) > 10_000:  # bounded: the oldest notices go first
+                    del self.sample_notices[next(iter(self.sample_notices))]
+        return outs
+
     def _sampler_adapter(self, entry: SamplerEntry) -> Adapter | None:
         """On the worker: the entry's adapter, reloaded from its checkpoint if the budget dropped it."""
         adapter = entry.adapter
@@ -732,6 +748,7 @@ class TrainingService(Registry, Validation):
         def work():
             out = self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
             crashpoints.hit("sample")
+            self._note_backend(sampler_id, [out])
             return out
 
         op = Op(
@@ -745,7 +762,7 @@ class TrainingService(Registry, Validation):
             fuse=self.sample_fusable(
                 lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
                 [job],
-                lambda outs: outs[0],
+                lambda outs: self._note_backend(sampler_id, outs)[0],
             ),
         )
         return self._queue(op, idem, call)

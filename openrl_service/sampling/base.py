@@ -3,7 +3,8 @@
 A :class:`Sampler` turns one :class:`SampleJob` (a prompt, how many samples, the sampling
 parameters and which adapter snapshot) into a :class:`SampleOutput`; ``sample_many`` does several
 jobs with different adapters (cross-run batching) in one batched generate. The torch backend lives in
-``torch_sampler.py``; a vLLM backend implements the same protocol.
+``torch_sampler.py``, the vLLM one in ``vllm_sampler.py`` (it hands what vLLM cannot do to torch);
+``factory.make_sampler`` picks one (``--sampler auto|torch|vllm``) and counts samples per backend.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class SampleOutput:
     topk_prompt_ids: np.ndarray | None = None
     topk_prompt_logprobs: np.ndarray | None = None
     tokens: int = field(default=0)  # prompt + generated tokens processed
+    backend: str = "torch"  # which sampler produced the tokens: "torch" | "vllm"
+    notice: str | None = None  # why a vLLM service sampled this job with torch (one line), if it did
 
 
 class Sampler(Protocol):

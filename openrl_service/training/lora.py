@@ -58,6 +58,18 @@ class Adapter:
         self.spec = spec
         self.weights = weights
         self.scale = spec.scale
+        self.writes = 0  # optimizer steps applied (touch()); see version
+
+    def touch(self) -> None:
+        """Record an update of the weights (the trainer calls it after each optimizer step)."""
+        self.writes += 1
+
+    @property
+    def version(self) -> int:
+        """Grows whenever the weights change: an optimizer step (``touch``) or any in-place write
+        (torch bumps a tensor's version counter on ``copy_``, ``add_``...). Samplers that cache an
+        adapter outside torch (vLLM's LoRA slots) key it by (adapter, version)."""
+        return self.writes + sum(t._version for t in self.parameters())
 
     def parameters(self) -> list[torch.Tensor]:
         return [t for pair in self.weights.values() for t in pair]

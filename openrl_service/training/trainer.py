@@ -342,6 +342,7 @@ class Trainer:
             group["eps"] = adam.eps
             group["weight_decay"] = adam.weight_decay
         state.optimizer.step()
+        state.adapter.touch()
         state.optimizer.zero_grad(set_to_none=True)
         state.steps += 1
         state.pending_backward = 0
