@@ -2,9 +2,10 @@
 
 Measured on CPU (float32, openrl/tiny), fused vs unfused at identical inputs:
 - ``Trainer.forward_backward_fused`` vs one ``forward_backward`` per run (tests/service/test_fusion.py,
-  seeds 0-3, one and several micro-batches): loss ≤ 2.0e-7 relative, logprobs ≤ 9.5e-7 absolute
-  (two float32 ulp of a logprob near -5), ratio/KL statistics ≤ 1.3e-7 relative, gradients
-  ≤ 6.4e-6 × the tensor's largest element;
+  seeds 0-11, one and several micro-batches, the Llama-shaped build): loss ≤ 1.5e-6 relative (an
+  importance-sampling loss sums terms of both signs, so its relative error is larger than its
+  terms'), logprobs ≤ 9.5e-7 absolute (two float32 ulp of a logprob near -5), ratio/KL statistics
+  ≤ 5.0e-7 relative, gradients ≤ 6.4e-6 × the tensor's largest element;
 - the service's fused op vs fusion off (tests/service/test_fused_scheduling.py): loss and logprobs
   bit-identical, gradients ≤ 1.85e-6 × the tensor's largest element.
 The fused pass sums the same terms in another order (one padded batch, one backward of the sum of
@@ -23,9 +24,9 @@ import math
 
 import torch
 
-LOSS_RTOL = 1e-6
+LOSS_RTOL = 5e-6
 LOGPROBS_ATOL = 3e-6
-STATS_RTOL = 5e-7
+STATS_RTOL = 2e-6
 GRADS_ATOL_OF_MAX = 2e-5  # × the tensor's largest |element|
 
 
