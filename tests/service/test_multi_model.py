@@ -18,6 +18,7 @@ from tinker import types
 from openrl_service.config import ModelEntry, Settings, parse_model_entry
 from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import ALICE_KEY, BOB_KEY, LiveServer, free_port, start_server
+from tests.jupyter.test_dashboard import sent  # noqa: F401 - the fixture: widgets' frontend messages
 from tests.service.test_recovery import adapter
 from tests.service.test_scheduling import held_worker
 
@@ -297,3 +298,43 @@ def test_single_model_service_is_unchanged(server):
     assert ready["model"] == TINY and [m["name"] for m in ready["models"]] == [TINY]
     caps = server.client().get("/api/v1/get_server_capabilities").json()["supported_models"]
     assert [c["model_name"] for c in caps] == [TINY]
+
+
+@pytest.mark.usefixtures("sent")
+def test_a_notebook_session_picks_its_model_and_its_runs_use_it(both):
+    """connect(model=...) picks the base model for the session's runs (and its defaults); the run
+    is created on it and its dashboard header names it."""
+    from openrl_jupyter import session as sess
+    from openrl_jupyter.dashboard import RunDashboard
+    from openrl_service.models.tiny import TINY_DEFAULTS
+
+    with pytest.raises(
+        sess.UsageError, match="model 'nope' is not served by .* it serves 'openrl/tiny', 'openrl/tiny-wide'"
+    ):
+        sess.connect(both.url, token=ALICE_KEY, name="nope", model="nope")
+    default = sess.connect(both.url, token=ALICE_KEY, name="default-model")
+    s = sess.connect(both.url, token=ALICE_KEY, name="wide", model="tiny-wide")
+    try:
+        assert default.model == TINY
+        assert s.model == WIDE and s.defaults == TINY_DEFAULTS and set(s.served) == {TINY, WIDE}
+        run = s.train(
+            reward=lambda prompt, completion, **info: float(len(completion)),
+            prompts=["Hi", "Yo"],
+            steps=1,
+            batch=1,
+            group=2,
+            max_tokens=4,
+        )
+        run.wait(timeout=120)
+        assert run.model == WIDE and both.service.runs[run.run_id].base_model == WIDE
+        assert s.client.get_run(run.run_id)["base_model"] == WIDE
+        dash = RunDashboard(run)
+        try:
+            assert WIDE in dash.header.value
+        finally:
+            dash.close()
+        with pytest.raises(sess.UsageError, match="model 'openrl/other' is not served"):
+            s.train(reward=lambda prompt, completion, **info: 0.0, prompts=["x"], model="openrl/other")
+    finally:
+        sess.disconnect("wide")
+        sess.disconnect("default-model")
