@@ -215,7 +215,7 @@ def parameter_count(spec: str, *, data_dir: Path) -> int:
 
 def estimate_need(spec: str, *, name: str | None, data_dir: Path, device: str | None) -> MemoryNeed:
     """What the model ``spec`` (called ``name`` in messages) will take on ``device``."""
-    name = name or tiny_variant(spec) or spec
+    name = name or tiny_variant(spec) or Path(spec).name
     dev = pick_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
