@@ -34,7 +34,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     c = p["connect"] = _parser("connect", "Connect to a service, or start an embedded one with --local.")
     c.add_argument("url", nargs="?", help="service URL (default: $OPENRL_URL, then c.OpenRLMagics.url)")
     c.add_argument("--local", action="store_true", help="start an embedded service in a child process")
-    c.add_argument("--model", default="openrl/tiny", help="model for --local (openrl/tiny, HF dir, GGUF)")
+    c.add_argument(
+        "--model",
+        default=None,
+        help="base model for this session's runs, one the service serves (default: its first); "
+        "with --local, the model to serve (openrl/tiny, HF dir, GGUF)",
+    )
     c.add_argument("--name", default=None, help="session name (several sessions can be open)")
     t = p["train"] = _parser(
         "train",
@@ -42,7 +47,7 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     )
     t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
     t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
-    t.add_argument("--model", default=None, help="must be the session's model")
+    t.add_argument("--model", default=None, help="a model the service serves (default: the session's)")
     t.add_argument("--steps", type=int, default=60)
     t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
     t.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")

@@ -178,6 +178,7 @@ class Run:
             self._set_state(RunState.FAILED, _one_line(exc))
             raise
         self.run_id = created["run_id"]
+        self.model = created.get("base_model") or self.model  # the service's word: the dashboard shows it
         self._heartbeat_s = heartbeat_interval(created.get("idle_timeout_s"))
         self._future = self._runner.submit(self._main())
         return self

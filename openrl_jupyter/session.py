@@ -38,6 +38,8 @@ class Session:
     """A named connection: a client plus, for ``local=True``, the service it started.
 
     ``train(...)`` starts a background RL run on it; ``runs`` holds this kernel's runs by name.
+    ``model`` is the base model its runs use (picked with ``connect(model=...)``; default: the
+    service's first); ``served`` maps every model the service serves to its capability defaults.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Session:
     _token: str | None = field(default=None, repr=False)
     _aclient: AsyncClient | None = field(default=None, repr=False)
     _feed: EventFeed | None = field(default=None, repr=False)
+    served: dict[str, dict] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
@@ -68,11 +71,17 @@ class Session:
         from openrl_jupyter.config import make_config
         from openrl_jupyter.run import Run
 
-        model = options.get("model")
-        if model is not None and self.model is not None and model not in (self.model, "tiny"):
-            raise UsageError(f"model {model!r} is not served by {self.url} (it serves {self.model!r})")
-        config = make_config(self.defaults, reward=reward, prompts=prompts, **options)
-        config.model = self.model
+        model = self.model
+        if options.get("model") is not None and self.model is not None:
+            model = served_name(options["model"], self.served or {self.model: self.defaults})
+            if model is None:
+                served = ", ".join(repr(m) for m in self.served or [self.model])
+                raise UsageError(
+                    f"model {options['model']!r} is not served by {self.url} (it serves {served})"
+                )
+        defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
+        config = make_config(defaults, reward=reward, prompts=prompts, **options)
+        config.model = model
         name = config.name
         if name is not None:
             old = self.runs.get(name)
@@ -163,11 +172,14 @@ def connect(
     token: str | None = None,
     name: str | None = None,
     local: bool = False,
-    model: str = "openrl/tiny",
+    model: str | None = None,
     config: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Session:
-    """Connect to a service (or start an embedded one with ``local=True``) and remember it by name."""
+    """Connect to a service (or start an embedded one with ``local=True``) and remember it by name.
+
+    ``model``: the base model this session's runs use, one the service serves (default: its first);
+    with ``local=True``, the model the embedded service serves (default openrl/tiny)."""
     name = name or DEFAULT_NAME
     config = config or {}
     old = _sessions.get(name)
@@ -180,7 +192,7 @@ def connect(
     if local:
         if url:
             raise UsageError("give either a URL or local=True, not both")
-        local_service, token = start_local(model, progress=progress)
+        local_service, token = start_local(model or "openrl/tiny", progress=progress)
         url = local_service.url
     else:
         url = url or os.environ.get("OPENRL_URL") or config.get("url")
@@ -196,6 +208,14 @@ def connect(
     client = Client(url, token=token)
     try:
         models = client.capabilities()
+        served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}
+        chosen = next(iter(served), None)  # the service's default model
+        if model is not None and not local and served:
+            chosen = served_name(model, served)
+            if chosen is None:
+                raise UsageError(
+                    f"model {model!r} is not served by {url}; it serves {', '.join(repr(m) for m in served)}"
+                )
     except OpenRLError:
         client.close()
         if local_service is not None:
@@ -209,12 +229,21 @@ def connect(
         url,
         client,
         local_service,
-        models[0]["model_name"] if models else None,
-        dict(models[0].get("defaults") or {}) if models else {},
+        chosen,
+        served.get(chosen, {}) if chosen is not None else {},
         _token=token,
+        served=served,
     )
     _sessions[name] = session
     return session
+
+
+def served_name(model: str, served: Mapping[str, Any]) -> str | None:
+    """The served model's name that ``model`` names (its full name, or a tiny model's short one:
+    "tiny" for "openrl/tiny"); None when none does."""
+    if model in served:
+        return model
+    return f"openrl/{model}" if f"openrl/{model}" in served else None
 
 
 def get_session(name: str | None = None) -> Session:

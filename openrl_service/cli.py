@@ -26,8 +26,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = cfg.from_env(
-            model=args.model,
+            models=args.model,
             model_name=args.model_name,
+            memory_budget_bytes=args.memory_budget_bytes,
             host=args.host,
             port=args.port,
             data_dir=args.data_dir,
@@ -61,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
             setting="OPENRL_SNAPSHOT_INTERVAL_S",
             error=ValueError,
         )
+        models = settings.model_entries()  # a bad --model/OPENRL_MODELS entry fails here, not later
     except (ValueError, OSError) as e:
         print(f"openrl-service: {e}", file=sys.stderr)
         return 2
@@ -99,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
             "openrl-service: authentication is OFF (--no-auth/--insecure): every caller is tenant 'default'",
             flush=True,
         )
-    print(f"openrl-service: serving {settings.model} on {url} (data in {settings.data_dir})", flush=True)
+    served = ", ".join(m.spec if m.name is None else f"{m.name}={m.spec}" for m in models)
+    print(f"openrl-service: serving {served} on {url} (data in {settings.data_dir})", flush=True)
     app = create_app(settings)
     if args.exit_with_parent:
         _exit_when_stdin_closes()
@@ -177,7 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve a model over the Tinker API")
     s.add_argument(
-        "--model", default=None, help="tiny (default), a Hugging Face model folder, or a .gguf file"
+        "--model",
+        action="append",
+        default=None,
+        help="tiny (default), tiny-wide, a Hugging Face model folder, or a .gguf file; repeat to serve several "
+        "(each SPEC or NAME=SPEC, optionally @DEVICE; the first is the default; OPENRL_MODELS)",
+    )
+    s.add_argument(
+        "--memory-budget-bytes",
+        type=int,
+        default=None,
+        help="bytes the models may take on each device (default: its free memory; OPENRL_MEMORY_BUDGET_BYTES)",
     )
     s.add_argument("--model-name", default=None, help="the name clients use for the model (default: derived)")
     s.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")

@@ -43,6 +43,12 @@ class Limits:
 class Settings:
     model: str = "tiny"  # "tiny" | HF folder | .gguf file
     model_name: str | None = None  # the name clients use; derived from the model when None
+    # OPENRL_MODELS (comma-separated) / --model repeated: several base models in one service, each
+    # SPEC or NAME=SPEC, optionally @DEVICE (see model_entries); empty: the one ``model`` above
+    models: list[str] = field(default_factory=list)
+    # OPENRL_MEMORY_BUDGET_BYTES / --memory-budget-bytes: what the models may take on each device
+    # (weights + allowance, see models/loading.py); None: the device's free memory at startup
+    memory_budget_bytes: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)
@@ -92,6 +98,20 @@ class Settings:
     vllm_max_model_len: int | None = None  # None: the model's context length
     limits: Limits = field(default_factory=Limits)
 
+    def model_entries(self) -> list[ModelEntry]:
+        """The served models, the first one the default: ``models`` or else ``model``, each parsed
+        as ``[NAME=]SPEC[@DEVICE]`` (``--model-name`` names the model when there is one)."""
+        specs = self.models or [self.model]
+        entries = [parse_model_entry(text) for text in specs]
+        if self.model_name:
+            if len(entries) > 1:
+                raise ValueError(
+                    "--model-name (OPENRL_MODEL_NAME) names the one served model; with several models "
+                    "write each as NAME=SPEC"
+                )
+            entries[0] = dataclasses.replace(entries[0], name=self.model_name)
+        return [dataclasses.replace(e, device=e.device or self.device) for e in entries]
+
     @property
     def loopback(self) -> bool:
         return self.host in LOOPBACK_HOSTS
@@ -101,9 +121,40 @@ class Settings:
         return not (self.no_auth or self.insecure)
 
 
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served model as configured: its spec (tiny | tiny-wide | HF folder | .gguf), the name
+    clients use (None: derived from the model) and its device (None: the best available)."""
+
+    spec: str
+    name: str | None = None
+    device: str | None = None
+
+
+DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:[0-9]+)?)$")
+
+
+def parse_model_entry(text: str) -> ModelEntry:
+    """``[NAME=]SPEC[@DEVICE]`` -> ModelEntry: ``tiny``, ``wide=tiny-wide@cpu``,
+    ``qwen=/models/Qwen2.5-0.5B@cuda:1``. The device suffix counts only when it names a device."""
+    text = text.strip()
+    name, sep, spec = text.partition("=")
+    if not sep:
+        name, spec = None, text
+    head, at, tail = spec.rpartition("@")
+    device = None
+    if at and DEVICE_RE.match(tail):
+        spec, device = head, tail
+    if not spec or (name is not None and (not name.strip() or len(name) > 256)):
+        raise ValueError(f"--model/OPENRL_MODELS: {text!r} must be SPEC or NAME=SPEC, optionally @DEVICE")
+    return ModelEntry(spec, name.strip() if name else None, device)
+
+
 _ENV_FIELDS = {
     "OPENRL_MODEL": ("model", str),
     "OPENRL_MODEL_NAME": ("model_name", str),
+    "OPENRL_MODELS": ("models", lambda v: [m.strip() for m in v.split(",") if m.strip()]),
+    "OPENRL_MEMORY_BUDGET_BYTES": ("memory_budget_bytes", int),
     "OPENRL_HOST": ("host", str),
     "OPENRL_PORT": ("port", int),
     "OPENRL_DATA_DIR": ("data_dir", Path),

@@ -163,12 +163,13 @@ class Lifecycle:
             return 503, {"status": "loading", "state": state.value}
         if state is not State.READY:
             return 503, {"status": state.value, "state": state.value}
-        base = self.svc.base
+        base = self.svc.base  # the default model; "models" lists every served one
         return 200, {
             "status": "ready",
             "state": state.value,
             "model": base.name,
             "device": str(base.device),
+            "models": [{"name": m.name, "device": str(m.base.device)} for m in self.svc.models.values()],
             "fusion": engine.fusion,
         }
 

@@ -1,4 +1,4 @@
-"""A Hugging Face hub mirror of the served model's tokenizer, so ``get_tokenizer()`` works offline.
+"""A Hugging Face hub mirror of the served models' tokenizers, so ``get_tokenizer()`` works offline.
 
 Clients set ``HF_ENDPOINT=http://<service>`` (before ``huggingface_hub`` is imported) and
 ``HF_TOKEN=<their API key>`` (sent as ``Authorization: Bearer``); ``AutoTokenizer.from_pretrained(
@@ -9,7 +9,7 @@ Clients set ``HF_ENDPOINT=http://<service>`` (before ``huggingface_hub`` is impo
     GET       /api/models/{repo}/tree/{rev}[/{path}]   a JSON list of files
     HEAD/GET  /{repo}/resolve/{rev}/{file}             the file, with X-Repo-Commit and ETag
 
-``{repo}`` is ``org/name`` or ``name``. Only tokenizer and config files are served, never weights.
+``{repo}`` is ``org/name`` or ``name``: the name of one of the served models. Only tokenizer and config files are served, never weights.
 The commit sha is the SHA-1 of the served files (names and bytes), so it is stable across restarts
 and changes when a file does. Errors carry ``X-Error-Code`` (RepoNotFound, RevisionNotFound,
 EntryNotFound) because that is how the hub client tells an absent optional file from a failure.
@@ -32,7 +32,8 @@ from fastapi.responses import Response
 
 from openrl_service.api.http import json_response
 from openrl_service.engine.service import TrainingService
-from openrl_service.models.tiny import TINY_MODEL_NAME
+from openrl_service.models.loading import BaseModel
+from openrl_service.models.tiny import tiny_folder_name, tiny_variant
 
 log = logging.getLogger("openrl_service")
 
@@ -108,12 +109,13 @@ def _save_tokenizer(base, target: Path) -> Path:
     return target
 
 
-def tokenizer_folder(svc: TrainingService) -> Path:
-    """Where the served model's tokenizer files live: its own folder, or a cache the mirror fills."""
-    base = svc.require_ready()
+def tokenizer_folder(svc: TrainingService, base: BaseModel | None = None) -> Path:
+    """Where a served model's tokenizer files live (default: the default model's): its own folder,
+    or a cache the mirror fills."""
+    base = base or svc.require_ready()
     source = str(base.source)
-    if source in ("tiny", TINY_MODEL_NAME):
-        folder = Path(svc.settings.data_dir) / "models" / "openrl-tiny"
+    if tiny_variant(source):
+        folder = Path(svc.settings.data_dir) / "models" / tiny_folder_name(tiny_variant(source))
         if (folder / "tokenizer_config.json").is_file():
             return folder
     elif not source.endswith(".gguf"):
@@ -124,9 +126,9 @@ def tokenizer_folder(svc: TrainingService) -> Path:
     return _save_tokenizer(base, Path(svc.settings.data_dir) / "hub" / safe)
 
 
-def build_snapshot(svc: TrainingService) -> Snapshot:
-    base = svc.require_ready()
-    files = _collect(tokenizer_folder(svc))
+def build_snapshot(svc: TrainingService, base: BaseModel | None = None) -> Snapshot:
+    base = base or svc.require_ready()
+    files = _collect(tokenizer_folder(svc, base))
     h = hashlib.sha1()
     for name in sorted(files):
         h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
@@ -151,20 +153,18 @@ def _error(status: int, code: str, message: str) -> Response:
 def build_hub_router(svc: TrainingService) -> APIRouter:
     r = APIRouter(tags=["hub mirror"])
     lock = threading.Lock()
-    cached: list[Snapshot] = []
-
-    def snapshot() -> Snapshot:
-        with lock:
-            if not cached:
-                cached.append(build_snapshot(svc))
-            return cached[0]
+    cached: dict[str, Snapshot] = {}  # model name -> its snapshot, built on first use
 
     def lookup(repo: str, revision: str | None) -> Snapshot | Response:
-        snap = snapshot()
-        if repo != snap.repo:
-            return _error(
-                404, "RepoNotFound", f"Repository {repo!r} not found: this service serves {snap.repo!r}"
-            )
+        svc.require_ready()
+        model = svc.models.get(repo)
+        if model is None:
+            served = ", ".join(repr(n) for n in svc.models)
+            return _error(404, "RepoNotFound", f"Repository {repo!r} not found: this service serves {served}")
+        with lock:
+            if repo not in cached:
+                cached[repo] = build_snapshot(svc, model.base)
+            snap = cached[repo]
         if revision not in (None, "main", snap.sha):
             return _error(404, "RevisionNotFound", f"Revision {revision!r} not found in {repo!r}")
         return snap

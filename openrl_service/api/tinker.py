@@ -178,7 +178,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             raise UserError(f"body is not a valid ForwardBackwardRequest protobuf ({e})", field="body") from e
         if not msg.model_id:
             raise UserError("model_id is required", field="model_id")
-        base = svc.require_ready()
+        base = svc.base_of_run(tenant(request), msg.model_id)
         try:
             data: Any = decode_datums(
                 msg,
@@ -350,7 +350,10 @@ def build_router(svc: TrainingService) -> APIRouter:
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None:
             last_n = integer(last_n, "prompt_logprobs_last_n", 1)
-        params = svc.sampling_params(field(body, "sampling_params", dict, required=False, default={}))
+        params = svc.sampling_params(
+            field(body, "sampling_params", dict, required=False, default={}),
+            svc.base_of_sampler(tenant(request), sampler_id),
+        )
         rec = svc.sample(
             tenant(request),
             sampler_id=sampler_id,

@@ -23,6 +23,10 @@ Designed like a database's redo log (see docs/architecture.md, Durability):
   result is in the snapshot) is answered from its result, never run twice. Ops are deterministic on
   a given machine (seeded sampling; fusion off is bit-exact), so replay rebuilds the exact state.
   Idle clocks restart: an outage is not a client's silence.
+- **Models**: every run and sampler names its base model. A restart may serve more models, or
+  fewer, but it refuses to start (naming the model and what uses it) when the snapshot or the
+  journal holds a live run or sampler of a model it no longer serves: dropping them silently would
+  lose acknowledged work. Finish those sessions first, or serve that model too.
 """
 
 from __future__ import annotations
@@ -302,7 +306,8 @@ class Durability:
                         n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
                     },
                     "optimizer": {
-                        k: tensor_data(v) for k, v in type(svc.trainer).optimizer_tensors(st).items()
+                        k: tensor_data(v)
+                        for k, v in type(svc.model_of(run).trainer).optimizer_tensors(st).items()
                     },
                     "steps": st.steps,
                     "pending_backward": st.pending_backward,
@@ -339,7 +344,8 @@ class Durability:
         ]
         return {
             "version": STATE_VERSION,
-            "base_model": svc.base.name if svc.base else None,
+            "base_model": svc.base.name if svc.base else None,  # the default model
+            "base_models": list(svc.models),
             "sessions": [vars(s).copy() for s in list(svc.sessions.values())],
             "ended": dict(svc._ended),
             "evicted": dict(svc._evicted),
@@ -360,14 +366,18 @@ class Durability:
         records: list[tuple] = []
         if snap is not None:
             first, state = snap
-            self._restore(state)
             records += state.get("pending", [])
         records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
-        for record in records:
-            if record[0] == "meta":
-                self._check_model(record[1].get("base_model"))
+        self._check_models(state if snap is not None else None, records)
+        if snap is not None:
+            self._restore(state)
         self.journal.open(self.journal.next_segment())
-        self.journal.append(("meta", {"base_model": self.svc.base.name, "version": STATE_VERSION}))
+        meta = {
+            "base_model": self.svc.base.name,
+            "base_models": list(self.svc.models),
+            "version": STATE_VERSION,
+        }
+        self.journal.append(("meta", meta))
         seen: set[str] = set()
         later = [r for r in records if not self._replay(r, seen)]
         if later:
@@ -392,13 +402,66 @@ class Durability:
             )
         return len(seen)
 
-    def _check_model(self, name: str | None) -> None:
-        """Refuse a journal written for another base model (before anything replaces it)."""
-        if name not in (None, self.svc.base.name):
+    def _check_models(self, state: dict | None, records: list[tuple]) -> None:
+        """Refuse, before anything is restored, a snapshot or journal holding runs or samplers of a
+        model this service does not serve. Records written without a model name (the default then)
+        get the default model of their time, so a replay creates them on the same model."""
+        served = self.svc.models
+        default = state.get("base_model") if state is not None else None
+        used: dict[str, str] = {}  # model -> one thing that uses it, for the message
+        if state is not None:
+            for r in state["runs"]:
+                used.setdefault(r["base_model"], f"run {r['run_id']}")
+            for e in state["samplers"]:
+                used.setdefault(e["base_model"], f"sampler {e['sampler_id']}")
+        for record in records:
+            if record[0] == "meta":
+                default = record[1].get("base_model")
+                continue
+            name, what = self._record_model(record, default)
+            if name is not None:
+                used.setdefault(name, what)
+        missing = {m: what for m, what in used.items() if m not in served}
+        if missing:
+            listed = "; ".join(f"{m!r} (e.g. {what})" for m, what in missing.items())
             raise RuntimeError(
-                f"the data dir's journal is for model {name!r}, this service serves "
-                f"{self.svc.base.name!r}; start it with that model or another --data-dir"
+                f"the data dir's state holds live runs or samplers of models this service does not serve: "
+                f"{listed}. It serves {', '.join(repr(n) for n in served)}. Start it with those models too "
+                "(--model, OPENRL_MODELS), finish their sessions with the old set first, or use another --data-dir"
             )
+
+    def _record_model(self, record: tuple, default: str | None) -> tuple[str | None, str]:
+        """The model a journal record creates a run or sampler on (None: it creates neither); a
+        missing name is filled in with ``default``, the default model when it was written."""
+        kind = record[0]
+        if kind == "call" and record[2] in ("create_model", "create_from_state"):
+            args = record[3]
+            if record[2] == "create_model" and args.get("base_model") is None:
+                args["base_model"] = default
+            name = args.get("base_model") or self._manifest_model(args.get("tenant"), args.get("path"))
+            return name, f"the run created by request {record[1]}"
+        if kind == "sampler":
+            _, tenant, args = record
+            if args.get("base_model") is None and args.get("model_path") is None:
+                args["base_model"] = default
+            name = args.get("base_model") or self._manifest_model(tenant, args.get("model_path"))
+            return name, f"sampler {args.get('session_id')}:sample:{args.get('seq_id')}"
+        if kind == "native" and record[2] == "create":
+            inputs = record[3]
+            if inputs.get("base_model") is None:
+                inputs["base_model"] = default
+            return inputs["base_model"], f"notebook run {inputs.get('name')!r}"
+        return None, ""
+
+    def _manifest_model(self, tenant: str | None, path: str | None) -> str | None:
+        """The base model a checkpoint was trained on; None when it cannot be read (the replay then
+        refuses the request as it would have)."""
+        from openrl_service.storage.checkpoints import parse_tinker_path
+
+        try:
+            return self.svc.store.manifest(tenant, parse_tinker_path(path)).get("base_model")
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint is the replay's to refuse
+            return None
 
     def _restore(self, state: dict) -> None:
         from openrl_service.engine.registry import RunState, SamplerEntry
@@ -406,8 +469,6 @@ class Durability:
         svc = self.svc
         if state.get("version") != STATE_VERSION:
             raise RuntimeError(f"snapshot format {state.get('version')} is not {STATE_VERSION}")
-        self._check_model(state["base_model"])
-        device = svc.base.device
         for fields in state["sessions"]:
             svc.restore_session(fields)
         svc._ended.update(state["ended"])
@@ -426,8 +487,10 @@ class Durability:
             )
             t = r["state"]
             if t is not None:
-                st = svc.trainer.state_for(adapter_from(r["spec"], t["weights"], device, trainable=True))
-                type(svc.trainer).load_optimizer_tensors(
+                trainer = svc.model_of(run).trainer
+                device = trainer.base.device
+                st = trainer.state_for(adapter_from(r["spec"], t["weights"], device, trainable=True))
+                type(trainer).load_optimizer_tensors(
                     st, {k: tensor_from(v, "cpu") for k, v in t["optimizer"].items()}
                 )
                 for name, p in st.adapter.named_parameters():
@@ -441,6 +504,7 @@ class Durability:
         for e in state["samplers"]:
             adapter = None
             if e["weights"] is not None:
+                device = svc.models[e["base_model"]].base.device
                 adapter = adapter_from(e["spec"], e["weights"], device, trainable=False)
             svc.samplers[e["sampler_id"]] = SamplerEntry(
                 e["sampler_id"],

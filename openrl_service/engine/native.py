@@ -226,9 +226,9 @@ class NativeRuns:
         return nr
 
     async def create(self, tenant: str, body: dict, idem: tuple | None = None) -> dict:
-        """Create a run; the reply describes it (201)."""
-        base = self.svc.require_ready()
-        defaults = base.defaults
+        """Create a run on ``base_model`` (default: the service's first model); the reply describes it (201)."""
+        model = self.svc.served(body.get("base_model"))
+        defaults = model.base.defaults
         name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
         if not isinstance(name, str) or not 0 < len(name) <= 128:
             raise UserError("name must be a string of 1-128 characters", field="name")
@@ -240,10 +240,10 @@ class NativeRuns:
         )
         seed = body.get("seed")
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
-        self.svc._check_base_model(body.get("base_model"))
         inputs = {
             "tenant": tenant,
             "name": name,
+            "base_model": model.name,
             "spec": spec,
             "seed": seed,
             "user_metadata": self.svc.check_metadata(body.get("user_metadata")),
@@ -273,7 +273,7 @@ class NativeRuns:
             tenant,
             session_id=sess.session_id,
             model_seq_id=0,
-            base_model=None,
+            base_model=inputs.get("base_model"),  # absent in intents journaled by one-model versions
             spec=inputs["spec"],
             seed=inputs["seed"],
             user_metadata=inputs["user_metadata"],
@@ -341,8 +341,7 @@ class NativeRuns:
                 del self.samples[sid]
 
     # -- sampling -------------------------------------------------------------------------------
-    def _encode(self, prompt: Any, i: int, chat: bool) -> list[int]:
-        tok = self.svc.base.tokenizer
+    def _encode(self, tok: Any, prompt: Any, i: int, chat: bool) -> list[int]:
         if isinstance(prompt, str):
             if chat and getattr(tok, "chat_template", None):
                 ids = tok.apply_chat_template(
@@ -380,18 +379,19 @@ class NativeRuns:
                 field="prompts",
             )
         chat = body.get("chat", True)
-        encoded = [self._encode(p, i, bool(chat)) for i, p in enumerate(prompts)]
+        base = self.svc.model_of(nr.run).base
+        encoded = [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
         raw = {
             k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in body
         }
-        params = self.svc.sampling_params(raw)
+        params = self.svc.sampling_params(raw, base)
         num = body.get("num_samples", 1)
         # Validate each prompt as the Tinker path does (limits, context length, vocabulary) before queueing.
         jobs = []
         for i, toks in enumerate(encoded):
             if not toks:
                 raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
-            job_params = self.svc.check_sample(toks, num, params)
+            job_params = self.svc.check_sample(toks, num, params, base=base)
             seed = None if job_params.seed is None else job_params.seed + 7_919 * i
             jobs.append(
                 SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
@@ -414,10 +414,11 @@ class NativeRuns:
         # One batched decode of this call's prompts (with fusion on, other runs' ready sampling joins).
         rec = self.svc.sample_run(tenant, run_id, inputs["seq"], jobs, None)
         outs = await self._result(rec)
-        tok = self.svc.base.tokenizer
+        base = self.svc.model_of(nr.run).base
+        tok = base.tokenizer
         samples = []
         for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
-            stop_ids = set(job.params.stop_token_ids) or set(self.svc.base.eos_token_ids)
+            stop_ids = set(job.params.stop_token_ids) or set(base.eos_token_ids)
             for sid, seq in zip(inputs["sample_ids"][i], out.sequences, strict=True):
                 self._store(sid, StoredSample(run_id, tenant, job.prompt, seq.tokens, seq.logprobs))
                 text_tokens = (
@@ -466,7 +467,8 @@ class NativeRuns:
         if loss not in RL_LOSSES:
             raise UserError(f"loss must be one of {', '.join(RL_LOSSES)}; got {loss!r}", field="loss")
         config = check_loss(loss, body.get("loss_config") or {})
-        adam = _adam(body.get("optimizer") or {}, self.svc.base.defaults)
+        base = self.svc.model_of(nr.run).base
+        adam = _adam(body.get("optimizer") or {}, base.defaults)
         data = []
         for i, item in enumerate(items):
             where = f"samples[{i}]"
@@ -504,7 +506,7 @@ class NativeRuns:
             )
         if not data:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
-        self.svc.validate_datums(data, loss)
+        self.svc.validate_datums(data, loss, base)
         inputs = {
             "tenant": tenant,
             "run_id": run_id,

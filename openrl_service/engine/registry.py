@@ -1,12 +1,13 @@
 """Who owns what: sessions, training runs and samplers, their tenants, quotas and idle reaping.
 
 Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provides ``settings``,
-``limits``, ``store``, ``engine``, ``base``, ``require_ready`` and the validation of
+``limits``, ``store``, ``engine``, ``models``, ``require_ready`` and the validation of
 :class:`~openrl_service.engine.validation.Validation`. Every object belongs to a tenant; another
 tenant gets "not found".
 
+    ServedModel    one base model the service serves, with its own trainer and sampler
     SessionRecord  a client connection (Tinker ServiceClient, or one notebook run); owns runs and samplers
-    RunState       one LoRA training run: adapter + optimizer + gradients, ordered by seq_id
+    RunState       one LoRA training run on one base model: adapter + optimizer + gradients, ordered by seq_id
     SamplerEntry   an immutable adapter snapshot (or the bare base model, or a checkpoint) to sample
 """
 
@@ -28,9 +29,22 @@ from openrl_service.errors import NotFound, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
 from openrl_service.training.lora import Adapter, LoraSpec
-from openrl_service.training.trainer import TrainState
+from openrl_service.training.trainer import Trainer, TrainState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    """One base model the service serves, with its own trainer and sampler (made on the worker)."""
+
+    base: BaseModel
+    trainer: Trainer
+    sampler: Any  # TorchSampler, or what TrainingService._make_sampler makes
+
+    @property
+    def name(self) -> str:
+        return self.base.name
 
 
 @dataclass
@@ -125,7 +139,7 @@ class Registry:
     durability: Durability
     store: CheckpointStore
     engine: Engine
-    base: BaseModel | None
+    models: dict[str, ServedModel]
     sessions: dict[str, SessionRecord]
     runs: dict[str, RunState]
     samplers: dict[str, SamplerEntry]
@@ -263,14 +277,44 @@ class Registry:
             raise NotFound(f"unknown model_id {model_id!r}", field="model_id")
         return run
 
-    def _check_base_model(self, name: str | None, field_name: str = "base_model") -> str:
-        base = self.require_ready()
-        if name is not None and name != base.name:
+    def served(self, name: str | None, field_name: str = "base_model") -> ServedModel:
+        """The served model ``name`` (None: the default, the first one); NotFound names the field and
+        lists the served models."""
+        default = self.require_ready()
+        model = self.models.get(default.name if name is None else name)
+        if model is None:
+            served = ", ".join(repr(n) for n in self.models)
             raise NotFound(
-                f"{field_name}: model {name!r} is not served here; this service serves {base.name!r}",
+                f"{field_name}: model {name!r} is not served here; this service serves {served}",
                 field=field_name,
             )
-        return base.name
+        return model
+
+    def _check_base_model(self, name: str | None, field_name: str = "base_model") -> str:
+        """The served model's name for ``name`` (None: the default model's)."""
+        return self.served(name, field_name).name
+
+    def model_of(self, owner: RunState | SamplerEntry) -> ServedModel:
+        """The model a run or sampler was made on."""
+        model = self.models.get(owner.base_model)
+        if model is None:  # recovery refuses state of unserved models; this is a safety net
+            raise NotFound(f"model {owner.base_model!r} is not served here", field="base_model")
+        return model
+
+    def base_of_run(self, tenant: str, model_id: str) -> BaseModel:
+        """The base model of run ``model_id``, or the default one when there is no such run (the op
+        that follows then refuses it)."""
+        run = self.runs.get(model_id)
+        if run is not None and run.tenant == tenant and run.base_model in self.models:
+            return self.models[run.base_model].base
+        return self.require_ready()
+
+    def base_of_sampler(self, tenant: str, sampler_id: str) -> BaseModel:
+        """The base model of sampler ``sampler_id``, or the default one when there is no such sampler."""
+        entry = self.samplers.get(sampler_id)
+        if entry is not None and entry.tenant == tenant and entry.base_model in self.models:
+            return self.models[entry.base_model].base
+        return self.require_ready()
 
     def _check_run_quota(self, tenant: str) -> None:
         n = sum(1 for r in self.runs.values() if r.tenant == tenant)
@@ -289,10 +333,10 @@ class Registry:
         spec: LoraSpec,
         seed: int,
         user_metadata: dict | None,
+        base_model: str,
     ) -> RunState:
         integer(model_seq_id, "model_seq_id", 0)
         run_id = f"{session.session_id}:train:{model_seq_id}"
-        base = self.require_ready()
         with self._lock:
             existing = self.runs.get(run_id)
             if existing is not None:
@@ -304,7 +348,7 @@ class Registry:
                 session_id=session.session_id,
                 spec=spec,
                 seed=seed,
-                base_model=base.name,
+                base_model=base_model,
                 user_metadata=dict(user_metadata or {}),
             )
             self.runs[run_id] = run
@@ -335,7 +379,7 @@ class Registry:
 
     def get_info(self, tenant: str, model_id: str) -> dict:
         run = self.run(tenant, model_id)
-        base = self.require_ready()
+        base = self.model_of(run).base
         return {
             "type": "get_info",
             "model_id": run.run_id,
@@ -415,16 +459,19 @@ class Registry:
             "model_path": model_path,
         }
         if model_path is None:
-            name = self._check_base_model(base_model)
+            name = args["base_model"] = self._check_base_model(base_model)  # journaled resolved
             self.durability.append(("sampler", tenant, args))
             self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
             return sampler_id
         ref = parse_tinker_path(model_path, field="model_path")
         manifest = self.store.manifest(tenant, ref)
-        name = self._check_base_model(manifest.get("base_model"), "model_path")
-        self.check_adapter_file(tenant, ref, spec_from_manifest(manifest), "model_path")
-        if base_model is not None:
-            self._check_base_model(base_model)
+        model = self.served(manifest.get("base_model"), "model_path")
+        name = model.name
+        self.check_adapter_file(tenant, ref, spec_from_manifest(manifest), "model_path", base=model.base)
+        if base_model is not None and self._check_base_model(base_model) != name:
+            raise UserError(
+                f"base_model: {ref.path} was trained on {name!r}, not {base_model!r}", field="base_model"
+            )
         self.durability.append(("sampler", tenant, args))
         self._add_sampler(
             SamplerEntry(

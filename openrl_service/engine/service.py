@@ -13,12 +13,19 @@ the result, the loss sum and the gradient are bit-identical to running the call 
 call stays atomic: if a later chunk fails (or the run is closed), the run's gradients are exactly as
 they were before the call. Sampling requests over a queue limit are refused (429, see
 :mod:`~openrl_service.engine.scheduler`); training requests are always queued.
+
+Several base models: each served model (``--model`` repeated, ``OPENRL_MODELS``) has its own
+trainer, sampler and device (:class:`~openrl_service.engine.registry.ServedModel`, all made on the
+worker at startup after the memory budget check). A run or sampler names its model
+(``base_model``), and every op uses that model's trainer, sampler, device and tokenizer; fused calls
+join only ops of one model (the fusion key names it). The first model is the default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -33,11 +40,11 @@ from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
 from openrl_service.engine.futures import FutureRecord, FutureStore
-from openrl_service.engine.registry import Registry, RunState, SamplerEntry, spec_from_manifest
+from openrl_service.engine.registry import Registry, RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.scheduler import Engine, Fusable, Op
 from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError
-from openrl_service.models.loading import BaseModel, load_base_model
+from openrl_service.models.loading import BaseModel, check_memory_budget, estimate_need, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
 from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
@@ -82,14 +89,10 @@ class TrainingService(Registry, Validation):
             retry_after_s=settings.backpressure_retry_after_s,
             fusion=settings.fusion,
             fusion_max_tokens=settings.fusion_max_tokens or settings.microbatch_tokens,
-            fusers={
-                "train": lambda items: self.trainer.forward_backward_fused(items),
-                "sample": self._fused_sample,
-            },
+            fusers={},  # "train:<model>" and "sample:<model>", one pair per model, set as they load
         )
-        self.base: BaseModel | None = base
-        self.trainer: Trainer | None = None
-        self.sampler: CountingSampler | None = None
+        self._preloaded = base  # a model loaded by the caller: served as the first (default) one
+        self.models: dict[str, ServedModel] = {}  # name -> model, the default first; set by _setup
         self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
         self._init_registry()
         self.durability = Durability(self)
@@ -100,31 +103,72 @@ class TrainingService(Registry, Validation):
         self.engine.start(setup=self._setup)
 
     def _setup(self) -> None:
+        """On the worker: check the memory budget, then load every model and make its trainer and
+        sampler (a failure is reported by /readyz and the log)."""
         s = self.settings
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
-        if self.base is None:
-            self.base = load_base_model(s.model, data_dir=s.data_dir, name=s.model_name, device=s.device)
-        self.trainer = Trainer(self.base, microbatch_tokens=s.microbatch_tokens)
-        self.sampler = make_sampler(self.base, s)
+        entries = s.model_entries()
+        preloaded = [self._preloaded] if self._preloaded is not None else []
+        entries = entries[len(preloaded) :]
+        needs = [estimate_need(e.spec, name=e.name, data_dir=s.data_dir, device=e.device) for e in entries]
+        check_memory_budget(needs, s.memory_budget_bytes)
+        bases = preloaded + [
+            load_base_model(e.spec, data_dir=s.data_dir, name=e.name, device=e.device) for e in entries
+        ]
+        models: dict[str, ServedModel] = {}
+        for base in bases:
+            if base.name in models:
+                raise ValueError(
+                    f"two models are named {base.name!r} ({models[base.name].base.source} and {base.source}); "
+                    "name them apart with NAME=SPEC"
+                )
+            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens)
+            models[base.name] = ServedModel(base, trainer, self._make_sampler(base))
+            self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
+            self.engine.fusers[f"sample:{base.name}"] = functools.partial(self._fused_sample, base.name)
+        self.models = models
+
+    def _make_sampler(self, base: BaseModel) -> CountingSampler:
+        """The sampler of one served model (the one place a sampler is made): --sampler picks it."""
+        return make_sampler(base, self.settings)
+
+    # The default (first) model's parts, for code that serves one model (telemetry, tests).
+    @property
+    def base(self) -> BaseModel | None:
+        first = next(iter(self.models.values()), None)
+        return first.base if first is not None else self._preloaded
+
+    @property
+    def trainer(self) -> Trainer | None:
+        first = next(iter(self.models.values()), None)
+        return first.trainer if first is not None else None
+
+    @property
+    def sampler(self) -> CountingSampler | None:
+        first = next(iter(self.models.values()), None)
+        return first.sampler if first is not None else None
 
     def stop(self) -> None:
         self.engine.stop()
-        if self.sampler is not None and not self.engine.alive:
-            self.sampler.close()  # vLLM's engine, shut down explicitly
+        if not self.engine.alive:
+            for m in self.models.values():
+                m.sampler.close()  # vLLM's engine, shut down explicitly
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         return self.engine.ready.wait(timeout_s)
 
     def require_ready(self) -> BaseModel:
+        """The default model, once every model is loaded (else NotReady)."""
         if self.engine.setup_error is not None:
             raise NotReady(f"the model failed to load: {self.engine.setup_error}")
-        if not self.engine.ready.is_set() or self.base is None:
+        if not self.engine.ready.is_set() or not self.models:
             raise NotReady("the model is still loading; retry shortly")
-        return self.base
+        return next(iter(self.models.values())).base
 
     def capabilities(self) -> list[dict]:
-        return [self.require_ready().capability()]
+        self.require_ready()
+        return [m.base.capability() for m in self.models.values()]
 
     # -- run ops --------------------------------------------------------------------------------
     def create_model(
@@ -140,16 +184,17 @@ class TrainingService(Registry, Validation):
         idem: str | None,
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
-        self._check_base_model(base_model)
+        base_model = self._check_base_model(base_model)  # journaled resolved: a replay uses this model
         user_metadata = self.check_metadata(user_metadata)
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         call = self.durability.call(
             "create_model", locals()
         )  # with the seed drawn: a replay makes the same weights
-        run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata)
+        run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata, base_model)
+        trainer = self.models[base_model].trainer
 
         def work():
-            run.state = self.trainer.new_state(spec, seed)
+            run.state = trainer.new_state(spec, seed)
             self._write_run_meta(run)
             return {"model_id": run.run_id}
 
@@ -177,19 +222,22 @@ class TrainingService(Registry, Validation):
                 field="path",
             )
         manifest = self.store.manifest(tenant, ref)  # NotFound for foreign or absent checkpoints
-        self._check_base_model(manifest.get("base_model"), "path")
-        if base_model is not None:
-            self._check_base_model(base_model)
+        model = self.served(manifest.get("base_model"), "path")
+        if base_model is not None and self._check_base_model(base_model) != model.name:
+            raise UserError(
+                f"base_model: {ref.path} was trained on {model.name!r}, not {base_model!r}",
+                field="base_model",
+            )
         spec = spec_from_manifest(manifest)
-        self.check_adapter_file(tenant, ref, spec)
+        self.check_adapter_file(tenant, ref, spec, base=model.base)
         run = self._register_run(
-            tenant, sess, model_seq_id, spec, int(manifest.get("seed", 0)), user_metadata
+            tenant, sess, model_seq_id, spec, int(manifest.get("seed", 0)), user_metadata, model.name
         )
 
         def work():
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
-            adapter = adapter_from_peft(spec, tensors, device=self.base.device, trainable=True)
-            state = self.trainer.state_for(adapter)
+            adapter = adapter_from_peft(spec, tensors, device=model.base.device, trainable=True)
+            state = model.trainer.state_for(adapter)
             if opt is not None:
                 Trainer.load_optimizer_tensors(state, opt)
             run.state = state
@@ -293,10 +341,12 @@ class TrainingService(Registry, Validation):
             if isinstance(data, UserError):
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
-            self.validate_datums(data, loss_fn)
+            self.validate_datums(data, loss_fn, self.model_of(run).base)
 
             def work():
-                out = self._forward_backward(self._state(run), data, loss_fn, config, forward_only)
+                out = self._forward_backward(
+                    self._state(run), data, loss_fn, config, forward_only, self.model_of(run).trainer
+                )
                 crashpoints.hit("forward_backward")
                 return out
 
@@ -326,15 +376,16 @@ class TrainingService(Registry, Validation):
         more than one micro-batch (it then runs alone, one micro-batch per turn)."""
         if not self.settings.fusion:
             return None
+        trainer = self.model_of(run).trainer
         lengths = [len(d.tokens) for d in data]
-        if len(self.trainer._microbatches(lengths)) > 1:
+        if len(trainer._microbatches(lengths)) > 1:
             return None
         return Fusable(
-            key="train",
+            key=f"train:{run.base_model}",  # fused passes join runs of one base model only
             size=len(data) * max(lengths),
             rows=len(data),
             width=max(lengths),
-            limit=self.trainer.microbatch_tokens,  # the trainer's own cap (fp32 logits ≤ 2 GiB) included
+            limit=trainer.microbatch_tokens,  # the trainer's own cap (fp32 logits ≤ 2 GiB) included
             prepare=lambda: FusedItem(self._state(run), data, loss_fn, config, forward_only),
             finish=finish or (lambda result: result),
         )
@@ -346,15 +397,19 @@ class TrainingService(Registry, Validation):
         loss_fn: str,
         config: dict,
         forward_only: bool,
+        trainer: Trainer | None = None,
     ) -> ForwardResult | Generator[int, None, ForwardResult]:
-        """One micro-batch: run it now. Several: a generator the scheduler steps one micro-batch per turn."""
-        plan = self.trainer._microbatches([len(d.tokens) for d in data])
+        """One micro-batch: run it now. Several: a generator the scheduler steps one micro-batch per turn.
+        ``trainer``: the run's model's (None: the default model's)."""
+        trainer = trainer or self.trainer
+        plan = trainer._microbatches([len(d.tokens) for d in data])
         if len(plan) <= 1:
-            return self.trainer.forward_backward(state, data, loss_fn, config, forward_only=forward_only)
-        return self._chunked_forward_backward(state, data, plan, loss_fn, config, forward_only)
+            return trainer.forward_backward(state, data, loss_fn, config, forward_only=forward_only)
+        return self._chunked_forward_backward(trainer, state, data, plan, loss_fn, config, forward_only)
 
     def _chunked_forward_backward(
         self,
+        trainer: Trainer,
         state: TrainState,
         data: list[DatumArrays],
         plan: list[list[int]],
@@ -374,7 +429,7 @@ class TrainingService(Registry, Validation):
         total, ntok, stats = 0.0, 0, {}
         with contextlib.nullcontext() if forward_only else accumulating_grads([state]):
             for k, idx in enumerate(plan):
-                part = self.trainer.forward_backward(
+                part = trainer.forward_backward(
                     state, [data[i] for i in idx], loss_fn, config, forward_only=forward_only
                 )
                 for i, lp in zip(idx, part.logprobs, strict=True):
@@ -397,7 +452,7 @@ class TrainingService(Registry, Validation):
 
             def work():
                 crashpoints.hit("before_optim_step")
-                return {"metrics": self.trainer.optim_step(self._state(run), adam)}
+                return {"metrics": self.model_of(run).trainer.optim_step(self._state(run), adam)}
 
             return work
 
@@ -444,7 +499,9 @@ class TrainingService(Registry, Validation):
                     run.tenant,
                     ref,
                     adapter=st.adapter.peft_state_dict(),
-                    adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
+                    adapter_config=peft_adapter_config(
+                        run.spec, self.model_of(run).base.targets, run.base_model
+                    ),
                     optimizer=Trainer.optimizer_tensors(st),
                     manifest={
                         **self._manifest(run),
@@ -487,12 +544,13 @@ class TrainingService(Registry, Validation):
                     f"this run has rank {run.spec.rank}",
                     field="path",
                 )
-            self.check_adapter_file(run.tenant, ref, run.spec)  # same layers, same shapes
+            base = self.model_of(run).base
+            self.check_adapter_file(run.tenant, ref, run.spec, base=base)  # same layers, same shapes
 
             def work():
                 manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
                 st = self._state(run)
-                loaded = adapter_from_peft(run.spec, tensors, device=self.base.device, trainable=False)
+                loaded = adapter_from_peft(run.spec, tensors, device=base.device, trainable=False)
                 with torch.no_grad():
                     for n, (a, b) in st.adapter.weights.items():
                         a.copy_(loaded.weights[n][0])
@@ -590,7 +648,7 @@ class TrainingService(Registry, Validation):
                 run.tenant,
                 ref,
                 adapter=st.adapter.peft_state_dict(),
-                adapter_config=peft_adapter_config(run.spec, self.base.targets, run.base_model),
+                adapter_config=peft_adapter_config(run.spec, self.model_of(run).base.targets, run.base_model),
                 optimizer=None,
                 manifest={**self._manifest(run), "user_metadata": meta, "expires_at": expires_at},
                 overwrite=True,
@@ -618,14 +676,16 @@ class TrainingService(Registry, Validation):
                 adapter = self._state(run).adapter
                 return [dataclasses.replace(j, adapter=adapter) for j in jobs]
 
+            sampler = self.model_of(run).sampler
+
             def work():
-                outs = self.sampler.sample_many(resolved())
+                outs = sampler.sample_many(resolved())
                 crashpoints.hit("sample")
                 self._note_backend(run.run_id, outs)
                 return outs
 
             return work, self.sample_fusable(
-                resolved, jobs, lambda outs: self._note_backend(run.run_id, outs)
+                resolved, jobs, lambda outs: self._note_backend(run.run_id, outs), model=run.base_model
             )
 
         return self.run_op(
@@ -647,9 +707,10 @@ class TrainingService(Registry, Validation):
         return dataclasses.replace(params, seed=random.SystemRandom().randrange(2**62))
 
     def sample_fusable(
-        self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish
+        self, jobs: Callable[[], list[SampleJob]], sizes: list[SampleJob], finish, *, model: str | None = None
     ) -> Fusable | None:
-        """How a sampling op joins a fused generate; ``jobs()`` resolves the adapters on the worker.
+        """How a sampling op joins a fused generate of its base model ``model`` (the fusion key names
+        it; None: key "sample"); ``jobs()`` resolves the adapters on the worker.
 
         None (it runs alone) with fusion off or when a job asks for prompt logprobs (a full-prompt
         pass the others would wait on). Otherwise its rows are its samples, each padded to the longest
@@ -661,7 +722,7 @@ class TrainingService(Registry, Validation):
         rows = sum(j.num_samples for j in sizes)
         width = max(len(j.prompt) + (j.params.max_tokens or 0) for j in sizes)
         return Fusable(
-            key="sample",
+            key="sample" if model is None else f"sample:{model}",
             size=rows * width,
             rows=rows,
             width=width,
@@ -670,14 +731,15 @@ class TrainingService(Registry, Validation):
             finish=finish,
         )
 
-    def _fused_sample(self, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
-        """Every member's jobs in one ``sample_many``, ordered so each adapter's rows are one block."""
+    def _fused_sample(self, model: str, parts: list[list[SampleJob]]) -> list[list[SampleOutput]]:
+        """Every member's jobs (all on the base model ``model``) in one ``sample_many``, ordered so
+        each adapter's rows are one block."""
         jobs = [j for part in parts for j in part]
         first: dict[int, int] = {}
         for j in jobs:
             first.setdefault(id(j.adapter), len(first))
         order = sorted(range(len(jobs)), key=lambda i: first[id(jobs[i].adapter)])
-        outs = self.sampler.sample_many([jobs[i] for i in order])
+        outs = self.models[model].sampler.sample_many([jobs[i] for i in order])
         by_job: list[SampleOutput | None] = [None] * len(jobs)
         for out, i in zip(outs, order, strict=True):
             by_job[i] = out
@@ -704,7 +766,10 @@ class TrainingService(Registry, Validation):
             ref = parse_tinker_path(entry.model_path)
             manifest, tensors, _ = self.store.load(entry.tenant, ref)
             adapter = adapter_from_peft(
-                spec_from_manifest(manifest), tensors, device=self.base.device, trainable=False
+                spec_from_manifest(manifest),
+                tensors,
+                device=self.model_of(entry).base.device,
+                trainable=False,
             )
             with self._lock:
                 entry.adapter = adapter
@@ -728,8 +793,11 @@ class TrainingService(Registry, Validation):
         if prior is not None:
             return prior
         entry = self.sampler_entry(tenant, sampler_id)
+        model = self.model_of(entry)
         params = self.seeded(
-            self.check_sample(prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs)
+            self.check_sample(
+                prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs, base=model.base
+            )
         )
         call = self.durability.call("sample", locals())
         job = SampleJob(
@@ -746,7 +814,7 @@ class TrainingService(Registry, Validation):
         rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
 
         def work():
-            out = self.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
+            out = model.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
             crashpoints.hit("sample")
             self._note_backend(sampler_id, [out])
             return out
@@ -763,6 +831,7 @@ class TrainingService(Registry, Validation):
                 lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
                 [job],
                 lambda outs: self._note_backend(sampler_id, outs)[0],
+                model=model.name,
             ),
         )
         return self._queue(op, idem, call)

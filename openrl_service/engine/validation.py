@@ -3,7 +3,8 @@ work is queued, and a refusal names the field, the limit and its setting (ranges
 :mod:`openrl_service.checks`).
 
 Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provides ``settings``,
-``limits``, ``store`` and ``require_ready``.
+``limits``, ``store`` and ``require_ready``. Checks against a model (context length, vocabulary,
+LoRA targets) take the run's or sampler's ``base``; None means the default model.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ class Validation:
             )
         return spec
 
-    def validate_datums(self, data: list[DatumArrays], loss_fn: str) -> None:
-        base = self.require_ready()
+    def validate_datums(self, data: list[DatumArrays], loss_fn: str, base: BaseModel | None = None) -> None:
+        base = base or self.require_ready()
         lim = self.limits
         if not data:
             raise UserError("data: at least one datum is required", field="data")
@@ -161,9 +162,9 @@ class Validation:
                         f"{where}.loss_fn_inputs.{k} contains NaN or inf", field=f"{where}.loss_fn_inputs.{k}"
                     )
 
-    def sampling_params(self, raw: dict) -> SamplingParams:
+    def sampling_params(self, raw: dict, base: BaseModel | None = None) -> SamplingParams:
         """Validate Tinker SamplingParams JSON; errors name the field and the limit."""
-        base = self.require_ready()
+        base = base or self.require_ready()
         lim = self.limits
         raw = raw or {}
         max_tokens = raw.get("max_tokens")  # None: as many as fit (resolved against the prompt in sample)
@@ -232,10 +233,12 @@ class Validation:
         params: SamplingParams,
         topk_prompt: Any = 0,
         topk_sample: Any = 0,
+        *,
+        base: BaseModel | None = None,
     ) -> SamplingParams:
         """Validate one sample request against the limits and the model; returns the params with
         ``max_tokens`` resolved (when omitted: as many as fit the context, up to OPENRL_MAX_TOKENS)."""
-        base = self.require_ready()
+        base = base or self.require_ready()
         lim = self.limits
         integer(num_samples, "num_samples", 1, lim.max_num_samples, setting="OPENRL_MAX_NUM_SAMPLES")
         for name, k in (("topk_prompt_logprobs", topk_prompt), ("topk_sample_logprobs", topk_sample)):
@@ -257,12 +260,18 @@ class Validation:
         return params
 
     def check_adapter_file(
-        self, tenant: str, ref: CheckpointRef, spec: LoraSpec, field_name: str = "path"
+        self,
+        tenant: str,
+        ref: CheckpointRef,
+        spec: LoraSpec,
+        field_name: str = "path",
+        *,
+        base: BaseModel | None = None,
     ) -> None:
         """Refuse, before the worker sees it, a checkpoint whose adapter tensors are not ``spec``'s on
         the served model (a foreign PEFT folder, another rank, other layers): a 400 naming the tensor
         and the expected vs found shape. Reads only the safetensors header."""
-        base = self.require_ready()
+        base = base or self.require_ready()
         file = self.store.folder(tenant, ref) / "adapter_model.safetensors"
         try:
             with safe_open(str(file), "pt") as f:

@@ -1,4 +1,5 @@
-"""Load the one base model a service process serves: the tiny model, an HF folder or a GGUF file."""
+"""Load a base model a service process serves (the tiny models, an HF folder or a GGUF file), and
+estimate before loading what the models need on each device (the memory budget)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from openrl_service.models.tiny import TINY_DEFAULTS, TINY_MODEL_NAME, ensure_tiny_model
+from openrl_service.models.tiny import TINY_DEFAULTS, ensure_tiny_model, tiny_folder_name, tiny_variant
 from openrl_service.training.lora import AdapterRouter, TargetModule, inject_lora
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class BaseModel:
     eos_token_ids: list[int]
     arch: str
     defaults: dict = field(default_factory=dict)
+    folder: Path | None = None  # the Hugging Face folder it was loaded from; None for a GGUF file
 
     def capability(self) -> dict:
         return {
@@ -86,9 +88,10 @@ def load_base_model(
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     defaults = dict(GENERIC_DEFAULTS)
-    if spec in ("tiny", TINY_MODEL_NAME):
-        folder = ensure_tiny_model(Path(data_dir) / "models" / "openrl-tiny")
-        model_name = TINY_MODEL_NAME
+    folder: Path | None = None  # the Hugging Face folder the weights came from (what vLLM loads)
+    if tiny_variant(spec):
+        model_name = tiny_variant(spec)
+        folder = ensure_tiny_model(Path(data_dir) / "models" / tiny_folder_name(model_name), model_name)
         defaults = dict(TINY_DEFAULTS)
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -143,4 +146,132 @@ def load_base_model(
         eos_token_ids=eos,
         arch=type(model).__name__,
         defaults=defaults,
+        folder=folder,
     )
+
+
+# -- the memory budget ---------------------------------------------------------------------------
+# Beyond its weights a served model needs room for its runs and its sampler: LoRA adapters with
+# their gradients and AdamW moments, one micro-batch's activations and logits, the sampler's KV
+# cache. The allowance is stated, not measured: a quarter of the weights plus 64 MiB per model.
+ALLOWANCE_FRACTION = 0.25
+ALLOWANCE_BYTES = 64 << 20
+
+
+@dataclass
+class MemoryNeed:
+    """What one model needs on its device, estimated from its files before anything is loaded."""
+
+    name: str
+    device: torch.device
+    weight_bytes: int
+
+    @property
+    def allowance_bytes(self) -> int:
+        return int(self.weight_bytes * ALLOWANCE_FRACTION) + ALLOWANCE_BYTES
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.allowance_bytes
+
+
+def load_dtype(dev: torch.device) -> torch.dtype:
+    """The dtype a model is loaded in on ``dev``: bfloat16 on CUDA, float32 elsewhere."""
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def parameter_count(spec: str, *, data_dir: Path) -> int:
+    """How many weights the model ``spec`` has, read from its files' headers (nothing is loaded)."""
+    if tiny_variant(spec):
+        name = tiny_variant(spec)
+        files = [
+            ensure_tiny_model(Path(data_dir) / "models" / tiny_folder_name(name), name) / "model.safetensors"
+        ]
+    elif spec.endswith(".gguf"):
+        path = Path(spec).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--model: GGUF file {path} does not exist")
+        from gguf import GGUFReader
+
+        return int(sum(int(t.n_elements) for t in GGUFReader(path).tensors))
+    else:
+        folder = Path(spec).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model: {spec!r} is neither 'tiny', a .gguf file, nor a folder with config.json"
+            )
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:  # pytorch_model*.bin: no header to read; assume 2 bytes per weight
+            return sum(p.stat().st_size for p in folder.glob("pytorch_model*.bin")) // 2
+    from safetensors import safe_open
+
+    count = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                n = 1
+                for d in f.get_slice(key).get_shape():
+                    n *= d
+                count += n
+    return count
+
+
+def estimate_need(spec: str, *, name: str | None, data_dir: Path, device: str | None) -> MemoryNeed:
+    """What the model ``spec`` (called ``name`` in messages) will take on ``device``."""
+    name = name or tiny_variant(spec) or Path(spec).name
+    dev = pick_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    size = torch.tensor([], dtype=load_dtype(dev)).element_size()
+    return MemoryNeed(name, dev, parameter_count(spec, data_dir=data_dir) * size)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for models on ``device``: the CUDA allocator's free bytes, else available RAM
+    (psutil, or /proc/meminfo's MemAvailable); None when it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_memory_budget(needs: list[MemoryNeed], budget_bytes: int | None = None) -> None:
+    """Refuse (ValueError) models that together do not fit their device: per device, the sum of
+    their weights and allowances must be at most ``budget_bytes`` (OPENRL_MEMORY_BUDGET_BYTES),
+    or the device's free memory when no budget is set."""
+    by_device: dict[str, list[MemoryNeed]] = {}
+    for need in needs:
+        by_device.setdefault(str(need.device), []).append(need)
+    for dev, group in by_device.items():
+        total = sum(n.total_bytes for n in group)
+        avail = budget_bytes if budget_bytes is not None else free_bytes(group[0].device)
+        what = "budget (OPENRL_MEMORY_BUDGET_BYTES)" if budget_bytes is not None else "free"
+        parts = ", ".join(
+            f"{n.name} {format_bytes(n.weight_bytes)} weights + {format_bytes(n.allowance_bytes)} allowance"
+            for n in group
+        )
+        log.info(
+            "memory: %s on %s (%s); %s %s", format_bytes(total), dev, parts, format_bytes(avail or 0), what
+        )
+        if avail is not None and total > avail:
+            raise ValueError(
+                f"models need {format_bytes(total)} on {dev}, {format_bytes(avail)} {what}: {parts} (the "
+                f"allowance for adapters, optimizer and KV cache is {ALLOWANCE_FRACTION:.0%} of the weights "
+                f"+ {format_bytes(ALLOWANCE_BYTES)} per model); serve fewer or smaller models, put some on "
+                "another device (NAME=SPEC@DEVICE), or set OPENRL_MEMORY_BUDGET_BYTES"
+            )

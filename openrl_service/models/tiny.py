@@ -6,6 +6,9 @@ parameters). It exists so that the whole service, the SDK conformance suite and 
 on a laptop CPU with no model hub. Llama-shaped (not Qwen2) because vLLM serves LoRA on a Llama's
 ``lm_head`` but not on a Qwen2's, and the tiny model's defaults train the unembedding: with a Qwen2
 the vLLM sampler could not serve the default runs.
+
+`openrl/tiny-wide` (spec ``tiny-wide``) is the same recipe with hidden size 192 (~1.3 M parameters):
+a second, differently shaped model for serving several base models in one service.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import tempfile
 from pathlib import Path
 
 TINY_MODEL_NAME = "openrl/tiny"
+TINY_WIDE_MODEL_NAME = "openrl/tiny-wide"
+# name -> the config fields that differ between the tiny variants (openrl/tiny's bytes never change)
+TINY_SHAPES = {
+    TINY_MODEL_NAME: {"hidden_size": 128, "intermediate_size": 256},
+    TINY_WIDE_MODEL_NAME: {"hidden_size": 192, "intermediate_size": 384},
+}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -90,8 +99,21 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(out_dir: str | os.PathLike) -> Path:
-    """Write the tiny model (config, weights, tokenizer) to ``out_dir``; deterministic bytes."""
+def tiny_variant(spec: str) -> str | None:
+    """The tiny model a ``--model`` spec names ("tiny", "tiny-wide" or the full name), else None."""
+    for name in TINY_SHAPES:
+        if spec in (name, name.removeprefix("openrl/")):
+            return name
+    return None
+
+
+def tiny_folder_name(name: str) -> str:
+    """Where under ``<data_dir>/models`` a tiny variant is built: openrl-tiny, openrl-tiny-wide."""
+    return name.replace("/", "-")
+
+
+def build_tiny_model(out_dir: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
+    """Write the tiny model ``name`` (config, weights, tokenizer) to ``out_dir``; deterministic bytes."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -103,8 +125,7 @@ def build_tiny_model(out_dir: str | os.PathLike) -> Path:
     endoftext, _im_start, im_end, pad = ids
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
+        **TINY_SHAPES[name],
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -131,18 +152,18 @@ def build_tiny_model(out_dir: str | os.PathLike) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         # Drop files whose content is not reproducible or not needed.
-        for name in os.listdir(tmp):
-            shutil.move(os.path.join(tmp, name), out / name)
-    _normalise_json(out)
+        for file in os.listdir(tmp):
+            shutil.move(os.path.join(tmp, file), out / file)
+    _normalise_json(out, name)
     return out
 
 
-def _normalise_json(out: Path) -> None:
+def _normalise_json(out: Path, name: str) -> None:
     """Rewrite JSON files with sorted keys so the bytes never depend on dict order."""
     for path in out.glob("*.json"):
         data = json.loads(path.read_text())
         if path.name == "config.json":
-            data["_name_or_path"] = TINY_MODEL_NAME
+            data["_name_or_path"] = name
         if path.name == "tokenizer_config.json":
             # transformers 5 writes its own class name ("TokenizersBackend"), which 4.x cannot load;
             # PreTrainedTokenizerFast loads the same tokenizer.json in 4.x and 5.x alike.
@@ -161,8 +182,8 @@ def tree_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def ensure_tiny_model(cache_dir: str | os.PathLike) -> Path:
-    """Build the tiny model into ``cache_dir`` once; later calls reuse it."""
+def ensure_tiny_model(cache_dir: str | os.PathLike, name: str = TINY_MODEL_NAME) -> Path:
+    """Build the tiny model ``name`` into ``cache_dir`` once; later calls reuse it."""
     target = Path(cache_dir)
     marker = target / "config.json"
     if marker.exists():
@@ -173,7 +194,7 @@ def ensure_tiny_model(cache_dir: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-build-"))
     try:
-        build_tiny_model(staging)
+        build_tiny_model(staging, name)
         try:
             os.replace(staging, target)
         except OSError:

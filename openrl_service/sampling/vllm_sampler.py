@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from openrl_service.models.loading import BaseModel
-from openrl_service.models.tiny import TINY_MODEL_NAME
 from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput
 from openrl_service.sampling.torch_sampler import TOPK_EMPTY_LOGPROB, TorchSampler
 from openrl_service.training.lora import Adapter, peft_adapter_config
@@ -98,14 +97,14 @@ def trainer_reserve_bytes(base: BaseModel, adapter_bytes: int) -> int:
     return weights + adapter_bytes
 
 
-def model_folder(base: BaseModel, data_dir: Path) -> Path:
-    """The Hugging Face folder vLLM loads: the tiny model's build, or the folder the service loaded."""
-    if base.source in ("tiny", TINY_MODEL_NAME):
-        return Path(data_dir) / "models" / "openrl-tiny"
-    path = Path(base.source).expanduser().resolve()
-    if (path / "config.json").is_file():
-        return path
-    raise ValueError(f"vLLM serves Hugging Face model folders; {base.source!r} is not one (a GGUF file?)")
+def model_folder(base: BaseModel) -> Path:
+    """The Hugging Face folder vLLM loads: the one the service loaded the base model from."""
+    if base.folder is not None and (Path(base.folder) / "config.json").is_file():
+        return Path(base.folder)
+    raise ValueError(
+        f"vLLM serves Hugging Face model folders; {base.source!r} is not one (a GGUF file? convert it to a "
+        "folder, or use --sampler torch)"
+    )
 
 
 @dataclass
@@ -208,8 +207,9 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.base = base
         self.fallback = fallback or TorchSampler(base)
-        self.folder = model_folder(base, data_dir)
-        self.adapter_dir = Path(data_dir) / "vllm-adapters"
+        self.folder = model_folder(base)
+        # one folder per served model: several models' samplers never delete each other's adapters
+        self.adapter_dir = Path(data_dir) / "vllm-adapters" / base.name.replace("/", "-")
         shutil.rmtree(self.adapter_dir, ignore_errors=True)  # folders of a previous process
         self.adapter_dir.mkdir(parents=True, exist_ok=True)
         self.max_lora_rank = vllm_max_lora_rank(max_rank, vllm_lora_ranks())

@@ -293,7 +293,7 @@ def test_a_failed_fused_call_runs_each_member_alone(make_server, caplog):
     def broken(items):
         raise RuntimeError("fused pass exploded")
 
-    live.service.engine.fusers["train"] = broken
+    live.service.engine.fusers["train:openrl/tiny"] = broken  # the fusion key names the model
     with caplog.at_level("WARNING"):
         alone = train_three(live)
     assert "running them one by one" in caplog.text

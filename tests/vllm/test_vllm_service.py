@@ -369,7 +369,7 @@ def test_rl_20_steps_raise_the_letter_reward(vllm_service, monkeypatch):
     assert last - first >= 0.3, means
     assert vllm_service.samples()["vllm"] - before["vllm"] == 20 * 8 * 8
     # one LoRA id per snapshot; the folders of dropped ones are deleted (at most --vllm-max-cpu-loras)
-    folders = len(list((vllm_service.data_dir / "vllm-adapters").iterdir()))
+    folders = len(list((vllm_service.data_dir / "vllm-adapters" / "openrl-tiny").iterdir()))
     assert folders == vllm_service.metrics()["openrl_vllm_resident_adapters"] <= 16
     assert vllm_service.metrics()["openrl_vllm_lora_loads"] >= 20
     assert vllm_service.samples()["torch"] == before["torch"]
