@@ -254,6 +254,12 @@ class VLLMSampler:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             args["kv_cache_memory_bytes"] = int(kv_cache_gb * GIB)
+            # No chunked prefill on CPU: vLLM 0.32 rewinds a seeded request's generator after a partial
+            # prefill (gen.set_offset), which a CPU generator refuses - the engine step dies. Every
+            # request here is seeded, so a batch whose prompts exceed one step's token budget would crash;
+            # whole prompts per step (the budget at least one full-length request) avoid it.
+            args["enable_chunked_prefill"] = False
+            args["max_num_batched_tokens"] = max(max_len, 8192)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gb))))
         self.engine = _start_engine(args)
         self.tokenizer = self.engine.get_tokenizer()
