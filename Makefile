@@ -62,6 +62,7 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API ove
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
 	$(BIN)/python bench/durability.py
+	$(BIN)/python bench/reference.py
 
 bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, speedup vs bound, fairness, fused step
 	$(BIN)/python bench/packing.py
