@@ -12,8 +12,9 @@ merged for sampling. Same fp32, same torch thread count as the service's worker.
 One SFT step = forward/backward on ``--batch`` × ``--tokens`` tokens + one AdamW step. One sample =
 ``--samples`` completions of exactly ``--max-tokens`` tokens (no stop) of one prompt, temperature 1.
 Each mode alternates reference and service repetitions, so both see the same load; medians of
-``--repeats`` after one warm-up. Not a test: it prints a ratio table (targets: SFT ≤ 1.3×,
-sampling ≤ 1.5× the reference).
+``--repeats`` after one warm-up, in wall seconds and in CPU seconds (this process plus the service
+process: steadier than wall time on a shared machine). Not a test: it prints a ratio table (targets:
+SFT ≤ 1.3×, sampling ≤ 1.5× the reference). ``OPENRL_TORCH_THREADS`` sets both sides' thread count.
 
     python bench/reference.py [--repeats 7] [--modes direct engine http] [--json out.json]
 """
