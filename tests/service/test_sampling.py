@@ -139,3 +139,15 @@ def test_saved_sampler_weights_load_in_peft_with_the_same_logits(server, trained
     )
     ours = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
     np.testing.assert_allclose(peft_lp.numpy(), ours, atol=1e-4)
+
+
+def test_batched_draw_picks_what_per_row_multinomial_picks():
+    """Seeded samples keep their tokens: the sampler's batched draw equals torch.multinomial per row."""
+    from openrl_service.sampling.torch_sampler import _draw
+
+    probs = torch.softmax(torch.randn(6, 260, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    ours = [torch.Generator().manual_seed(100 + j) for j in range(6)]
+    torchs = [torch.Generator().manual_seed(100 + j) for j in range(6)]
+    for _ in range(50):
+        want = torch.cat([torch.multinomial(probs[j], 1, generator=g) for j, g in enumerate(torchs)])
+        assert torch.equal(_draw(probs, ours), want)

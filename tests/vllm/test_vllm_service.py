@@ -201,6 +201,22 @@ def test_seeded_samples_reproducible_and_n_samples(vllm_service, taught):
     assert vllm_service.samples()["torch"] == before["torch"]
 
 
+def test_long_seeded_batch_is_served_whole(vllm_service, taught):
+    """Prompts × samples beyond one vLLM step's default token budget (2048): with chunked prefill a
+    seeded request's partial prefill rewinds a CPU generator and the engine step died."""
+    from tinker import types
+
+    before = vllm_service.samples()
+    sampler = taught.save_weights_and_get_sampling_client().result()
+    long_prompt = (PROMPT * 200)[:900]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    a = sampler.sample(types.ModelInput.from_ints(long_prompt), 4, params).result().sequences
+    b = sampler.sample(types.ModelInput.from_ints(long_prompt), 4, params).result().sequences
+    assert [len(s.tokens) for s in a] == [8] * 4 and [s.tokens for s in a] == [s.tokens for s in b]
+    assert vllm_service.samples()["vllm"] - before["vllm"] == 8
+    assert vllm_service.samples()["torch"] == before["torch"]
+
+
 def test_stop_token_and_string_end_with_the_stop(vllm_service, taught):
     before = vllm_service.samples()
     sampler = taught.save_weights_and_get_sampling_client().result()
