@@ -143,7 +143,7 @@ def main() -> int:
         if why is None:
             python, sampler_args, sampler = (
                 VLLM_PYTHON,
-                ["--sampler", "vllm", "--vllm-max-model-len", "1024"],
+                ["--sampler", "vllm", "--vllm-max-model-len", "1024", "--vllm-max-loras", "2"],
                 "vllm",
             )
         elif args.sampler == "vllm":
@@ -187,7 +187,9 @@ def main() -> int:
     ]
     print(f"demo-real: starting the service on {url} (sampler: {sampler}; log {log}) ...", flush=True)
     with open(log, "wb") as logf:
-        proc = subprocess.Popen(argv, env=_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=logf, stderr=logf)
+        # vLLM on CPU pads every LoRA to its max_lora_rank (OPENRL_MAX_RANK): keep it at the demo's rank.
+        env = _env({"OPENRL_MAX_RANK": "8"})
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=logf, stderr=logf)
     try:
         wait_ready(url, proc, log)
         t_ready = time.monotonic()
@@ -201,6 +203,7 @@ def main() -> int:
             "OPENRL_DEMO_LR": str(args.lr),
             "OPENRL_DEMO_MAX_TOKENS": str(args.max_tokens),
             "OPENRL_DEMO_OUT": str(out),
+            "PYTHONPATH": _env()["PYTHONPATH"],  # the kernel imports this checkout's openrl_jupyter
         }
         print(f"demo-real: executing {NOTEBOOK.relative_to(ROOT)} ({args.steps} steps) ...", flush=True)
         try:
