@@ -135,6 +135,7 @@ def serve(data_dir: Path, sampler: str):
             proc.wait()
 
 
+@pytest.mark.timeout(3600)  # a hang guard: on 2 busy cores one torch-sampled step took 5-15 min
 @pytest.mark.parametrize("sampler", ["torch", "vllm"])
 def test_smollm2_serves_samples_and_learns(data_dir, sampler):
     with serve(data_dir, sampler) as (url, key, log), Client(url, token=key, timeout_s=1800) as c:
@@ -147,8 +148,8 @@ def test_smollm2_serves_samples_and_learns(data_dir, sampler):
         greedy = c.sample(run_id, [PROMPTS[0]], num_samples=1, max_tokens=12, temperature=0.0)["samples"]
         assert "Paris" in greedy[0]["text"], greedy[0]["text"]
 
-        for step in range(3):
-            out = c.sample(run_id, PROMPTS, num_samples=4, max_tokens=16, temperature=1.0, seed=10 + step)
+        for step in range(2):
+            out = c.sample(run_id, PROMPTS, num_samples=4, max_tokens=12, temperature=1.0, seed=10 + step)
             samples = out["samples"]
             assert len(samples) == 8
             for s in samples:
@@ -173,8 +174,8 @@ def test_smollm2_serves_samples_and_learns(data_dir, sampler):
             numbers = [v for v in _flat(stats) if isinstance(v, float)]
             assert numbers and all(math.isfinite(v) for v in numbers), stats
 
-        c.save(run_id, "after-3-steps")
-        norms = _lora_b_norms(data_dir / f"svc-{sampler}", "after-3-steps")
+        c.save(run_id, "after-2-steps")
+        norms = _lora_b_norms(data_dir / f"svc-{sampler}", "after-2-steps")
         assert norms and max(norms.values()) > 0, "the adapter did not change (its LoRA B is still zero)"
         text = c.sample(run_id, [PROMPTS[0]], num_samples=1, max_tokens=12, temperature=0.0)["samples"][0][
             "text"
@@ -186,7 +187,7 @@ def test_smollm2_serves_samples_and_learns(data_dir, sampler):
                 for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
                 if line.startswith("openrl_samples") and 'backend="' in line
             }
-            assert counts.get("vllm", 0) >= 24, counts  # 3 steps x 8 samples at least
+            assert counts.get("vllm", 0) >= 16, counts  # 2 steps x 8 samples at least
 
 
 def _flat(d):
