@@ -183,6 +183,8 @@ def main() -> int:
         "--api-keys-file",
         str(keys),
         "--exit-with-parent",
+        "--durability",
+        "none",  # a demo: no journal or snapshots (each waits for a quiet point between minute-long ops)
         *sampler_args,
     ]
     print(f"demo-real: starting the service on {url} (sampler: {sampler}; log {log}) ...", flush=True)
