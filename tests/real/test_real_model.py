@@ -7,7 +7,7 @@ from this venv; the vLLM sampler from ``.venv-vllm`` where that venv has vLLM an
 ("Paris"), sampled logprobs and losses are finite, a few RL steps change the adapter (the saved
 LoRA B matrices, zero at the start, are not any more) and a sample of the trained run still
 decodes. It does not assert a reward gain: a handful of steps is not enough to measure one reliably
-(``make demo-real`` does, over 30 steps).
+(``make demo-real`` does, over 20 steps).
 """
 
 from __future__ import annotations
