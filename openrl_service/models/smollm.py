@@ -142,7 +142,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
             data.pop(key, None)
         tok_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (out / "SOURCE.txt").write_text(f"converted from {gguf.name} ({WHEEL}) by openrl_service.models.smollm\n")
-    log.info("converted %s to %s in %.0f s", gguf.name, out, time.monotonic() - t0)
+    log.info("converted %s in %.0f s", gguf.name, time.monotonic() - t0)
     return out
 
 
@@ -158,6 +158,7 @@ def ensure_smollm2(data_dir: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{SMOLLM2_FOLDER}-"))
     try:
+        staging.chmod(0o755)  # mkdtemp's 0700 would follow the folder into place
         convert_gguf(gguf, staging)
         try:
             os.replace(staging, target)
