@@ -227,6 +227,15 @@ class VLLMSampler:
             base.defaults["train_unembed"] = False
         dtype = str(base.dtype).removeprefix("torch.")
         on_gpu = base.device.type == "cuda"
+        if not on_gpu and self.max_lora_rank > 16:
+            # vLLM computes every LoRA at max_lora_rank; on CPU its LoRA ops dominate a step
+            # (SmolLM2-135M at 128: no sample back in 8 min on 2 cores; at 8: ~3 min under load)
+            log.warning(
+                "vLLM on CPU computes every LoRA at rank %d (OPENRL_MAX_RANK=%d): set OPENRL_MAX_RANK "
+                "to the largest rank you train (e.g. 8) or sampling will be slow",
+                self.max_lora_rank,
+                max_rank,
+            )
         args = dict(
             model=str(self.folder),
             tokenizer=str(self.folder),
