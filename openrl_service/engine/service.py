@@ -149,18 +149,22 @@ class TrainingService(Registry, Validation):
 
     # The default (first) model's parts, for code that serves one model (telemetry, tests).
     @property
+    def default_model(self) -> ServedModel | None:
+        return next(iter(self.models.values()), None)
+
+    @property
     def base(self) -> BaseModel | None:
-        first = next(iter(self.models.values()), None)
+        first = self.default_model
         return first.base if first is not None else self._preloaded
 
     @property
     def trainer(self) -> Trainer | None:
-        first = next(iter(self.models.values()), None)
+        first = self.default_model
         return first.trainer if first is not None else None
 
     @property
     def sampler(self) -> CountingSampler | None:
-        first = next(iter(self.models.values()), None)
+        first = self.default_model
         return first.sampler if first is not None else None
 
     def stop(self) -> None:
@@ -178,7 +182,7 @@ class TrainingService(Registry, Validation):
             raise NotReady(f"the model failed to load: {self.engine.setup_error}")
         if not self.engine.ready.is_set() or not self.models:
             raise NotReady("the model is still loading; retry shortly")
-        return next(iter(self.models.values())).base
+        return self.default_model.base
 
     def capabilities(self) -> list[dict]:
         self.require_ready()
