@@ -12,6 +12,7 @@ import html
 import os
 import re
 import shlex
+import time
 from collections.abc import Callable
 
 from IPython.core.error import UsageError as IPythonUsageError
@@ -92,6 +93,19 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     st = p["status"] = _parser("status", "The service, or one run, in a few lines.")
     st.add_argument("run", nargs="?", default=None)
     st.add_argument("--session", default=None)
+    k = p["token"] = _parser(
+        "token",
+        "Mint a tml- key for the Tinker SDK as your JupyterHub user and export it in this kernel as "
+        "TINKER_API_KEY (never shown); 'list' your keys, 'revoke ID' one.",
+    )
+    k.add_argument(
+        "action", nargs="?", default="mint", choices=("mint", "list", "revoke"), metavar="mint|list|revoke"
+    )
+    k.add_argument(
+        "id", nargs="?", default=None, metavar="ID", help="the key id to revoke (see %%openrl token list)"
+    )
+    k.add_argument("--name", default=None, help="a label for the new key")
+    k.add_argument("--session", default=None)
     d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
     d.add_argument("name", nargs="?", default=None)
     p["help"] = _parser("help", "This text.")
@@ -189,6 +203,7 @@ class OpenRLMagics(Magics):
             "status": self._status,
             "dashboard": self._dashboard,
             "sessions": self._sessions,
+            "token": self._token,
             "disconnect": self._disconnect,
             "help": self._help,
         }
@@ -241,8 +256,10 @@ class OpenRLMagics(Magics):
             progress=lambda msg: print(msg, flush=True),
         )
         kind = "an embedded service" if session.local else "the service"
+        who = " as your JupyterHub user" if session.credential == "hub" else ""
         print(
-            f"openrl: session {session.name!r} connected to {kind} at {session.url} (model {session.model})"
+            f"openrl: session {session.name!r} connected to {kind} at {session.url}{who} "
+            f"(model {session.model})"
         )
 
     def _session(self, name: str | None):
@@ -374,6 +391,33 @@ class OpenRLMagics(Magics):
         self._service_dashboard = board
         return board
 
+    def _token(self, a):
+        session = self._session(a.session)
+        if a.action == "list":
+            if a.id is not None or a.name is not None:
+                raise UsageError("%openrl token list takes no id or --name")
+            rows = [
+                [k.get("id"), k.get("name") or "-", k.get("prefix") or "-", _when(k.get("created"))]
+                for k in session.list_keys()
+            ]
+            return Table(["id", "name", "prefix", "created"], rows, f"keys minted on {session.url}")
+        if a.action == "revoke":
+            if not a.id:
+                raise UsageError("%openrl token revoke ID: give the id of a key (see %openrl token list)")
+            session.revoke_key(a.id)
+            print(f"openrl: key {a.id} revoked; it no longer works")
+            return None
+        if a.id is not None:
+            raise UsageError(f"unexpected {a.id!r}: %openrl token [--name LABEL] | list | revoke ID")
+        key = session.mint_key(a.name)
+        label = f" ({key.name})" if key.name else ""
+        print(
+            f"openrl: minted key {key.id}{label} for {key.tenant}; exported TINKER_API_KEY and "
+            f"TINKER_BASE_URL={session.url} in this kernel (tinker.ServiceClient() uses them; the key "
+            "is not shown). Revoke it with %openrl token revoke " + key.id
+        )
+        return None
+
     def _sessions(self, a):
         rows = [
             [s.name, s.url, "embedded" if s.local else "remote", s.model or "-", len(s.runs)]
@@ -428,6 +472,12 @@ class OpenRLMagics(Magics):
         print(
             f"openrl: reward {name} v{v.version} registered ({form}{', async' if v.is_async else ''}){note}"
         )
+
+
+def _when(created) -> str:
+    if not isinstance(created, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
 
 
 def _split(line: str) -> list[str]:
