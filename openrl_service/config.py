@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import platformdirs
 
@@ -96,6 +98,16 @@ class Settings:
     vllm_max_loras: int = 4
     vllm_max_cpu_loras: int = 16
     vllm_max_model_len: int | None = None  # None: the model's context length
+    # JupyterHub identity (api/hubauth.py). OPENRL_HUB_API_URL / --hub-api-url: the hub's REST API
+    # root (e.g. http://hub:8081/hub/api); when set, a hub user's own API token is accepted and
+    # resolved through GET <url>/user to the tenant hub:<username>, if it carries the scope
+    # access:services!service=<hub_service_name>. OPENRL_HUB_CACHE_TTL_S: how long a resolution is
+    # reused (a token revoked at the hub stops working within it). OPENRL_MAX_KEYS_PER_USER: Tinker
+    # keys (tml-…) a hub user may mint.
+    hub_api_url: str | None = None
+    hub_service_name: str = "openrl"
+    hub_cache_ttl_s: float = 60.0
+    max_keys_per_user: int = 20
     limits: Limits = field(default_factory=Limits)
 
     def model_entries(self) -> list[ModelEntry]:
@@ -180,6 +192,10 @@ _ENV_FIELDS = {
     "OPENRL_VLLM_MAX_LORAS": ("vllm_max_loras", int),
     "OPENRL_VLLM_MAX_CPU_LORAS": ("vllm_max_cpu_loras", int),
     "OPENRL_VLLM_MAX_MODEL_LEN": ("vllm_max_model_len", int),
+    "OPENRL_HUB_API_URL": ("hub_api_url", str),
+    "OPENRL_HUB_SERVICE_NAME": ("hub_service_name", str),
+    "OPENRL_HUB_CACHE_TTL_S": ("hub_cache_ttl_s", float),
+    "OPENRL_MAX_KEYS_PER_USER": ("max_keys_per_user", int),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 
@@ -206,6 +222,25 @@ def parse_switch(value: str, name: str) -> bool:
 
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+HUB_TENANT_PREFIX = "hub:"  # JupyterHub users' tenants: hub:<username>; API-key tenants have no ':'
+
+
+def hub_tenant(username: str) -> str:
+    return HUB_TENANT_PREFIX + username
+
+
+def tenant_folder(tenant: str) -> str:
+    """The folder name of a tenant's data: an API-key tenant's own name; a hub user's ``hub~`` and the
+    percent-encoded user name (hub names may hold any character; ``~`` and ``%`` never occur in an
+    API-key tenant, so the mapping is 1:1), or a digest when that would be too long for a file name."""
+    if TENANT_RE.match(tenant):
+        return tenant
+    if tenant.startswith(HUB_TENANT_PREFIX) and len(tenant) > len(HUB_TENANT_PREFIX):
+        name = quote(tenant[len(HUB_TENANT_PREFIX) :], safe="")
+        if len(name) <= 200:
+            return "hub~" + name
+        return "hub~~" + hashlib.sha256(tenant.encode()).hexdigest()
+    raise ValueError(f"invalid tenant name {tenant!r}")
 
 
 def _api_key_entry(tenant: str, key: str, source: str) -> tuple[str, str]:

@@ -44,6 +44,14 @@ class NotFound(UserError):
     status_code = 404
 
 
+class Forbidden(UserError):
+    status_code = 403
+
+
+class Conflict(UserError):
+    status_code = 409
+
+
 class Gone(UserError):
     status_code = 410
 

@@ -1,7 +1,8 @@
 """API keys → tenants, Host/Origin checks and the body-size limit, as one ASGI middleware.
 
 Every route except the health checks needs a key (``X-API-Key: tml-…`` as the Tinker SDK sends
-it, or ``Authorization: Bearer tml-…``); on ``/metrics`` the key is optional: a scrape without one
+it, or ``Authorization: Bearer tml-…``): a configured API key, a key a JupyterHub user minted, or, with
+``--hub-api-url``, a hub user's own API token (api/hubauth.py); on ``/metrics`` the key is optional: a scrape without one
 gets aggregates only (no tenant's identifiers), one with a valid key also that tenant's series. Keys
 are kept only as SHA-256 digests and compared in constant time. Requests naming a foreign Host
 (DNS rebinding) or a foreign Origin (a web page posting to a loopback service) are refused, except
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 
 log = logging.getLogger("openrl_service")
@@ -125,11 +127,32 @@ class _TooLarge(Exception):
     pass
 
 
+def credential(headers: dict[str, str]) -> str | None:
+    """The key or token a request shows: ``X-API-Key``, else ``Authorization: Bearer|token <it>``."""
+    key = headers.get("x-api-key")
+    if key:
+        return key.strip()
+    scheme, _, value = headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() in ("bearer", "token") and value.strip():
+        return value.strip()
+    return None
+
+
 class AuthMiddleware:
-    def __init__(self, app, *, settings: Settings, keys: KeyRing):
+    def __init__(
+        self,
+        app,
+        *,
+        settings: Settings,
+        keys: KeyRing,
+        minted: MintedKeys | None = None,
+        hub: HubAuth | None = None,
+    ):
         self.app = app
         self.settings = settings
         self.keys = keys
+        self.minted = minted
+        self.hub = hub
         self.hosts = allowed_hosts(settings)
         self.explicit_hosts = {h.lower() for h in settings.allowed_hosts}
         self.max_body = settings.limits.max_body_bytes
@@ -174,22 +197,35 @@ class AuthMiddleware:
             path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers
         )
         if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
+            via = "none"
             if self.settings.auth_enabled:
-                key = headers.get("x-api-key")
-                auth = headers.get("authorization", "")
-                if not key and auth.lower().startswith("bearer "):
-                    key = auth[7:].strip()
-                tenant = self.keys.tenant(key)
+                key = credential(headers)
+                tenant, via = self.keys.tenant(key), "api_key"
+                if tenant is None and self.minted is not None:
+                    tenant, via = self.minted.tenant(key), "minted"
+                # tml- keys are ours (configured or minted); only other tokens are the hub's to judge
+                if tenant is None and key and not key.startswith("tml-") and self.hub is not None:
+                    try:
+                        answer = await self.hub.resolve(key)
+                    except HubUnavailable as e:
+                        return await _error(
+                            send, 503, f"{e}; API keys still work", "hub", category="server", retry_after_s=5
+                        )
+                    if isinstance(answer, Refusal):
+                        return await _error(send, 401, answer.message, "X-API-Key")
+                    tenant, via = answer.tenant, "hub"
                 if tenant is None:
                     what = "wrong" if key else "missing"
+                    kind = "API key or JupyterHub token" if self.hub is not None else "API key"
                     return await _error(
                         send,
                         401,
-                        f"{what} API key: send it as X-API-Key or Authorization: Bearer",
+                        f"{what} {kind}: send it as X-API-Key or Authorization: Bearer",
                         "X-API-Key",
                     )
             else:
                 tenant = DEFAULT_TENANT
+            scope.setdefault("state", {})["auth_via"] = via
             scope.setdefault("state", {})["tenant"] = tenant
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -228,16 +264,20 @@ class AuthMiddleware:
                 )
 
 
-async def _error(send, status: int, message: str, field: str | None, category: str = "user") -> None:
+async def _error(
+    send,
+    status: int,
+    message: str,
+    field: str | None,
+    category: str = "user",
+    retry_after_s: int | None = None,
+) -> None:
     payload = {"error": message, "category": category}
     if field:
         payload["field"] = field
     body = orjson.dumps(payload)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

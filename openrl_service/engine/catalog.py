@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from openrl_service.checks import integer
+from openrl_service.config import tenant_folder
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import Gone, NotFound, UserError
 from openrl_service.storage.checkpoints import (
@@ -307,7 +308,7 @@ class Catalog:
         tenant = payload["tenant"]
         if payload["what"] == "trace":
             return (
-                self.store.root / "traces" / tenant / f"{payload['session_id']}.json",
+                self.store.root / "traces" / tenant_folder(tenant) / f"{payload['session_id']}.json",
                 f"{payload['session_id']}.json",
             )
         ref = parse_tinker_path(payload["path"])
@@ -345,7 +346,7 @@ class Catalog:
             for op in self.svc.recorder.since(record["created_at"])
             if op.run in lanes
         ]
-        folder = self.store.root / "traces" / tenant
+        folder = self.store.root / "traces" / tenant_folder(tenant)
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{session_id}.{uuid.uuid4().hex}"
         tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

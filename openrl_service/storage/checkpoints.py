@@ -42,7 +42,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
 from openrl_service import crashpoints
-from openrl_service.config import TENANT_RE
+from openrl_service.config import tenant_folder
 from openrl_service.errors import NotFound, UserError
 
 KINDS = ("weights", "sampler_weights", "external_weights")
@@ -120,9 +120,7 @@ class CheckpointStore:
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
-        if not TENANT_RE.match(tenant):  # tenant names come from the key configuration, checked there too
-            raise ValueError(f"invalid tenant name {tenant!r}")
-        return self.root / "tenants" / tenant
+        return self.root / "tenants" / tenant_folder(tenant)  # refuses a malformed tenant
 
     def run_dir(self, tenant: str, run_id: str) -> Path:
         """``:`` is not portable in file names (Windows); ``~`` never occurs in a run id, so this is 1:1."""

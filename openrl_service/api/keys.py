@@ -1,0 +1,56 @@
+"""Tinker keys for JupyterHub users (``/api/v1/keys``): mint with the hub token, list, revoke.
+
+    POST   /api/v1/keys       {"name": "laptop"}  → 201 {"id", "key": "tml-…", "tenant", "name", "created", "prefix"}
+    GET    /api/v1/keys       → {"keys": [{"id", "tenant", "name", "created", "prefix"}]}
+    DELETE /api/v1/keys/{id}  → 204; the key is refused from then on
+
+Minting needs the hub user's own token (not an API key, not a minted key): a key can never be used to
+make more keys, and revoking the hub token leaves no way to mint. The key is shown once, in the reply
+to POST. See api/hubauth.py.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool as off
+
+from openrl_service.api.http import json_response, read_json, tenant
+from openrl_service.api.hubauth import MintedKeys
+from openrl_service.errors import Conflict, Forbidden, NotFound, UserError
+
+MAX_NAME_CHARS = 100
+
+
+def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
+    r = APIRouter(prefix="/api/v1")
+
+    @r.post("/keys", status_code=201)
+    async def mint(request: Request):
+        if getattr(request.state, "auth_via", None) != "hub":
+            raise Forbidden(
+                "minting a Tinker key needs a JupyterHub user's own token ($JUPYTERHUB_API_TOKEN), "
+                "and this service must be started with --hub-api-url",
+                field="X-API-Key",
+            )
+        body = await read_json(request, max_body)
+        name = body.get("name")
+        if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
+            raise UserError(f"name must be a string of at most {MAX_NAME_CHARS} characters", field="name")
+        try:
+            rec, key = await off(minted.mint, tenant(request), name)
+        except OverflowError as e:
+            raise Conflict(str(e), field="keys") from None
+        return json_response({**rec, "key": key}, status=201)
+
+    @r.get("/keys")
+    async def list_keys(request: Request):
+        return json_response({"keys": minted.list(tenant(request))})
+
+    @r.delete("/keys/{key_id}", status_code=204)
+    async def revoke(request: Request, key_id: str):
+        if not await off(minted.revoke, tenant(request), key_id):
+            raise NotFound(f"no key {key_id!r} of yours", field="key_id")
+        return Response(status_code=204)
+
+    return r

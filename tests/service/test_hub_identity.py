@@ -1,0 +1,98 @@
+"""JupyterHub identity, the parts that need no hub: tenant folders of hub users, the minted-key store,
+the flags, and an unreachable hub. The real hub (users' own server tokens, scopes, revocation, mint
+through the Tinker SDK) is exercised in tests/hub.
+"""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+
+import httpx
+import pytest
+
+from openrl_jupyter.local import free_port
+from openrl_service.api.hubauth import MintedKeys, has_access
+from openrl_service.config import tenant_folder
+from tests._support.serve import cli, serving
+from tests.conftest import ALICE_KEY
+
+
+def test_hub_tenants_get_their_own_folders_one_to_one():
+    # API-key tenants keep their names; a hub user's name is encoded, never a path or a collision.
+    assert tenant_folder("alice") == "alice"
+    assert tenant_folder("hub:alice") == "hub~alice"
+    assert tenant_folder("hub:../../etc") == "hub~..%2F..%2Fetc"
+    assert tenant_folder("hub:a@b.org") == "hub~a%40b.org"
+    assert tenant_folder("hub:a b") != tenant_folder("hub:a_b")
+    long_a, long_b = tenant_folder("hub:" + "x" * 300), tenant_folder("hub:" + "x" * 301)
+    assert len(long_a) < 255 and long_a != long_b
+    for bad in ("", "hub:", "a/b", "../x", "a:b"):
+        with pytest.raises(ValueError, match="invalid tenant"):
+            tenant_folder(bad)
+
+
+def test_access_scope_is_the_filtered_or_the_whole_one():
+    assert has_access(["access:services!service=openrl", "read:users:name!user=a"], "openrl")
+    assert has_access(["access:services"], "openrl")
+    assert not has_access(["access:services!service=other"], "openrl")
+    assert not has_access(["read:users!user=a", "self"], "openrl")
+
+
+def test_minted_keys_survive_a_restart_and_are_revocable_by_their_owner_only(tmp_path):
+    path = tmp_path / "minted-keys.json"
+    store = MintedKeys(path, max_per_tenant=2)
+    rec, key = store.mint("hub:alice", "laptop")
+    assert key.startswith("tml-") and rec["tenant"] == "hub:alice" and "key" not in rec
+    assert store.tenant(key) == "hub:alice"
+    # Only digests on disk, readable by the service's user alone.
+    assert key not in path.read_text() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = MintedKeys(path, max_per_tenant=2)  # a restarted service
+    assert again.tenant(key) == "hub:alice"
+    assert [r["id"] for r in again.list("hub:alice")] == [rec["id"]] and again.list("hub:bob") == []
+    assert not again.revoke("hub:bob", rec["id"])  # another user's id: refused, key still valid
+    assert again.tenant(key) == "hub:alice"
+    again.mint("hub:alice", None)
+    with pytest.raises(OverflowError, match="OPENRL_MAX_KEYS_PER_USER=2"):
+        again.mint("hub:alice", None)
+    assert again.revoke("hub:alice", rec["id"])
+    assert MintedKeys(path, max_per_tenant=2).tenant(key) is None
+    with pytest.raises(ValueError, match="JupyterHub users"):
+        again.mint("alice", None)  # API-key tenants have their keys already
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--hub-api-url", "hub:8081/hub/api", "--hub-api-url (OPENRL_HUB_API_URL) must be an http(s) URL"),
+        ("--hub-cache-ttl-s", "-1", "--hub-cache-ttl-s"),
+        ("--hub-service-name", "a/b", "--hub-service-name (OPENRL_HUB_SERVICE_NAME)"),
+    ],
+)
+def test_bad_hub_flags_are_refused_at_startup(tmp_path, flag, value, says):
+    argv, env = cli("serve", "--port", str(free_port()), "--data-dir", str(tmp_path), flag, value)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+def test_unreachable_hub_is_a_503_naming_it_and_api_keys_still_work(tmp_path, tiny_model_dir):
+    hub = f"http://127.0.0.1:{free_port()}/hub/api"  # nothing listens there
+    with serving(
+        tmp_path / "data",
+        tiny_model_dir,
+        "--hub-api-url",
+        hub,
+        env={"OPENRL_API_KEYS": f"alice:{ALICE_KEY}"},
+    ) as s:
+        r = httpx.get(f"{s.url}/api/v1/keys", headers={"Authorization": "token 0123456789abcdef"})
+        assert r.status_code == 503 and hub in r.json()["error"], r.text
+        assert r.json()["field"] == "hub" and int(r.headers["retry-after"]) > 0
+        # API keys never wait on the hub, and a wrong tml- key is not sent to it.
+        ok = httpx.get(f"{s.url}/api/v1/training_runs", headers={"X-API-Key": ALICE_KEY})
+        assert ok.status_code == 200, ok.text
+        wrong = httpx.get(f"{s.url}/api/v1/keys", headers={"X-API-Key": "tml-not-a-key"})
+        assert wrong.status_code == 401 and "API key" in wrong.json()["error"]
+        # Keys are minted with a hub token only: an API key gets a 403 that says so.
+        mint = httpx.post(f"{s.url}/api/v1/keys", headers={"X-API-Key": ALICE_KEY}, json={})
+        assert mint.status_code == 403 and "JUPYTERHUB_API_TOKEN" in mint.json()["error"], mint.text
+        assert httpx.get(f"{s.url}/api/v1/keys", headers={"X-API-Key": ALICE_KEY}).json() == {"keys": []}
