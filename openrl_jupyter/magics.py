@@ -21,9 +21,19 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
+from openrl_jupyter import hub
 from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.session import UsageError
+
+KEY_SOURCES = {
+    "hub": "this JupyterHub server's own token (your hub user)",
+    "OPENRL_TOKEN": "$OPENRL_TOKEN",
+    "config": "configuration",
+    "argument": "given to connect",
+    "local": "the embedded service's",
+    "none": "none",
+}
 
 
 def _parser(prog: str, description: str) -> MagicArgumentParser:
@@ -363,11 +373,24 @@ class OpenRLMagics(Magics):
         tick = session.feed().last_tick if session._feed is not None else None
         util = tick["utilisation"] if tick else None
         active = sum(1 for r in session.runs.values() if not r.done)
+        rows = [
+            ["session", session.name],
+            ["service", session.url + (" (embedded)" if session.local else "")],
+            ["key", KEY_SOURCES.get(session.credential, session.credential)],
+        ]
+        reporter = hub.reporter()
+        if reporter is not None:
+            failed = f", {reporter.failures} failed" if reporter.failures else ""
+            rows.append(
+                [
+                    "hub activity",
+                    f"reported {reporter.reports} times{failed}; every {reporter.interval:g} s while a run steps",
+                ]
+            )
         return Table(
             ["field", "value"],
             [
-                ["session", session.name],
-                ["service", session.url + (" (embedded)" if session.local else "")],
+                *rows,
                 ["status", ready.get("status", "?")],
                 ["model", session.model or "-"],
                 ["runs here", f"{len(session.runs)} ({active} active)"],

@@ -268,6 +268,8 @@ def test_the_idle_culler_spares_a_server_whose_kernel_has_a_live_run(world):
             alice.execute("from openrl_jupyter import hub as h\nprint(h.reporter().reports)").stdout
         )
         assert reports >= 2, reports
+        status = alice.execute("%openrl status", timeout=30).outputs[-1]["text/plain"]
+        assert "JupyterHub server's own token" in status and "hub activity" in status, status
         assert alice.execute("print(live.state)").stdout.strip() == "running"
 
         # the run ends: reports stop, and the culler takes alice's server too
