@@ -155,6 +155,9 @@ def test_pods_run_as_non_root_with_a_read_only_root(name):
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
         assert pod["automountServiceAccountToken"] is False
+        # Service links would inject OPENRL_SERVICE_PORT=tcp://... (and, for a Service named
+        # "openrl", OPENRL_PORT=tcp://..., which the service reads as its port setting).
+        assert pod["enableServiceLinks"] is False
         for c in containers(dep):
             sc = c["securityContext"]
             assert sc["runAsNonRoot"] is True and sc["allowPrivilegeEscalation"] is False
