@@ -127,6 +127,10 @@ fuzz: $(STAMP) ## schemathesis on /openapi.json + protobuf bodies (>= 5,000 requ
 conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_URL (a running service)
 	$(BIN)/python tests/_support/tinker_conformance.py $${TINKER_BASE_URL:-http://127.0.0.1:8000} openrl/tiny
 
+.PHONY: k8s-check
+k8s-check: $(STAMP) ## render k8s/ overlays and check them (strict 1.33 schemas, policies, reachability), hub values, Dockerfiles
+	$(BIN)/python -m pytest -q tests/k8s
+
 .PHONY: compat-doc
 compat-doc: $(STAMP) ## rewrite docs/tinker-compatibility.md from the Tinker SDK surface suite
 	OPENRL_WRITE_COMPAT_DOC=1 $(BIN)/python -m pytest -q tests/service/test_tinker_surface.py::test_compat_doc_is_current

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool as off
 
+from openrl_service.api import schemas as S
 from openrl_service.api.http import json_response, read_json, tenant
 from openrl_service.api.hubauth import MintedKeys
 from openrl_service.errors import Conflict, Forbidden, NotFound, UserError
@@ -23,9 +24,10 @@ MAX_NAME_CHARS = 100
 
 
 def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
-    r = APIRouter(prefix="/api/v1")
+    r = APIRouter(prefix="/api/v1", tags=["keys"], generate_unique_id_function=S.operation_ids("keys"))
+    mint_body = S.obj({"name": {"type": "string", "maxLength": MAX_NAME_CHARS}})
 
-    @r.post("/keys", status_code=201)
+    @r.post("/keys", status_code=201, openapi_extra=S.body(mint_body, required=False))
     async def mint(request: Request):
         if getattr(request.state, "auth_via", None) != "hub":
             raise Forbidden(
