@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -179,3 +180,34 @@ def test_a_minted_keys_repr_hides_the_key():
     assert str(key.key) == "tml-very-secret-0000"
     with pytest.raises(sess.OpenRLError, match="minted no tml- key"):
         sess.MintedKey.from_reply({"id": "k1", "key": "not-a-tinker-key"})
+
+
+def test_the_token_verb_tells_misuse_and_an_api_key_user_in_one_line(server, clean_env):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from tests.conftest import ALICE_KEY
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "openrl_jupyter")
+    clean_env.delenv("TINKER_API_KEY", raising=False)
+    clean_env.setenv("OPENRL_TOKEN", ALICE_KEY)
+
+    def one_line(source: str) -> str:
+        with capture_output() as out:
+            result = shell.run_cell(source, store_history=False)
+        text = (out.stdout + out.stderr).strip()
+        assert not result.success and "Traceback" not in text and ALICE_KEY not in text, text
+        assert len(text.splitlines()) == 1, text
+        return text
+
+    try:
+        assert shell.run_cell(f"%openrl connect {server.url}", store_history=False).success
+        # an API key cannot mint: the service asks for the JupyterHub token, nothing is exported
+        assert "JupyterHub" in one_line("%openrl token --name x")
+        assert "TINKER_API_KEY" not in os.environ
+        assert "give the id" in one_line("%openrl token revoke")
+        assert "takes no id" in one_line("%openrl token list k1")
+        assert "mint|list|revoke" in one_line("%openrl token k1")
+    finally:
+        shell.run_line_magic("unload_ext", "openrl_jupyter")
