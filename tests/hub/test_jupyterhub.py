@@ -55,6 +55,7 @@ class World:
     tokens: dict[str, str] = field(default_factory=dict, repr=False)  # each server's own token
     runs: dict[str, str] = field(default_factory=dict)  # user -> run id
     paths: dict[str, str] = field(default_factory=dict)  # user -> tinker:// checkpoint
+    outputs: dict[str, str] = field(default_factory=dict)  # "user:step" -> what the cell printed
 
     def get(self, path: str, token: str | None, **kw) -> httpx.Response:
         headers = {"X-API-Key": token} if token else {}
@@ -117,21 +118,23 @@ def error_of(r: httpx.Response) -> str:
 
 
 # -- tenancy: each user, from their own server ------------------------------------------------------------
-def test_each_user_trains_from_a_kernel_of_their_server_and_sees_only_their_own(world):
+def trained(world: World) -> World:
+    """Each user connected (``%openrl connect``, no arguments) and trained 2 steps, both runs at once,
+    then saved a checkpoint; done once per module (the first test, or whichever test runs first)."""
+    if world.runs:
+        return world
     for user, k in world.kernels.items():
-        out = k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60).stdout
-        assert f"connected to the service at {world.url} as your JupyterHub user" in out, out
-        assert world.tokens[user] not in out
-        assert "reward letters v1 registered" in k.execute(REWARD).stdout
-    notes = {}
+        world.outputs[f"{user}:connect"] = k.execute(
+            "%load_ext openrl_jupyter\n%openrl connect", timeout=60
+        ).stdout
+        world.outputs[f"{user}:reward"] = k.execute(REWARD).stdout
     for user, k in world.kernels.items():  # both runs train at once, in the background
-        cell = k.execute(
+        world.outputs[f"{user}:train"] = k.execute(
             "P = ['Say hi:', 'Name a colour:']\n"
             f"run = %openrl train --reward letters --prompts P --steps 2 --batch 2 --group 2 "
             f"--max-tokens 8 --name {user}-run",
             timeout=60,
-        )
-        notes[user] = cell.stdout
+        ).stdout
     for user, k in world.kernels.items():
         out = k.execute(
             "import json\nrun.wait(180)\npath = run.save('ck')\n"
@@ -141,8 +144,19 @@ def test_each_user_trains_from_a_kernel_of_their_server_and_sees_only_their_own(
         run_id, state, path, credential = json.loads(out.strip().splitlines()[-1])
         assert (state, credential) == ("finished", "hub"), out
         world.runs[user], world.paths[user] = run_id, path
+    return world
+
+
+def test_each_user_trains_from_a_kernel_of_their_server_and_sees_only_their_own(world):
+    trained(world)
+    for user in USERS:
+        out = world.outputs[f"{user}:connect"]
+        assert f"connected to the service at {world.url} as your JupyterHub user" in out, out
+        assert world.tokens[user] not in out
+        assert "reward letters v1 registered" in world.outputs[f"{user}:reward"]
         # the kernel told its user once that the server is kept alive while the run steps
-        assert "kept alive" in notes[user] and "idle culler" in notes[user], notes[user]
+        note = world.outputs[f"{user}:train"]
+        assert "kept alive" in note and "idle culler" in note, note
 
     for user, other in (("alice", "bob"), ("bob", "alice")):
         token = world.tokens[user]
@@ -164,8 +178,7 @@ def test_each_user_trains_from_a_kernel_of_their_server_and_sees_only_their_own(
 
 # -- minted Tinker keys ----------------------------------------------------------------------------------
 def test_a_minted_key_works_with_the_tinker_sdk_as_the_same_user_and_is_revocable(world):
-    assert world.runs, "needs the runs of the first test"
-    k = world.kernels["alice"]
+    k = trained(world).kernels["alice"]
     out = k.execute("%openrl token --name sdk", timeout=60).stdout
     key = k.execute("print(os.environ['TINKER_API_KEY'], os.environ['TINKER_BASE_URL'])").stdout.split()
     assert key[0].startswith("tml-") and key[1] == world.url
@@ -226,7 +239,7 @@ def test_hub_tokens_without_the_scope_made_up_or_revoked_are_refused(world):
 # -- culling ---------------------------------------------------------------------------------------------
 def test_the_idle_culler_spares_a_server_whose_kernel_has_a_live_run(world):
     hub = world.hub
-    alice = world.kernels["alice"]
+    alice = trained(world).kernels["alice"]
     alice.execute(GATED, timeout=30)
     alice.execute(
         "live = %openrl train --reward gated --prompts P --steps 1000 --batch 2 --group 2 --max-tokens 4 "
