@@ -12,6 +12,7 @@ import html
 import os
 import re
 import shlex
+import time
 from collections.abc import Callable
 
 from IPython.core.error import UsageError as IPythonUsageError
@@ -20,9 +21,19 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
+from openrl_jupyter import hub
 from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.session import UsageError
+
+KEY_SOURCES = {
+    "hub": "this JupyterHub server's own token (your hub user)",
+    "OPENRL_TOKEN": "$OPENRL_TOKEN",
+    "config": "configuration",
+    "argument": "given to connect",
+    "local": "the embedded service's",
+    "none": "none",
+}
 
 
 def _parser(prog: str, description: str) -> MagicArgumentParser:
@@ -92,6 +103,19 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     st = p["status"] = _parser("status", "The service, or one run, in a few lines.")
     st.add_argument("run", nargs="?", default=None)
     st.add_argument("--session", default=None)
+    k = p["token"] = _parser(
+        "token",
+        "Mint a tml- key for the Tinker SDK as your JupyterHub user and export it in this kernel as "
+        "TINKER_API_KEY (never shown); 'list' your keys, 'revoke ID' one.",
+    )
+    k.add_argument(
+        "action", nargs="?", default="mint", choices=("mint", "list", "revoke"), metavar="mint|list|revoke"
+    )
+    k.add_argument(
+        "id", nargs="?", default=None, metavar="ID", help="the key id to revoke (see %%openrl token list)"
+    )
+    k.add_argument("--name", default=None, help="a label for the new key")
+    k.add_argument("--session", default=None)
     d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
     d.add_argument("name", nargs="?", default=None)
     p["help"] = _parser("help", "This text.")
@@ -189,6 +213,7 @@ class OpenRLMagics(Magics):
             "status": self._status,
             "dashboard": self._dashboard,
             "sessions": self._sessions,
+            "token": self._token,
             "disconnect": self._disconnect,
             "help": self._help,
         }
@@ -241,8 +266,10 @@ class OpenRLMagics(Magics):
             progress=lambda msg: print(msg, flush=True),
         )
         kind = "an embedded service" if session.local else "the service"
+        who = " as your JupyterHub user" if session.credential == "hub" else ""
         print(
-            f"openrl: session {session.name!r} connected to {kind} at {session.url} (model {session.model})"
+            f"openrl: session {session.name!r} connected to {kind} at {session.url}{who} "
+            f"(model {session.model})"
         )
 
     def _session(self, name: str | None):
@@ -346,11 +373,24 @@ class OpenRLMagics(Magics):
         tick = session.feed().last_tick if session._feed is not None else None
         util = tick["utilisation"] if tick else None
         active = sum(1 for r in session.runs.values() if not r.done)
+        rows = [
+            ["session", session.name],
+            ["service", session.url + (" (embedded)" if session.local else "")],
+            ["key", KEY_SOURCES.get(session.credential, session.credential)],
+        ]
+        reporter = hub.reporter()
+        if reporter is not None:
+            failed = f", {reporter.failures} failed" if reporter.failures else ""
+            rows.append(
+                [
+                    "hub activity",
+                    f"reported {reporter.reports} times{failed}; every {reporter.interval:g} s while a run steps",
+                ]
+            )
         return Table(
             ["field", "value"],
             [
-                ["session", session.name],
-                ["service", session.url + (" (embedded)" if session.local else "")],
+                *rows,
                 ["status", ready.get("status", "?")],
                 ["model", session.model or "-"],
                 ["runs here", f"{len(session.runs)} ({active} active)"],
@@ -373,6 +413,33 @@ class OpenRLMagics(Magics):
                     board.handle({"type": "run", "event": "metrics", "run_id": r["run_id"], "metrics": row})
         self._service_dashboard = board
         return board
+
+    def _token(self, a):
+        session = self._session(a.session)
+        if a.action == "list":
+            if a.id is not None or a.name is not None:
+                raise UsageError("%openrl token list takes no id or --name")
+            rows = [
+                [k.get("id"), k.get("name") or "-", k.get("prefix") or "-", _when(k.get("created"))]
+                for k in session.list_keys()
+            ]
+            return Table(["id", "name", "prefix", "created"], rows, f"keys minted on {session.url}")
+        if a.action == "revoke":
+            if not a.id:
+                raise UsageError("%openrl token revoke ID: give the id of a key (see %openrl token list)")
+            session.revoke_key(a.id)
+            print(f"openrl: key {a.id} revoked; it no longer works")
+            return None
+        if a.id is not None:
+            raise UsageError(f"unexpected {a.id!r}: %openrl token [--name LABEL] | list | revoke ID")
+        key = session.mint_key(a.name)
+        label = f" ({key.name})" if key.name else ""
+        print(
+            f"openrl: minted key {key.id}{label} for {key.tenant}; exported TINKER_API_KEY and "
+            f"TINKER_BASE_URL={session.url} in this kernel (tinker.ServiceClient() uses them; the key "
+            "is not shown). Revoke it with %openrl token revoke " + key.id
+        )
+        return None
 
     def _sessions(self, a):
         rows = [
@@ -428,6 +495,12 @@ class OpenRLMagics(Magics):
         print(
             f"openrl: reward {name} v{v.version} registered ({form}{', async' if v.is_async else ''}){note}"
         )
+
+
+def _when(created) -> str:
+    if not isinstance(created, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
 
 
 def _split(line: str) -> list[str]:

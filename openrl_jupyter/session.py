@@ -2,7 +2,11 @@
 
 Where the URL and key come from (first match wins): arguments > ``OPENRL_URL`` / ``OPENRL_TOKEN``
 > configuration (``config`` mapping, e.g. IPython's ``c.OpenRLMagics.url``) > nothing, which is a
-clear error saying how to connect. ``local=True`` starts an embedded ``openrl-service`` child on a
+clear error saying how to connect. In a JupyterHub single-user server with no key configured, the
+server's own ``$JUPYTERHUB_API_TOKEN`` is the key — sent only to the service the hub or the
+configuration names (``$OPENRL_URL`` / ``config["url"]``), never to a URL typed on the line; the
+service resolves it to the tenant ``hub:<user>``. ``Session.mint_key()`` turns it into a ``tml-`` key
+for the Tinker SDK (exported as ``TINKER_API_KEY``). ``local=True`` starts an embedded ``openrl-service`` child on a
 free loopback port (``local.start_service``) with a fresh key passed through its environment (never
 its command line); it exits when this process exits or dies, because it watches a pipe this process
 holds.
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import OpenRLError
 from openrl_jupyter.client import AsyncClient, Client
+from openrl_jupyter.hub import hub_token, keep_alive
 from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, start_service
 
 if TYPE_CHECKING:
@@ -53,6 +58,7 @@ class Session:
     _aclient: AsyncClient | None = field(default=None, repr=False)
     _feed: EventFeed | None = field(default=None, repr=False)
     served: dict[str, dict] = field(default_factory=dict, repr=False)
+    credential: str = "none"  # where the key came from: argument, OPENRL_TOKEN, config, hub, local, none
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
@@ -89,7 +95,40 @@ class Session:
                 raise UsageError(f"a run named {name!r} is still {old.state}; stop it or pick another --name")
         run = Run(self, config).start()
         self.runs[run.name] = run
+        note = keep_alive(_stepping)  # in a hub server: report activity while runs step
+        if note is not None:
+            print(note, flush=True)
+            run._log(note)
         return run
+
+    # -- Tinker keys minted for the hub user ----------------------------------------------------------
+    def mint_key(self, name: str | None = None, *, export: bool = True) -> MintedKey:
+        """A new ``tml-`` key of this session's hub user (the session must use a JupyterHub token),
+        exported in this process as ``TINKER_API_KEY`` and ``TINKER_BASE_URL`` (so
+        ``tinker.ServiceClient()`` picks them up). The key is never printed: its repr is masked."""
+        if name is not None and (not isinstance(name, str) or len(name) > 200):
+            raise UsageError(f"key name must be a string of at most 200 characters; got {name!r}")
+        body = {"name": name} if name else {}
+        reply = self.client.request("POST", KEYS_PATH, json=body)
+        global _exported_key_id
+        key = MintedKey.from_reply(reply)
+        if export:
+            _exported_key_id = key.id
+            os.environ["TINKER_API_KEY"] = str(key.key)
+            os.environ["TINKER_BASE_URL"] = self.url
+        return key
+
+    def list_keys(self) -> list[dict]:
+        """The keys minted for this session's hub user: id, name, created, prefix (never a secret)."""
+        return list((self.client.request("GET", KEYS_PATH) or {}).get("keys") or [])
+
+    def revoke_key(self, key_id: str) -> None:
+        """Revoke a minted key (it is refused from then on); unexports it if it is TINKER_API_KEY's."""
+        if not isinstance(key_id, str) or not key_id or "/" in key_id:
+            raise UsageError(f"key id must be an id from list_keys(); got {key_id!r}")
+        self.client.request("DELETE", f"{KEYS_PATH}/{key_id}")
+        if _exported_key_id == key_id:
+            os.environ.pop("TINKER_API_KEY", None)
 
     def active_runs(self) -> list[Run]:
         return [r for r in self.runs.values() if not r.done]
@@ -139,6 +178,8 @@ class Session:
 
 
 _sessions: dict[str, Session] = {}
+KEYS_PATH = "/api/v1/keys"
+_exported_key_id: str | None = None
 
 
 class Secret(str):
@@ -146,6 +187,38 @@ class Secret(str):
 
     def __repr__(self) -> str:
         return "'tml-…(hidden)'"
+
+
+@dataclass(frozen=True)
+class MintedKey:
+    """A key minted by the service for a hub user; ``key`` is masked in every repr."""
+
+    id: str
+    tenant: str
+    name: str | None
+    created: float | None
+    key: Secret = field(repr=False)
+
+    @classmethod
+    def from_reply(cls, reply: Any) -> MintedKey:
+        if not isinstance(reply, dict) or not str(reply.get("key", "")).startswith("tml-"):
+            keys = sorted(reply) if isinstance(reply, dict) else type(reply).__name__
+            raise OpenRLError(f"the service minted no tml- key (its reply has {keys})")
+        return cls(
+            str(reply["id"]),
+            str(reply.get("tenant", "")),
+            reply.get("name"),
+            reply.get("created"),
+            Secret(reply["key"]),
+        )
+
+
+def _stepping() -> bool:
+    """Whether any run of this kernel is stepping (what keeps a hub server alive)."""
+    from openrl_jupyter.run import RunState
+
+    busy = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.STOPPING}
+    return any(r.state in busy for s in list(_sessions.values()) for r in list(s.runs.values()))
 
 
 def start_local(
@@ -182,6 +255,7 @@ def connect(
     with ``local=True``, the model the embedded service serves (default openrl/tiny)."""
     name = name or DEFAULT_NAME
     config = config or {}
+    credential = "none"
     old = _sessions.get(name)
     if old is not None and old.active_runs():
         busy = ", ".join(r.name for r in old.active_runs())
@@ -194,9 +268,18 @@ def connect(
             raise UsageError("give either a URL or local=True, not both")
         local_service, token = start_local(model or "openrl/tiny", progress=progress)
         url = local_service.url
+        credential = "local"
     else:
+        configured = {u for u in (os.environ.get("OPENRL_URL"), config.get("url")) if u}
         url = url or os.environ.get("OPENRL_URL") or config.get("url")
-        token = token or os.environ.get("OPENRL_TOKEN") or config.get("token")
+        if token:
+            credential = "argument"
+        elif os.environ.get("OPENRL_TOKEN"):
+            token, credential = os.environ["OPENRL_TOKEN"], "OPENRL_TOKEN"
+        elif config.get("token"):
+            token, credential = config["token"], "config"
+        elif hub_token() and url in configured:  # the hub's token goes only where the hub points
+            token, credential = hub_token(), "hub"
         if url and not url.startswith(("http://", "https://")):
             raise UsageError(f"the service URL must start with http:// or https://; got {url!r}")
         if not url:
@@ -233,6 +316,7 @@ def connect(
         served.get(chosen, {}) if chosen is not None else {},
         _token=token,
         served=served,
+        credential=credential,
     )
     _sessions[name] = session
     return session
