@@ -100,7 +100,7 @@ def start_jupyter(root: Path, *, base_url: str = "/", env: dict | None = None, a
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def alice_jupyter(server, tmp_path_factory):
     """A server for tenant alice (OPENRL_URL + OPENRL_TOKEN), under a hub-like base URL."""
     jupyter = start_jupyter(
@@ -112,7 +112,7 @@ def alice_jupyter(server, tmp_path_factory):
     jupyter.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bare_jupyter(tmp_path_factory):
     """A server with no service configured (the discovery file is its only way to one)."""
     jupyter = start_jupyter(tmp_path_factory.mktemp("jp-bare"))
@@ -120,12 +120,12 @@ def bare_jupyter(tmp_path_factory):
     jupyter.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dead_port() -> int:
     return free_port()  # nothing listens there
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bad_jupyter(server, dead_port, tmp_path_factory):
     """c.OpenRLServer.url names a dead port; $OPENRL_URL names the live service (config must win)."""
     jupyter = start_jupyter(

@@ -215,3 +215,16 @@ def test_without_a_service_the_panel_is_told_how_to_connect(bare_jupyter):
     assert "OPENRL_URL" in health.json()["error"]
     assert listed.status_code == 503
     assert "%openrl connect --local" in listed.json()["error"]
+
+
+def test_the_panels_polling_does_not_keep_an_idle_server_alive(alice_jupyter, runs):
+    """JupyterHub's idle culler reads the server's last activity: a panel left open that polls must not
+    count as the user working; pressing pause / resume / stop does."""
+    with alice_jupyter.client() as http:
+        before = http.get("api/status").json()["last_activity"]
+        for path in ("openrl/health", "openrl/runs", f"openrl/runs/{runs['alice']}"):
+            assert http.get(path).status_code == 200
+        read_events(http, "openrl/events", 1)
+        assert http.get("api/status").json()["last_activity"] == before
+        http.post(f"openrl/runs/{runs['alice']}/control", json={"action": "nope"})
+        assert http.get("api/status").json()["last_activity"] > before
