@@ -82,7 +82,8 @@ def start_jupyter(root: Path, *, base_url: str = "/", env: dict | None = None, a
     port, token = free_port(), "jp-" + secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1"]
     cmd += [f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.base_url={base_url}"]
-    cmd += [f"--ServerApp.root_dir={root / 'work'}", "--log-level=DEBUG", *args]
+    cmd += [f"--ServerApp.root_dir={root / 'work'}", "--ServerApp.allow_unauthenticated_access=False"]
+    cmd += ["--log-level=DEBUG", *args]
     with open(root / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     jupyter = Jupyter(f"http://127.0.0.1:{port}{base_url}", token, proc, root)

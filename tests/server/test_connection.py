@@ -128,3 +128,17 @@ def test_the_shipped_config_file_enables_the_extension(tmp_path):
     ours = text.split(f"Config dir: {tmp_path}", 1)[1].split("Config dir:", 1)[0]
     assert re.search(r"openrl_jupyter\s+enabled", ours), text
     assert re.search(r"openrl_jupyter \S+\s+OK", ours), text
+
+
+def test_every_route_and_verb_is_authenticated():
+    """jupyter_server's own check (what `allow_unauthenticated_access = False` enforces): no method of
+    ours lacks @web.authenticated."""
+    from jupyter_server.serverapp import ServerWebApplication
+
+    from openrl_jupyter.server.handlers import routes
+
+    table = routes(ext=None)
+    assert len(table) == 5
+    for pattern, handler, _ in table:
+        assert ServerWebApplication._check_handler_auth(None, pattern, handler) == [], pattern
+        assert handler.auth_resource == "openrl"

@@ -89,6 +89,8 @@ def test_every_route_refuses_a_request_without_the_servers_token(alice_jupyter):
         r = anon.post(CONTROL, json={"action": "stop"})
         assert r.status_code == 403
         assert ALICE_KEY not in r.text
+    # started with allow_unauthenticated_access=False: jupyter_server lists unauthenticated endpoints
+    assert "registered for /user/alice/openrl" not in alice_jupyter.log()
 
 
 def test_a_cookie_authenticated_post_needs_the_xsrf_token(alice_jupyter, runs, server):
