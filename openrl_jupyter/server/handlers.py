@@ -103,6 +103,11 @@ class HealthHandler(OpenRLHandler):
         except ServiceError as err:
             out["error"] = err.message
             return self.reply(out)
+        if not isinstance(ready, dict):
+            out["error"] = (
+                f"openrl service at {target.url}: /readyz is not an object; is this an openrl service?"
+            )
+            return self.reply(out)
         util = (tick or {}).get("utilisation") or {}
         out.update(
             connected=ready.get("status") == "ready",
