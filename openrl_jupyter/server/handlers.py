@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from openrl_jupyter.server.app import OpenRLServer
 
 API = "/openrl/v1"
-RUN_ID = r"[A-Za-z0-9_.:\-]{1,200}"
+RUN_ID = r"[A-Za-z0-9_.:%\-]{1,300}"  # ":" may come percent-encoded
 ACTIONS = ("pause", "resume", "stop")
 MAX_REASON_CHARS = 200
 EVENTS_READ_TIMEOUT_S = 30.0  # the service ticks every second: this long silent means a dead stream

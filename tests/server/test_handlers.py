@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -149,10 +150,15 @@ def test_one_run_with_its_metrics_history(alice_jupyter, runs, server, seen):
         assert r.status_code == 200, r.text
         detail = r.json()
         other = seen.add(http.get(f"openrl/runs/{runs['bob']}"))
+        encoded = http.get("openrl/runs/" + quote(runs["alice"], safe=""))  # ":" as %3A, as a browser may
     assert detail["run"]["run_id"] == runs["alice"]
     assert detail["run"]["name"] == "panel-alice"
     assert [(m["step"], m["reward_mean"]) for m in detail["metrics"]] == [(1, 0.25), (2, 0.75)]
     assert detail["samples"] == []
+    assert ":" in runs["alice"]  # the service's ids (s…:train:0) reach the route encoded or not
+    assert encoded.status_code == 200, encoded.text
+    assert encoded.json()["run"]["run_id"] == runs["alice"]
+    assert encoded.json()["metrics"] == detail["metrics"]
     assert other.status_code == 404  # another tenant's run is not found, as on the service
     assert other.json()["error"].startswith(f"openrl service at {server.url}: ")
 
