@@ -101,7 +101,10 @@ def test_an_sdk_run_is_listed_and_stopping_it_refuses_its_next_op_until_resumed(
     assert listed["step"] == 1 and listed["steps"] is None and listed["state"] == "active"
     assert listed["control"]["state"] == "running" and listed["control"]["reason"] is None
     assert listed["last_loss"] == pytest.approx(first_loss, rel=1e-5)
-    assert 0.0 < listed["share"] <= 1.0  # it used the device within the last minute
+    deadline = time.monotonic() + 10  # the op's record is written as it ends: poll briefly
+    while entry(alice, run_id)["share"] == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert 0.0 < entry(alice, run_id)["share"] <= 1.0  # it used the device within the last minute
     assert time.time() - listed["last_activity"] < 60 and listed["orphaned"] is False
 
     events = EventReader(server.url, ALICE_KEY)
