@@ -442,6 +442,16 @@ class NativeRuns:
             ]
         return out
 
+    def entry(self, tenant: str, run_id: str) -> dict:
+        """One run of ``tenant`` as the runs list shows it, notebook or Tinker SDK (else 404)."""
+        nr = self.runs.get(run_id)
+        if nr is not None:
+            return self.describe(self.get(tenant, run_id))
+        run = self.svc.runs.get(run_id)
+        if run is None or run.tenant != tenant:
+            raise NotFound(f"unknown run {run_id!r}", field="run_id")
+        return self.describe_sdk(run)
+
     def heartbeat(self, tenant: str, run_id: str, body: dict | None = None) -> NativeRunState:
         """Keep the run's session alive (a paused notebook is not an abandoned one). ``body``'s
         ``state``: the kernel's Run reports its state (the runs list shows it; a pause or stop the
