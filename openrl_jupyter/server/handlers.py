@@ -175,23 +175,14 @@ class RunHandler(OpenRLHandler):
     @web.authenticated
     @authorized
     async def get(self, run_id: str) -> None:
-        """One run, its metrics history and its recent samples (where its metrics carry some)."""
+        """One run (notebook or Tinker SDK), its metrics history and its recent samples (where its
+        metrics rows carry some)."""
         try:
             target = self.target()
             path = f"{API}/runs/{checked(run_id)}"
             run, metrics = await asyncio.gather(
-                self.call(target, "GET", path),
-                self.call(target, "GET", path + "/metrics"),
-                return_exceptions=True,
+                self.call(target, "GET", path), self.call(target, "GET", path + "/metrics")
             )
-            if isinstance(run, ServiceError) and run.status == 404:
-                # a Tinker-SDK run has no notebook record: its entry in the full list is what is known
-                listed = await self.call(target, "GET", API + "/runs", params={"include": "all"})
-                entry = next((r for r in listed.get("runs") or [] if r.get("run_id") == run_id), None)
-                run, metrics = (run, metrics) if entry is None else (entry, {"metrics": []})
-            for part in (run, metrics):
-                if isinstance(part, BaseException):
-                    raise part
         except ServiceError as err:
             return self.fail(err)
         rows = list((metrics or {}).get("metrics") or [])

@@ -5,6 +5,7 @@ stopped SDK run's next operation refused by the service."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -100,3 +101,46 @@ def test_stop_a_tinker_sdk_run_from_the_panel(alice_jupyter, server):
         assert run_id in str(refused.value)
     finally:
         sc.close("success").result()
+
+
+def test_the_panels_stop_button_stops_a_training_run_in_the_notebook(alice_jupyter, server):
+    """The story of the panel: a notebook Run trains; the stop goes browser → Jupyter server →
+    service; the Run stops at its next step with the panel's reason, and the panel's list shows it."""
+    from openrl_jupyter import session as sessions
+    from openrl_jupyter.rewards import registry
+    from openrl_jupyter.run import RunState
+    from tests._support.runs import forget_runs
+
+    session = sessions.connect(server.url, token=ALICE_KEY, name="panel-stop")
+    try:
+        name = f"panel_stop_{time.monotonic_ns()}"
+        registry.register(name, lambda prompt, completion, **info: len(completion) / 10)
+        run = session.train(
+            reward=name, prompts=["Say hi:", "A word:"], steps=200, batch=2, group=2, max_tokens=4
+        )
+        wait_until(lambda: run.step >= 1, "the first step")
+        with alice_jupyter.client() as http:
+            entry = {e["run_id"]: e for e in http.get("openrl/runs").json()["runs"]}[run.run_id]
+            assert (entry["kind"], entry["steps"]) == ("notebook", 200)
+            r = control(http, run.run_id, "stop", "reward is flat")
+            assert r.status_code == 200, r.text
+            wait_until(lambda: run.done, "the run to stop at its next step")
+            assert run.state == RunState.STOPPED
+            assert run.stop_reason == "stopped from the panel: reward is flat"
+            assert run.step < 200
+
+            def reported() -> bool:
+                listed = {e["run_id"]: e for e in http.get("openrl/runs").json()["runs"]}
+                return listed[run.run_id]["state"] == "stopped"
+
+            wait_until(reported, "the kernel's report to reach the panel's list")
+    finally:
+        forget_runs(session)
+        sessions.disconnect("panel-stop")
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
