@@ -102,6 +102,11 @@ def advertise(service: LocalService) -> str | None:
     if folder is None:
         return None
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    for stale in glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")):  # killed kernels' files
+        pid = os.path.basename(stale)[len(DISCOVERY_PREFIX) : -len(".json")]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
     path = os.path.join(folder, f"{DISCOVERY_PREFIX}{service.process.pid}.json")
     body = json.dumps({"url": service.url, "token": service.key, "pid": service.process.pid})
     tmp = f"{path}.tmp"
@@ -136,13 +141,17 @@ def discovered(folder: str | None = None) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running openrl service (a killed kernel leaves its file behind, and its
+    pid may be reused later by an unrelated process: where /proc exists, its command line says)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or reused by another user's process
         return False
-    except PermissionError:  # the pid was reused by another user's process: not our service
-        return False
-    return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"openrl_service" in f.read()
+    except OSError:
+        return True  # no /proc (macOS): the pid check alone
 
 
 def start_service(

@@ -136,3 +136,13 @@ def bad_jupyter(server, dead_port, tmp_path_factory):
     )
     yield jupyter
     jupyter.stop()
+
+
+@pytest.fixture
+def service_pid():
+    """A live process whose command line names openrl_service: what a discovery file's pid must be
+    (the pid of a process that is not a service, e.g. a reused one, makes the file stale)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from openrl_jupyter.local import discovered
+from openrl_jupyter.local import LocalService, advertise, discovered
 from openrl_jupyter.server.connection import ServiceError, Target, refused, resolve
 from openrl_jupyter.server.handlers import control_body
 
@@ -38,22 +39,50 @@ def write(folder, name: str, body) -> None:
     (folder / name).write_text(body if isinstance(body, str) else json.dumps(body))
 
 
-def test_the_newest_live_discovery_file_wins_and_never_gets_the_hub_token(tmp_path):
+def test_the_newest_live_discovery_file_wins_and_never_gets_the_hub_token(tmp_path, service_pid):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    write(tmp_path, "openrl-local-1.json", {"url": "http://old:1", "token": "tml-old", "pid": os.getpid()})
+    write(tmp_path, "openrl-local-1.json", {"url": "http://old:1", "token": "tml-old", "pid": service_pid})
     old = time.time() - 60
     os.utime(tmp_path / "openrl-local-1.json", (old, old))
-    write(tmp_path, "openrl-local-2.json", {"url": "http://new:2", "token": "tml-new", "pid": os.getpid()})
+    write(tmp_path, "openrl-local-2.json", {"url": "http://new:2", "token": "tml-new", "pid": service_pid})
     write(tmp_path, "openrl-local-3.json", {"url": "http://dead:3", "token": "tml-dead", "pid": dead.pid})
     write(tmp_path, "openrl-local-4.json", "{not json")
+    # a pid that is alive but not a service (the kernel died and its pid was reused): stale
+    write(tmp_path, "openrl-local-5.json", {"url": "http://reused:5", "token": "tml-r", "pid": os.getpid()})
     hub_only = {"JUPYTERHUB_API_TOKEN": "hub-tok"}
     t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=hub_only)
     assert (t.url, t.token, t.source) == ("http://new:2", "tml-new", "discovery")
     (tmp_path / "openrl-local-2.json").unlink()
     assert discovered(str(tmp_path))["url"] == "http://old:1"
     (tmp_path / "openrl-local-1.json").unlink()
-    assert discovered(str(tmp_path)) is None  # only a dead kernel's file and a broken one are left
+    assert discovered(str(tmp_path)) is None  # only dead, reused and broken ones are left
+
+
+def test_advertising_a_service_clears_killed_kernels_files(tmp_path, monkeypatch, service_pid):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write(tmp_path, f"openrl-local-{dead.pid}.json", {"url": "http://dead:3", "token": "t", "pid": dead.pid})
+    write(
+        tmp_path,
+        f"openrl-local-{service_pid}.json",
+        {"url": "http://other:4", "token": "t", "pid": service_pid},
+    )
+    an_hour_ago = time.time() - 3600
+    os.utime(tmp_path / f"openrl-local-{service_pid}.json", (an_hour_ago, an_hour_ago))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    try:
+        service = LocalService(proc, "http://127.0.0.1:9", str(tmp_path), "tml-k")
+        path = advertise(service)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"openrl-local-{proc.pid}.json", f"openrl-local-{service_pid}.json"]
+        )  # the dead one is gone, the other live service's stays
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert discovered(str(tmp_path))["url"] == "http://127.0.0.1:9"  # the newest
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ folder (mode 0600, removed when it stops), and the server extension finds it the
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -62,10 +61,10 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def test_a_refused_key_and_a_dead_kernels_file(bare_jupyter, server, dead_pid):
+def test_a_refused_key_and_a_dead_kernels_file(bare_jupyter, server, dead_pid, service_pid):
     canary = "tml-canary-" + "7" * 24
     stale = advertise_by_hand(bare_jupyter.runtime_dir, url=server.url, token=ALICE_KEY, pid=dead_pid)
-    wrong = advertise_by_hand(bare_jupyter.runtime_dir, url=server.url, token=canary, pid=os.getpid())
+    wrong = advertise_by_hand(bare_jupyter.runtime_dir, url=server.url, token=canary, pid=service_pid)
     try:
         with bare_jupyter.client() as http:
             health = http.get("openrl/health")
