@@ -1,10 +1,18 @@
-"""Cleaning up after tests that start notebook runs on a shared server."""
+"""Small notebook runs on a shared server: prompts, sizes and a reward for them, and cleaning up."""
 
 from __future__ import annotations
 
 import contextlib
 
 from openrl_jupyter import OpenRLError
+
+PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
+SMALL = {"batch": 2, "group": 4, "max_tokens": 8}  # a step of a few seconds on the tiny model
+
+
+def letters(prompt, completion, **info):
+    """The share of letters in the completion: a reward the tiny model can move."""
+    return sum(c.isalpha() for c in completion) / max(1, len(completion))
 
 
 def forget_runs(session) -> None:

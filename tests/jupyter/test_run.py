@@ -15,16 +15,9 @@ from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.config import load_prompts
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunPaused, RunState
-from tests._support.runs import forget_runs
+from tests._support.runs import PROMPTS, SMALL, forget_runs, letters
 from tests._support.transports import DropReply
 from tests.conftest import ALICE_KEY
-
-PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
-SMALL = {"batch": 2, "group": 4, "max_tokens": 8}
-
-
-def letters(prompt, completion, **info):
-    return sum(c.isalpha() for c in completion) / max(1, len(completion))
 
 
 @pytest.fixture

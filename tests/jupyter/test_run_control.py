@@ -14,15 +14,8 @@ from openrl_jupyter import session as sess
 from openrl_jupyter.client import Client
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunState
-from tests._support.runs import forget_runs
+from tests._support.runs import PROMPTS, SMALL, forget_runs, letters
 from tests.conftest import ALICE_KEY, BOB_KEY
-
-PROMPTS = ["Name a colour:", "Say hello:", "Write a word:", "A city you like:"]
-SMALL = {"batch": 2, "group": 4, "max_tokens": 8}
-
-
-def letters(prompt, completion, **info):
-    return sum(c.isalpha() for c in completion) / max(1, len(completion))
 
 
 @pytest.fixture
