@@ -109,15 +109,13 @@ def test_the_panels_stop_button_stops_a_training_run_in_the_notebook(alice_jupyt
     from openrl_jupyter import session as sessions
     from openrl_jupyter.rewards import registry
     from openrl_jupyter.run import RunState
-    from tests._support.runs import forget_runs
+    from tests._support.runs import PROMPTS, SMALL, forget_runs, letters
 
     session = sessions.connect(server.url, token=ALICE_KEY, name="panel-stop")
     try:
         name = f"panel_stop_{time.monotonic_ns()}"
-        registry.register(name, lambda prompt, completion, **info: len(completion) / 10)
-        run = session.train(
-            reward=name, prompts=["Say hi:", "A word:"], steps=200, batch=2, group=2, max_tokens=4
-        )
+        registry.register(name, letters)
+        run = session.train(reward=name, prompts=PROMPTS, steps=200, **SMALL)
         wait_until(lambda: run.step >= 1, "the first step")
         with alice_jupyter.client() as http:
             entry = {e["run_id"]: e for e in http.get("openrl/runs").json()["runs"]}[run.run_id]
