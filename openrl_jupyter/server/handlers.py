@@ -288,7 +288,7 @@ def control_body(raw: bytes) -> dict:
         raise ServiceError(400, f"the body must be a JSON object; got {type(body).__name__}")
     action = body.get("action")
     if action not in ACTIONS:
-        raise ServiceError(400, f"action must be one of {', '.join(ACTIONS)}; got {action!r}")
+        raise ServiceError(400, f"action must be one of {', '.join(ACTIONS)}; got {repr(action)[:100]}")
     out = {"action": action}
     reason = body.get("reason") or None  # an empty reason box: the service's default reason
     if reason is not None:
