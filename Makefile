@@ -90,6 +90,8 @@ labextension: $(LABEXT) ## build the JupyterLab extension (labextension/ -> open
 
 labextension-link: $(LABEXT) ## link the built lab extension and the server extension's config into .venv
 	mkdir -p $(dir $(LABEXT_LINK)) $(dir $(SERVER_CONFIG_LINK))
+	# hatchling's editable install copies the wheel's shared-data (a stale snapshot): replace it by links
+	if [ -d $(LABEXT_LINK) ] && [ ! -L $(LABEXT_LINK) ]; then rm -rf $(LABEXT_LINK); fi
 	ln -sfn $(abspath $(LABEXT_OUT)) $(LABEXT_LINK)
 	ln -sfn $(abspath jupyter-config/server-config/openrl_jupyter.json) $(SERVER_CONFIG_LINK)
 

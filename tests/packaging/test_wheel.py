@@ -125,4 +125,4 @@ def test_jupyter_lists_both_extensions_enabled(installed):
     assert head in servers, f"no server extension is enabled from the installed wheel's config:\n{servers}"
     section = servers.split(head, 1)[1].split("Config dir:", 1)[0]
     assert re.search(r"openrl_jupyter\s+enabled", section), servers
-    assert "validation failed" not in section and re.search(r"openrl_jupyter\s+OK", section), servers
+    assert "validation failed" not in section and re.search(r"openrl_jupyter [0-9.]+ OK", section), servers
