@@ -58,3 +58,16 @@ def unload_ipython_extension(ipython) -> None:
 
     for name in list(session.sessions()):
         session.disconnect(name)
+
+
+def _jupyter_server_extension_points() -> list[dict]:
+    """The Jupyter server extension (the OpenRL panel's endpoints); jupyter_server is imported only
+    by the server, so ``import openrl_jupyter`` in a kernel stays light."""
+    from openrl_jupyter.server import OpenRLServer
+
+    return [{"module": "openrl_jupyter.server", "app": OpenRLServer}]
+
+
+def _jupyter_labextension_paths() -> list[dict]:
+    """The prebuilt JupyterLab extension (built into openrl_jupyter/labextension)."""
+    return [{"src": "labextension", "dest": "openrl-jupyter-labextension"}]

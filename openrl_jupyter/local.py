@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
+import json
 import os
 import socket
 import subprocess
@@ -28,6 +30,9 @@ import httpx
 from openrl_jupyter._exceptions import ServiceUnavailable
 
 READY_TIMEOUT_S = 300.0
+DISCOVERY_PREFIX = (
+    "openrl-local-"  # <jupyter runtime dir>/openrl-local-<pid>.json: read by the server extension
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,6 +51,7 @@ class LocalService:
     data_dir: str
     key: str | None = field(default=None, repr=False)  # None with --no-auth
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    discovery_path: str | None = None  # set by advertise(): removed again on stop()
 
     @property
     def log_path(self) -> str:
@@ -70,9 +76,73 @@ class LocalService:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.discovery_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.discovery_path)
+            self.discovery_path = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def discovery_dir() -> str | None:
+    """The per-user Jupyter runtime folder the discovery files live in (None without jupyter_core)."""
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+    except ImportError:
+        return None
+    return jupyter_runtime_dir()
+
+
+def advertise(service: LocalService) -> str | None:
+    """Tell this user's Jupyter server (the OpenRL panel) where the embedded service is and its key:
+    ``{"url", "token", "pid"}`` in ``<runtime dir>/openrl-local-<pid>.json``, created with mode 0600
+    (the key must not be readable by other users); ``service.stop()`` removes it. Returns its path."""
+    folder = discovery_dir()
+    if folder is None:
+        return None
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, f"{DISCOVERY_PREFIX}{service.process.pid}.json")
+    body = json.dumps({"url": service.url, "token": service.key, "pid": service.process.pid})
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(body)
+    os.replace(tmp, path)  # readers never see a half-written file
+    service.discovery_path = path
+    return path
+
+
+def discovered(folder: str | None = None) -> dict | None:
+    """The newest discovery file whose service process is alive: ``{"url", "token", "pid", "path"}``;
+    None when there is none. Files of dead processes (a killed kernel) are skipped."""
+    folder = folder or discovery_dir()
+    if folder is None:
+        return None
+    found = []
+    for path in glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+            mtime = os.stat(path).st_mtime
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("url"), str):
+            continue
+        if not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
+            continue
+        found.append((mtime, {**info, "path": path}))
+    return max(found, key=lambda t: t[0])[1] if found else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid was reused by another user's process: not our service
+        return False
+    return True
 
 
 def start_service(

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from openrl_jupyter._exceptions import OpenRLError
 from openrl_jupyter.client import AsyncClient, Client
 from openrl_jupyter.hub import hub_token, keep_alive
-from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, start_service
+from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, start_service
 
 if TYPE_CHECKING:
     from openrl_jupyter.feed import EventFeed
@@ -236,6 +236,7 @@ def start_local(
         )
     key = Secret("tml-" + secrets.token_urlsafe(24))
     local = start_service(model=model, data_dir=data_dir, api_key=key, timeout_s=timeout_s, progress=progress)
+    advertise(local)  # the Jupyter server's OpenRL panel finds it there (removed when it stops)
     return local, key
 
 

@@ -1,0 +1,105 @@
+"""Where the server extension's service and key come from, and how service errors read (no servers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from openrl_jupyter.local import discovered
+from openrl_jupyter.server.connection import ServiceError, Target, refused, resolve
+from openrl_jupyter.server.handlers import control_body
+
+ENV = {"OPENRL_URL": "http://env:8000", "OPENRL_TOKEN": "tml-env", "JUPYTERHUB_API_TOKEN": "hub-tok"}
+
+
+def test_configuration_then_environment_then_the_hub_token(tmp_path):
+    t = resolve(url="http://cfg:1/", token="tml-cfg", runtime_dir=str(tmp_path), env=ENV)
+    assert (t.url, t.token, t.source, t.credential) == ("http://cfg:1", "tml-cfg", "config", "config")
+    t = resolve(url="http://cfg:1", token=None, runtime_dir=str(tmp_path), env=ENV)
+    assert (t.token, t.credential) == ("tml-env", "OPENRL_TOKEN")
+    t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=ENV)
+    assert (t.url, t.token, t.source) == ("http://env:8000", "tml-env", "OPENRL_URL")
+    hub = {k: v for k, v in ENV.items() if k != "OPENRL_TOKEN"}
+    t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=hub)
+    assert (t.token, t.credential) == ("hub-tok", "hub")
+    assert "tml-" not in repr(t) and "hub-tok" not in repr(t)  # the key is never in a repr
+    assert resolve(url=None, token=None, runtime_dir=str(tmp_path), env={}) is None
+
+
+def write(folder, name: str, body) -> None:
+    (folder / name).write_text(body if isinstance(body, str) else json.dumps(body))
+
+
+def test_the_newest_live_discovery_file_wins_and_never_gets_the_hub_token(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write(tmp_path, "openrl-local-1.json", {"url": "http://old:1", "token": "tml-old", "pid": os.getpid()})
+    old = time.time() - 60
+    os.utime(tmp_path / "openrl-local-1.json", (old, old))
+    write(tmp_path, "openrl-local-2.json", {"url": "http://new:2", "token": "tml-new", "pid": os.getpid()})
+    write(tmp_path, "openrl-local-3.json", {"url": "http://dead:3", "token": "tml-dead", "pid": dead.pid})
+    write(tmp_path, "openrl-local-4.json", "{not json")
+    hub_only = {"JUPYTERHUB_API_TOKEN": "hub-tok"}
+    t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=hub_only)
+    assert (t.url, t.token, t.source) == ("http://new:2", "tml-new", "discovery")
+    (tmp_path / "openrl-local-2.json").unlink()
+    assert discovered(str(tmp_path))["url"] == "http://old:1"
+    (tmp_path / "openrl-local-1.json").unlink()
+    assert discovered(str(tmp_path)) is None  # only a dead kernel's file and a broken one are left
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expect_status", "expect"),
+    [
+        (401, {"error": "unknown key"}, 502, "the key was refused (HTTP 401: unknown key)"),
+        (302, {}, 502, "redirected to /login"),
+        (404, {"error": "unknown run 'x'"}, 404, "unknown run 'x'"),
+        (400, {"error": "action must be one of pause, resume, stop"}, 400, "action must be one of"),
+        (429, {"error": "queue full"}, 503, "busy or not ready (HTTP 429: queue full)"),
+        (500, "<html>Internal</html>", 502, "the service failed (HTTP 500: <html>Internal</html>)"),
+    ],
+)
+def test_service_errors_name_the_service(status, body, expect_status, expect):
+    target = Target("http://svc:9", "tml-secret", "config", "config")
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.Response(status, content=content, headers={"location": "/login"})
+    err = refused(target, response)
+    assert err.status == expect_status
+    assert err.message.startswith("openrl service at http://svc:9: ")
+    assert expect in err.message
+    assert "tml-secret" not in err.message
+
+
+def test_control_bodies_are_checked_with_the_field_named():
+    assert control_body(b'{"action": "stop", "reason": "done"}') == {"action": "stop", "reason": "done"}
+    assert control_body(b'{"action": "pause"}') == {"action": "pause"}
+    for raw, expect in [
+        (b"[1]", "the body must be a JSON object"),
+        (b"nope", "the body must be JSON"),
+        (b'{"action": "halt"}', "action must be one of pause, resume, stop; got 'halt'"),
+        (b'{"action": "stop", "reason": "' + b"x" * 201 + b'"}', "reason must be a string of at most 200"),
+    ]:
+        with pytest.raises(ServiceError) as info:
+            control_body(raw)
+        assert expect in info.value.message
+
+
+def test_the_extension_imports_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import openrl_jupyter\n"
+        "points = openrl_jupyter._jupyter_server_extension_points()\n"
+        "assert points[0]['app'].__name__ == 'OpenRLServer', points\n"
+        "assert openrl_jupyter._jupyter_labextension_paths()[0]['src'] == 'labextension'\n"
+        "print('ok')\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
