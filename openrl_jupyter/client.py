@@ -187,9 +187,9 @@ def create_run(**fields: Any) -> Call:
     return Call("POST", f"{API}/runs", json=fields)
 
 
-def list_runs() -> Call:
-    """This key's runs."""
-    return Call("GET", f"{API}/runs", field="runs")
+def list_runs(include: str | None = None) -> Call:
+    """This key's notebook runs; ``include="all"`` adds its Tinker-SDK training runs."""
+    return Call("GET", f"{API}/runs", params={"include": include} if include else None, field="runs")
 
 
 def get_run(run_id: str) -> Call:
@@ -202,9 +202,16 @@ def delete_run(run_id: str) -> Call:
     return Call("DELETE", f"{API}/runs/{run_id}")
 
 
-def heartbeat(run_id: str) -> Call:
-    """Keep the run alive while the notebook is idle (``idle_timeout_s`` in its description)."""
-    return Call("POST", f"{API}/runs/{run_id}/heartbeat")
+def heartbeat(run_id: str, state: str | None = None) -> Call:
+    """Keep the run alive while the notebook is idle (``idle_timeout_s`` in its description);
+    ``state`` reports the Run's state. The reply carries the run's ``control`` (the panel's word)."""
+    return Call("POST", f"{API}/runs/{run_id}/heartbeat", json={"state": state} if state else None)
+
+
+def control(run_id: str, action: str, reason: str | None = None) -> Call:
+    """Pause, resume or stop a run (``action``), as the side panel does; returns its entry."""
+    body = {"action": action, **({"reason": reason} if reason else {})}
+    return Call("POST", f"{API}/runs/{run_id}/control", json=body)
 
 
 def sample(run_id: str, prompts: list, **params: Any) -> Call:
@@ -258,6 +265,7 @@ REQUESTS: dict[str, Callable[..., Call]] = {
         get_run,
         delete_run,
         heartbeat,
+        control,
         sample,
         train_step,
         save,

@@ -25,8 +25,14 @@ off from 1 s to 30 s, until the service answers again. A step whose train_step g
 service may have applied it) is not sampled again: the retry (or ``resume()``) re-sends that same
 train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
 stopping take effect between steps. While the run is not done (paused included) it heartbeats the
-service every third of the service's ``idle_timeout_s`` (at most 2 min apart), so a paused run is
-not reaped as abandoned.
+service every third of the service's ``idle_timeout_s`` (at most 2 min apart, and a third of its
+``orphan_after_s``), so a paused run is not reaped as abandoned nor listed as orphaned.
+
+Run control from outside the kernel (the JupyterLab side panel, ``POST /openrl/v1/runs/{id}/control``):
+each heartbeat reports the run's state to the service and reads back its ``control``; before each
+step (and every ``CONTROL_POLL_S`` while paused) the run asks too, so a pause from the panel pauses
+it at its next step, a resume continues it, and a stop ends it (``run.state == "stopped"``,
+``run.stop_reason`` "stopped from the panel", also in its log). Every state change is reported.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle ti
 UNAVAILABLE_RETRY_MAX_S = (
     30.0  # a step the service could not take is retried after 1, 2, 4... s, at most this
 )
+CONTROL_POLL_S = 1.0  # while paused, the run asks the service for a resume or stop this often
+CONTROL_WAIT_S = 3.0  # the most a step waits for the service's control answer before going on
+STOPPED_IN_NOTEBOOK = "stopped in the notebook (run.stop())"
 
 
 def heartbeat_interval(idle_timeout_s: Any) -> float:
@@ -169,6 +178,9 @@ class Run:
         self._heartbeat_s = HEARTBEAT_MAX_S
         self._pending: _Prepared | None = None  # a step whose train_step has not been answered
         self._outages = 0  # consecutive attempts the service was unavailable for
+        self.stop_reason: str | None = None  # why it stopped: run.stop(), or the panel's reason
+        self._control_at: float | None = None  # the service's control state last obeyed (its "at")
+        self._report_lock: asyncio.Lock | None = None
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -179,7 +191,11 @@ class Run:
             raise
         self.run_id = created["run_id"]
         self.model = created.get("base_model") or self.model  # the service's word: the dashboard shows it
-        self._heartbeat_s = heartbeat_interval(created.get("idle_timeout_s"))
+        self._heartbeat_s = min(
+            heartbeat_interval(created.get("idle_timeout_s")),
+            heartbeat_interval(created.get("orphan_after_s")),
+        )
+        self._control_at = (created.get("control") or {}).get("at")
         self._future = self._runner.submit(self._main())
         return self
 
@@ -247,6 +263,7 @@ class Run:
         with self._lock:
             if not self.done:
                 self._want_stop = True
+                self.stop_reason = self.stop_reason or STOPPED_IN_NOTEBOOK
                 self._set_state(RunState.STOPPING)
         self._poke()
         if wait:
@@ -370,6 +387,57 @@ class Run:
                 self.last_error = error
             self._changed.notify_all()
         self._emit({"kind": "state", "state": str(state), "error": error})
+        if self.run_id is not None and self._runner.alive:
+            self._runner.submit(self._report_state())
+
+    async def _report_state(self) -> None:
+        """Tell the service the run's state (the side panel lists it); one report at a time, each
+        carrying the state as it is when sent, so the last one the service gets is the latest."""
+        if self._report_lock is None:
+            self._report_lock = asyncio.Lock()
+        async with self._report_lock:
+            with contextlib.suppress(OpenRLError):
+                await self.session.async_client().heartbeat(self.run_id, state=str(self._state))
+
+    async def _sync_control(self) -> None:
+        """Report the state and obey the service's control (pause / resume / stop from the panel);
+        skipped while the service is unavailable, and never waits on it more than CONTROL_WAIT_S."""
+        if self._outages or self.run_id is None:
+            return
+        try:
+            reply = await asyncio.wait_for(
+                self.session.async_client().heartbeat(self.run_id, state=str(self._state)), CONTROL_WAIT_S
+            )
+        except (OpenRLError, asyncio.TimeoutError):
+            return  # the step's own requests say what is wrong with the service
+        self._obey(reply.get("control") if isinstance(reply, dict) else None)
+
+    def _obey(self, control: Any) -> None:
+        """Apply a control state the service sent, once per change (its ``at``)."""
+        if not isinstance(control, dict) or control.get("at") == self._control_at:
+            return
+        self._control_at = control.get("at")
+        wanted, reason = control.get("state"), control.get("reason")
+        if self.done:
+            return
+        if wanted in ("stop_requested", "stopped"):
+            with self._lock:
+                self._want_stop = True
+                self.stop_reason = _from_panel("stopped", reason)
+                self._set_state(RunState.STOPPING)
+            self._log(self.stop_reason)
+            self._poke()
+        elif wanted in ("pause_requested", "paused"):
+            with self._lock:
+                if self._want_stop or self._want_pause:
+                    return
+                self._want_pause = True
+                if self._state in (RunState.RUNNING, RunState.STARTING):
+                    self._set_state(RunState.PAUSING)
+            self._log(_from_panel("paused", reason))
+        elif wanted == "running" and (self._want_pause or self._state == RunState.PAUSED):
+            self._log("resumed from the panel")
+            self.resume()
 
     def _log(self, text: str) -> None:
         self._emit({"kind": "log", "step": self._step, "text": text})
@@ -385,8 +453,10 @@ class Run:
         return out
 
     async def _gate(self) -> bool:
-        """Between steps: wait while paused; False when the run should stop."""
+        """Between steps: obey the service's control, wait while paused (asking it again every
+        CONTROL_POLL_S); False when the run should stop."""
         while True:
+            await self._sync_control()
             with self._lock:
                 if self._want_stop:
                     return False
@@ -397,13 +467,14 @@ class Run:
                 if self._state != RunState.PAUSED:
                     self._set_state(RunState.PAUSED)
                 self._wake.clear()
-            await self._wake.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), CONTROL_POLL_S)
 
     async def _create(self) -> dict:
         self._wake = asyncio.Event()
         cfg = self.config
         return await self.session.async_client().create_run(
-            name=self.name, rank=cfg.rank, base_model=cfg.model, seed=cfg.seed, **cfg.extra
+            name=self.name, rank=cfg.rank, base_model=cfg.model, seed=cfg.seed, steps=cfg.steps, **cfg.extra
         )
 
     async def _main(self) -> None:
@@ -420,7 +491,8 @@ class Run:
         while not self.done:
             await asyncio.sleep(self._heartbeat_s)
             try:
-                await client.heartbeat(self.run_id)
+                reply = await client.heartbeat(self.run_id, state=str(self._state))
+                self._obey(reply.get("control") if isinstance(reply, dict) else None)
             except NotFoundError as exc:  # the service lost the run: the next step fails with this
                 self._log(f"heartbeat: {_one_line(exc)}")
                 return
@@ -680,6 +752,12 @@ class Run:
             self.reward_version = version.version
             self._changed.notify_all()
         self._emit({"kind": "step", "row": dict(row)})
+
+
+def _from_panel(verb: str, reason: Any) -> str:
+    """ "stopped from the panel", with the panel's reason when it gave its own."""
+    text = f"{verb} from the panel"
+    return text if not reason or reason == text else f"{text}: {reason}"
 
 
 def _one_line(exc: BaseException) -> str:

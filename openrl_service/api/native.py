@@ -1,10 +1,11 @@
 """The notebook API (``/openrl/v1``): JSON + Server-Sent Events over the same engine, auth and limits.
 
     POST   /openrl/v1/runs                          create a run        {name?, base_model?, rank?, seed?, ...}
-    GET    /openrl/v1/runs                          the caller's runs
+    GET    /openrl/v1/runs                          the caller's runs (?include=all: its Tinker-SDK runs too)
     GET    /openrl/v1/runs/{run_id}                 one run
     DELETE /openrl/v1/runs/{run_id}                 free it (checkpoints stay)
-    POST   /openrl/v1/runs/{run_id}/heartbeat       keep it alive while the notebook is idle
+    POST   /openrl/v1/runs/{run_id}/heartbeat       keep it alive while the notebook is idle {state?}
+    POST   /openrl/v1/runs/{run_id}/control         pause / resume / stop a run {action, reason?}
     POST   /openrl/v1/runs/{run_id}/sample          text prompts → completions with sample ids
     POST   /openrl/v1/runs/{run_id}/train_step      sample ids + advantages → loss, ratio/KL/clip stats
     POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
@@ -36,6 +37,7 @@ from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS, NativeRuns
 from openrl_service.engine.service import TrainingService
+from openrl_service.errors import UserError
 from openrl_service.lifecycle import State
 
 TICK_S = 1.0
@@ -87,19 +89,31 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         return await once(request, make)
 
     @r.get("/runs")
-    async def list_runs(request: Request):
-        """The caller's live runs."""
-        return json_response({"runs": native.list(tenant(request))})
+    async def list_runs(request: Request, include: str | None = None):
+        """The caller's live notebook runs; ``?include=all`` adds its Tinker-SDK training runs. Each
+        with its control state, last activity, orphaned, last reward / loss and device share."""
+        if include not in (None, "all"):
+            raise UserError(f"include must be 'all' (or absent); got {include[:100]!r}", field="include")
+        return json_response({"runs": native.list(tenant(request), include_all=include == "all")})
 
     @r.get("/runs/{run_id}")
     async def get_run(run_id: str, request: Request):
         """One run: name, model, rank, step."""
         return json_response(native.describe(native.get(tenant(request), run_id)))
 
-    @r.post("/runs/{run_id}/heartbeat")
+    @r.post("/runs/{run_id}/heartbeat", openapi_extra=body(S.HEARTBEAT, required=False))
     async def heartbeat(run_id: str, request: Request):
-        """Keep the run alive (no request for ``idle_timeout_s`` finishes it); answers the run."""
-        return json_response(native.describe(native.heartbeat(tenant(request), run_id)))
+        """Keep the run alive (no request for ``idle_timeout_s`` finishes it); ``{"state"}`` reports
+        the notebook Run's state. Answers the run, with its control state for the notebook to obey."""
+        payload = await read_json(request, max_body)
+        return json_response(native.describe(native.heartbeat(tenant(request), run_id, payload)))
+
+    @r.post("/runs/{run_id}/control", openapi_extra=body(S.RUN_CONTROL))
+    async def control(run_id: str, request: Request):
+        """Pause, resume or stop a run, notebook or Tinker SDK (the side panel's buttons); answers
+        its entry. A notebook run obeys at its next step; a Tinker-SDK run's next op is refused."""
+        payload = await read_json(request, max_body)
+        return json_response(native.control(tenant(request), run_id, payload))
 
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):

@@ -571,3 +571,22 @@ NATIVE_SAVE_LINKS = links(
     weights_info=to("rest_weights_info", request_body={"tinker_path": "$response.body#/path"}),
     **_checkpoint_ops("$request.path.run_id", "weights", "$request.body#/name"),
 )
+
+
+# -- run control (notebook API) -----------------------------------------------------------------
+HEARTBEAT = obj(
+    {
+        "state": {
+            "type": "string",
+            "enum": ["starting", "running", "pausing", "paused", "stopping", "stopped", "finished", "failed"],
+            "description": "the notebook Run's state, as its kernel sees it",
+        }
+    }
+)
+RUN_CONTROL = obj(
+    {
+        "action": {"type": "string", "enum": ["pause", "resume", "stop"]},
+        "reason": {"type": "string", "minLength": 1, "maxLength": 200},
+    },
+    "action",
+)

@@ -135,6 +135,9 @@ class Durability:
         # The notebook API's state, captured and restored by the layer that owns it.
         self.loop_state: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
         self.intent_replayers: dict[str, Callable[[str, dict], Any]] = {}
+        # Records of other kinds the layers above append (e.g. "control": a run paused or stopped from
+        # the panel), replayed in journal order by the layer that wrote them.
+        self.record_replayers: dict[str, Callable[[tuple], None]] = {}
         self._replay_tasks: set[asyncio.Future] = set()  # replayed intents, referenced until done
         self._snap_lock = threading.Lock()  # one snapshot at a time
         self.snapshotted_at = 0  # journal.appended at the last snapshot
@@ -569,6 +572,8 @@ class Durability:
                 task = asyncio.ensure_future(replay(intent_id, inputs))
                 self._replay_tasks.add(task)
                 task.add_done_callback(self._replay_tasks.discard)
+            elif kind in self.record_replayers:
+                self.record_replayers[kind](record)
             else:
                 log.warning("journal: unknown record kind %r skipped", kind)
         except ApiError as e:

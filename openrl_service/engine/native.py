@@ -15,7 +15,13 @@ the Tinker API's guarantees hold for it too. What this layer adds:
 - client-reported metrics per step, stored with the run: the newest ``OPENRL_MAX_METRIC_ROWS`` rows
   (100,000); older ones are dropped (counted in the run's ``metrics_dropped``) so a long run never
   fails for its statistics; a row holds at most ``MAX_METRIC_KEYS`` values;
-- an event bus for run events, read by the SSE stream with telemetry ticks.
+- an event bus for run events, read by the SSE stream with telemetry ticks;
+- run control (``/runs/{id}/control``, for the side panel): each run's control state (running,
+  pause or stop requested, paused, stopped; why; when), for notebook runs and the tenant's
+  Tinker-SDK training runs alike. A notebook ``Run`` reads it from its heartbeat replies and obeys
+  at its next step, reporting its own state back (heartbeat body ``{"state"}``); a paused or stopped
+  SDK run's next op completes as a 409 naming the run and the reason (``resume`` clears it).
+  Control changes are journaled (``("control", ...)`` records) and kept in snapshots.
 
 A run lives as long as its session: ``heartbeat`` keeps it alive while the notebook is idle; when
 the client deletes it or the idle reaper finishes it (no heartbeat or request for
@@ -30,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import random
 import threading
 import time
@@ -46,7 +53,7 @@ from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.checks import integer, number
 from openrl_service.engine.registry import new_session_id
 from openrl_service.engine.service import RunState, TrainingService
-from openrl_service.errors import ApiError, NotFound, UserError
+from openrl_service.errors import ApiError, Conflict, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
@@ -60,6 +67,44 @@ MAX_METRIC_KEYS = 64  # values per metric row (step excluded)
 MAX_METRIC_KEY_CHARS = 128
 EVENTS_SCHEMA_VERSION = 2  # 2: ticks add memory, queue_wait_s and tokens_per_s
 RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
+# A notebook run without a heartbeat or request for this long is listed as orphaned (its kernel is
+# gone or stuck); OPENRL_ORPHAN_AFTER_S overrides it.
+ORPHAN_AFTER_S = 30.0
+SHARE_WINDOW_S = 60.0  # a run's share of device time is measured over this window
+CONTROL_ACTIONS = ("pause", "resume", "stop")
+MAX_REASON_CHARS = 200
+DEFAULT_REASONS = {"pause": "paused from the panel", "stop": "stopped from the panel", "resume": None}
+# What a notebook kernel may report as its Run's state (openrl_jupyter.run.RunState's values).
+KERNEL_STATES = ("starting", "running", "pausing", "paused", "stopping", "stopped", "finished", "failed")
+KERNEL_DONE = ("stopped", "finished", "failed")
+
+
+@dataclass
+class Control:
+    """A run's control state as the panel set it (and the kernel confirmed): running |
+    pause_requested | stop_requested | paused | stopped, why, and since when."""
+
+    state: str = "running"
+    reason: str | None = None
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "reason": self.reason, "at": self.at}
+
+
+class RunControlled(Conflict):
+    """A paused or stopped (from the panel) Tinker-SDK run's op: 409, naming the run and why."""
+
+    def __init__(self, run_id: str, control: Control):
+        verb = "stopped" if control.state == "stopped" else "paused"
+        text = f"training run {run_id} was {verb} from the panel"
+        if control.reason and control.reason != DEFAULT_REASONS["stop" if verb == "stopped" else "pause"]:
+            text += f": {control.reason}"
+        super().__init__(
+            f"{text}; resume it from the panel (POST /openrl/v1/runs/{run_id}/control "
+            '{"action": "resume"}) to continue',
+            field="model_id",
+        )
 
 
 @dataclass
@@ -85,6 +130,8 @@ class NativeRunState:
     metrics: list[dict] = field(default_factory=list)  # the newest OPENRL_MAX_METRIC_ROWS rows
     metrics_dropped: int = 0  # older rows dropped to keep that bound
     lock: threading.Lock = field(default_factory=threading.Lock)
+    planned: int | None = None  # the steps the notebook plans ("steps" at create), if it said
+    kernel_state: str = "running"  # what the kernel last reported of its Run
 
     def next_seq(self, n: int = 1) -> int:
         """The first of ``n`` consecutive seq_ids of the run's lane (nothing else can come between)."""
@@ -144,6 +191,9 @@ class NativeRuns:
         self.replies = IdempotentReplies(ttl_s=svc.settings.future_ttl_s)
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
+        self.controls: dict[str, Control] = {}  # run id -> control state (absent: running)
+        self.orphan_after_s = float(os.environ.get("OPENRL_ORPHAN_AFTER_S") or ORPHAN_AFTER_S)
+        svc.durability.record_replayers["control"] = self._replay_control
         svc.session_listeners.append(self._session_finished)
         svc.sweepers.append(self.sweep_samples)
         svc.durability.loop_state.append(("native", self.capture, self.restore))
@@ -200,11 +250,13 @@ class NativeRuns:
                     "steps": nr.steps,
                     "metrics": list(nr.metrics),
                     "metrics_dropped": nr.metrics_dropped,
+                    "planned": nr.planned,
                 }
                 for run_id, nr in self.runs.items()
             ]
             samples = [(sid, vars(smp).copy()) for sid, smp in self.samples.items()]
-        return {"runs": runs, "samples": samples, "replies": self.replies.capture()}
+            controls = {r: c.to_json() for r, c in self.controls.items()}
+        return {"runs": runs, "samples": samples, "replies": self.replies.capture(), "controls": controls}
 
     def restore(self, state: dict) -> None:
         with self._lock:
@@ -214,8 +266,12 @@ class NativeRuns:
                     self.runs[r["run_id"]] = NativeRunState(
                         run, r["name"], r["seq"], r["steps"], r["metrics"], r["metrics_dropped"]
                     )
+                    self.runs[r["run_id"]].planned = r.get("planned")
             for sid, fields in state["samples"]:
                 self.samples[sid] = StoredSample(**fields)
+        for run_id, c in state.get("controls", {}).items():
+            if run_id in self.svc.runs:
+                self._set_control(run_id, Control(**c))
         self.replies.restore(state["replies"])
 
     # -- runs -----------------------------------------------------------------------------------
@@ -240,9 +296,12 @@ class NativeRuns:
         )
         seed = body.get("seed")
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
+        planned = body.get("steps")
+        planned = integer(planned, "steps", 1) if planned is not None else None
         inputs = {
             "tenant": tenant,
             "name": name,
+            "steps": planned,
             "base_model": model.name,
             "spec": spec,
             "seed": seed,
@@ -284,6 +343,7 @@ class NativeRuns:
             nr = self.runs.get(run_id)
             if nr is None:
                 nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
+                nr.planned = inputs.get("steps")
         try:
             await self._result(rec)
         except ApiError:
@@ -309,20 +369,176 @@ class NativeRuns:
             "idle_timeout_s": self.svc.settings.session_idle_timeout_s,
             # set when the vLLM sampler handed this run's sampling to torch: why
             "sampler_notice": self.svc.sample_notices.get(run.run_id),
+            "kind": "notebook",
+            "steps": nr.planned,
+            "state": nr.kernel_state,
+            # a notebook run without a heartbeat or request for this long is listed as orphaned
+            "orphan_after_s": self.orphan_after_s,
+            **self._status(run),
+            "last_reward": self._last_reward(nr),
         }
 
-    def list(self, tenant: str) -> list[dict]:
-        return [
+    def describe_sdk(self, run: RunState) -> dict:
+        """A Tinker-SDK training run as the runs list shows it: what the service knows of it."""
+        sess = self.svc.sessions.get(run.session_id)
+        control = self.control_of(run.run_id)
+        return {
+            "run_id": run.run_id,
+            "name": (sess.display_name if sess is not None and sess.display_name else None) or run.run_id,
+            "base_model": run.base_model,
+            "lora_rank": run.spec.rank,
+            "step": run.state.steps if run.state is not None else 0,
+            "created_at": run.created_at,
+            "kind": "sdk",
+            "steps": None,
+            "state": "stopped" if control.state == "stopped" else "active",  # paused: see control
+            **self._status(run),
+            "last_reward": None,
+        }
+
+    def _status(self, run: RunState) -> dict:
+        """Control, last activity, orphaned, last loss and device share: common to both kinds."""
+        sess = self.svc.sessions.get(run.session_id)
+        last = max(run.last_request_time, sess.last_heartbeat if sess is not None else 0.0)
+        now = time.time()
+        busy = self.svc.recorder.window(now - SHARE_WINDOW_S, now)["busy_s"].get(run.run_id, 0.0)
+        return {
+            "control": self.control_of(run.run_id).to_json(),
+            "last_activity": last,
+            "orphaned": run.run_id in self.runs and now - last > self.orphan_after_s,
+            "last_loss": self.svc.last_loss.get(run.run_id),
+            "share": min(1.0, busy / SHARE_WINDOW_S),
+        }
+
+    @staticmethod
+    def _last_reward(nr: NativeRunState) -> float | None:
+        for row in reversed(nr.metrics[-64:]):
+            for key in ("reward_mean", "reward"):
+                if isinstance(row.get(key), (int, float)):
+                    return row[key]
+        return None
+
+    def list(self, tenant: str, include_all: bool = False) -> list[dict]:
+        """The tenant's notebook runs; with ``include_all`` its Tinker-SDK training runs too."""
+        out = [
             self.describe(nr)
-            for nr in self.runs.values()
+            for nr in list(self.runs.values())
             if nr.run.tenant == tenant and nr.run.run_id in self.svc.runs
         ]
+        if include_all:
+            out += [
+                self.describe_sdk(run)
+                for run in list(self.svc.runs.values())
+                if run.tenant == tenant and run.run_id not in self.runs
+            ]
+        return out
 
-    def heartbeat(self, tenant: str, run_id: str) -> NativeRunState:
-        """Keep the run's session alive (a paused notebook is not an abandoned one)."""
+    def heartbeat(self, tenant: str, run_id: str, body: dict | None = None) -> NativeRunState:
+        """Keep the run's session alive (a paused notebook is not an abandoned one). ``body``'s
+        ``state``: the kernel's Run reports its state (the runs list shows it; a pause or stop the
+        panel asked for becomes "paused" / "stopped" once the kernel says so)."""
         nr = self.get(tenant, run_id)
+        state = (body or {}).get("state")
+        if state is not None and state not in KERNEL_STATES:
+            raise UserError(
+                f"state must be one of {', '.join(KERNEL_STATES)}; got {repr(state)[:100]}", field="state"
+            )
         self.svc.heartbeat(tenant, nr.run.session_id)
+        if state is not None:
+            self._kernel_reports(nr, state)
         return nr
+
+    # -- run control ------------------------------------------------------------------------------
+    def control_of(self, run_id: str) -> Control:
+        c = self.controls.get(run_id)
+        if c is None:
+            run = self.svc.runs.get(run_id)
+            return Control(at=run.created_at if run is not None else time.time())
+        return c
+
+    def _set_control(self, run_id: str, control: Control) -> None:
+        """Keep ``control``; a Tinker-SDK run paused or stopped has its ops refused."""
+        with self._lock:
+            self.controls[run_id] = control
+            if run_id not in self.runs and control.state in ("paused", "stopped"):
+                self.svc.refused_runs[run_id] = RunControlled(run_id, control)
+            else:
+                self.svc.refused_runs.pop(run_id, None)
+
+    def _announce(self, tenant: str, run_id: str, control: Control) -> None:
+        self.events.publish(tenant, {"event": "control", "run_id": run_id, "control": control.to_json()})
+
+    def _kernel_reports(self, nr: NativeRunState, state: str) -> None:
+        run_id, tenant = nr.run.run_id, nr.run.tenant
+        if state != nr.kernel_state:
+            nr.kernel_state = state
+            self.events.publish(tenant, {"event": "state", "run_id": run_id, "state": state})
+        c = self.controls.get(run_id)
+        if c is None:
+            return
+        new = None
+        if c.state == "pause_requested" and state == "paused":
+            new = "paused"
+        elif c.state == "stop_requested" and state in KERNEL_DONE:
+            new = "stopped"
+        elif c.state in ("pause_requested", "paused") and state in KERNEL_DONE:
+            new = "stopped" if state == "stopped" else "running"
+        elif c.state == "paused" and state == "running":  # resumed in the notebook (run.resume())
+            new = "running"
+        if new is not None and new != c.state:
+            control = Control(new, c.reason if new != "running" else None)
+            self._set_control(run_id, control)
+            self._announce(tenant, run_id, control)
+
+    def control(self, tenant: str, run_id: str, body: dict) -> dict:
+        """Pause, resume or stop a run (notebook or Tinker SDK) of ``tenant``; answers its entry."""
+        action = body.get("action")
+        if action not in CONTROL_ACTIONS:
+            raise UserError(
+                f"action must be one of {', '.join(CONTROL_ACTIONS)}; got {repr(action)[:100]}",
+                field="action",
+            )
+        reason = body.get("reason")
+        if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
+            raise UserError(
+                f"reason must be a string of 1-{MAX_REASON_CHARS} characters; got {repr(reason)[:100]}",
+                field="reason",
+            )
+        reason = reason or DEFAULT_REASONS[action]
+        nr = self.runs.get(run_id)
+        run = self.svc.runs.get(run_id)
+        if run is None or run.tenant != tenant:
+            raise NotFound(f"unknown run {run_id!r}", field="run_id")
+        if nr is None:  # a Tinker-SDK run: the service itself holds it
+            state = {"pause": "paused", "stop": "stopped", "resume": "running"}[action]
+        else:
+            kernel = nr.kernel_state
+            orphaned = time.time() - self._status(run)["last_activity"] > self.orphan_after_s
+            if action == "resume":
+                if kernel in KERNEL_DONE:
+                    raise Conflict(
+                        f"run {run_id} is {kernel} in its notebook; it cannot resume", field="action"
+                    )
+                state = "running"
+            elif action == "pause":
+                if kernel in KERNEL_DONE:
+                    raise Conflict(
+                        f"run {run_id} is {kernel} in its notebook; it cannot pause", field="action"
+                    )
+                state = "paused" if kernel == "paused" else "pause_requested"
+            else:  # nobody will confirm a stop of a finished or orphaned run: it is stopped now
+                state = "stopped" if kernel in KERNEL_DONE or orphaned else "stop_requested"
+        control = Control(state, reason if state != "running" else None)
+        self.svc.durability.append(("control", tenant, run_id, control.to_json()))
+        self._set_control(run_id, control)
+        self._announce(tenant, run_id, control)
+        return self.describe(nr) if nr is not None else self.describe_sdk(run)
+
+    def _replay_control(self, record: tuple) -> None:
+        _, tenant, run_id, control = record
+        run = self.svc.runs.get(run_id)
+        if run is not None and run.tenant == tenant:
+            self._set_control(run_id, Control(**control))
 
     async def delete(self, tenant: str, run_id: str) -> None:
         nr = self.get(tenant, run_id)
@@ -335,6 +551,10 @@ class NativeRuns:
         and their stored samples."""
         gone = set(run_ids)
         with self._lock:
+            for r in run_ids:
+                self.controls.pop(r, None)
+                self.svc.refused_runs.pop(r, None)
+                self.svc.last_loss.pop(r, None)
             if not [self.runs.pop(r) for r in run_ids if r in self.runs]:  # every one, not just the first
                 return
             for sid in [sid for sid, s in self.samples.items() if s.run_id in gone]:

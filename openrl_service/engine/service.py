@@ -107,6 +107,11 @@ class TrainingService(Registry, Validation):
         self._preloaded = base  # a model loaded by the caller: served as the first (default) one
         self.models: dict[str, ServedModel] = {}  # name -> model, the default first; set by _setup
         self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
+        # Run control (set by the notebook API's /runs/{id}/control): a paused or stopped Tinker-SDK
+        # run's ops complete as this error (in their seq slot, so a resume continues in order), and
+        # the last forward_backward loss of each run, for the runs list.
+        self.refused_runs: dict[str, UserError] = {}
+        self.last_loss: dict[str, float] = {}
         self._init_registry()
         self.durability = Durability(self)
         self.futures.on_complete = self.durability.completed
@@ -327,6 +332,9 @@ class TrainingService(Registry, Validation):
         self.require_ready()
         fuse = None
         try:
+            refused = self.refused_runs.get(run.run_id)
+            if refused is not None:
+                raise refused
             work, error = prepare(run), None
             if isinstance(work, tuple):
                 work, fuse = work
@@ -361,14 +369,25 @@ class TrainingService(Registry, Validation):
             config = check_loss(loss_fn, loss_fn_config)
             self.validate_datums(data, loss_fn, self.model_of(run).base)
 
+            def noted(result: ForwardResult) -> ForwardResult:
+                if not forward_only:
+                    self.last_loss[run.run_id] = float(result.loss)
+                return result
+
             def work():
                 out = self._forward_backward(
                     self._state(run), data, loss_fn, config, forward_only, self.model_of(run).trainer
                 )
                 crashpoints.hit("forward_backward")
-                return out
+                if isinstance(out, ForwardResult):
+                    return noted(out)
 
-            return work, self.train_fusable(run, data, loss_fn, config, forward_only)
+                def chunks():
+                    return noted((yield from out))
+
+                return chunks()
+
+            return work, self.train_fusable(run, data, loss_fn, config, forward_only, finish=noted)
 
         return self.run_op(
             tenant,
@@ -828,6 +847,7 @@ class TrainingService(Registry, Validation):
             topk_sample_logprobs=topk_sample_logprobs,
         )
         entry.last_used = time.time()
+        refused = self.refused_runs.get(entry.source_run) if entry.source_run else None
         rec = self.futures.new(tenant, "sample", request_id=call[1] if call else None)
         rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
 
@@ -845,13 +865,18 @@ class TrainingService(Registry, Validation):
             run_id=entry.source_run or sampler_id,
             tokens=lambda out: out.tokens,
             refuse_when_full=True,  # 429 + Retry-After: the Tinker SDK backs off and resubmits
-            fuse=self.sample_fusable(
+            fuse=None
+            if refused is not None
+            else self.sample_fusable(
                 lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
                 [job],
                 lambda outs: self._note_backend(sampler_id, outs)[0],
                 model=model.name,
             ),
+            error=refused,  # the weights' run was stopped from the panel: the sample fails with why
         )
+        if refused is not None:
+            op.fn = None
         return self._queue(op, idem, call)
 
     # -- results --------------------------------------------------------------------------------
