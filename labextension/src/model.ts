@@ -5,7 +5,7 @@
 import { ServerConnection } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { openrlUrl, requestAPI } from './request';
+import { openrlUrl, requestAPI, runPath } from './request';
 import { IHealth, IRun } from './types';
 
 /** How many reward values a run's sparkline keeps. */
@@ -129,7 +129,7 @@ export class OpenRLModel {
     }
     const run = await requestAPI<IRun>(
       this.serverSettings,
-      `runs/${encodeURIComponent(runId)}/control`,
+      `runs/${runPath(runId)}/control`,
       { method: 'POST', body: JSON.stringify(body) }
     );
     await this.refresh();

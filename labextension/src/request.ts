@@ -16,6 +16,12 @@ export class OpenRLError extends Error {
   }
 }
 
+/** A run id as a path segment: ids look like "s1a2b:train:0" and ':' must stay literal (the server's
+ * route matches the raw path, where "%3A" is no run id character). */
+export function runPath(runId: string): string {
+  return encodeURIComponent(runId).replace(/%3A/gi, ':');
+}
+
 export function openrlUrl(settings: ServerConnection.ISettings, path: string): string {
   return URLExt.join(settings.baseUrl, 'openrl', path);
 }

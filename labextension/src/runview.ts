@@ -7,7 +7,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { OpenRLModel } from './model';
-import { requestAPI } from './request';
+import { requestAPI, runPath } from './request';
 import { ISeries, lineChart } from './svg';
 import { IRunDetail, MetricsRow, runLabel } from './types';
 
@@ -48,7 +48,7 @@ export class RunView extends Widget {
     try {
       const detail = await requestAPI<IRunDetail>(
         this.model.serverSettings,
-        `runs/${encodeURIComponent(this.runId)}`
+        `runs/${runPath(this.runId)}`
       );
       this._detail = detail;
       this._rows = [...(detail.metrics ?? [])];
