@@ -103,7 +103,9 @@ export class OpenRLPanel extends Widget {
       ['Health', this._healthText(health.health)],
       [
         health.device?.name ? `Device (${health.device.name})` : 'Device',
-        `${percent(this.model.utilization)} busy`
+        `${percent(this.model.utilization)} ${
+          (health.device as any)?.label ?? 'busy'
+        }`
       ]
     ];
     for (const [k, v] of facts) {

@@ -13,7 +13,7 @@ import { IRunDetail, MetricsRow, runLabel } from './types';
 
 /** Metrics drawn first, in this order; any other numeric metric follows. */
 const PREFERRED = ['reward_mean', 'loss', 'kl', 'ratio', 'ratio_mean', 'kl_mean'];
-const SKIP = new Set(['step', 'reward_version', 'reward_std', 'reward_min', 'reward_max']);
+const SKIP = new Set(['step', 'reward_version', 'reward_std', 'reward_min', 'reward_max', 'failed']);
 
 export class RunView extends Widget {
   constructor(
@@ -121,10 +121,12 @@ export class RunView extends Widget {
       chart.dataset.metric = key;
       this._charts.appendChild(chart);
     }
-    const util = lineChart('device utilisation (while this tab is open)', {
-      x: this._util.map((_, i) => i),
-      y: this._util
-    });
+    const util = lineChart(
+      `${this.model.utilizationLabel} (seconds since this tab opened)`,
+      { x: this._util.map((_, i) => i), y: this._util },
+      [],
+      's'
+    );
     util.dataset.metric = 'utilisation';
     this._charts.appendChild(util);
   }

@@ -64,6 +64,7 @@ export function lineChart(
   title: string,
   series: ISeries,
   markers: { x: number; label: string }[] = [],
+  xLabel = 'step',
   width = 560,
   height = 200
 ): SVGSVGElement {
@@ -113,7 +114,7 @@ export function lineChart(
       class: 'jp-OpenRL-chart-axis',
       'text-anchor': anchor
     });
-    label.textContent = `step ${Math.round(value)}`;
+    label.textContent = `${xLabel} ${Math.round(value)}`;
     svg.appendChild(label);
   }
   for (const m of markers) {
@@ -143,7 +144,7 @@ export function lineChart(
       class: 'jp-OpenRL-point'
     });
     const tip = el('title', {});
-    tip.textContent = `step ${series.x[i]}: ${v}`;
+    tip.textContent = `${xLabel} ${series.x[i]}: ${v}`;
     dot.appendChild(tip);
     svg.appendChild(dot);
   });

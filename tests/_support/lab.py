@@ -136,9 +136,11 @@ def start_lab(
     env: dict[str, str] | None = None,
     timeout: float = 120,
     base_url: str = "/",
+    app: str = "jupyterlab",
 ) -> Lab:
     """Start JupyterLab on 127.0.0.1 and wait until ``/api/status`` answers; ``env`` reaches its kernels.
-    ``base_url`` (e.g. ``/user/alice/``, as under JupyterHub) ends up in ``lab.url``."""
+    ``base_url`` (e.g. ``/user/alice/``, as under JupyterHub) ends up in ``lab.url``; ``app="notebook"``
+    starts Notebook 7 instead."""
     root_dir, state_dir = Path(root_dir), Path(state_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     dirs = {
@@ -162,7 +164,7 @@ def start_lab(
     cmd = [
         sys.executable,
         "-m",
-        "jupyterlab",
+        app,
         "--no-browser",
         "--ServerApp.ip=127.0.0.1",
         f"--ServerApp.port={port}",

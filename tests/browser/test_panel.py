@@ -17,6 +17,7 @@ Screenshots: ``tests/artifacts/panel.png``, ``panel-run-tab.png``, ``panel-disco
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -121,8 +122,10 @@ def lab_state(state_dir: Path) -> None:
 
 
 def lab_env(state_dir: Path, **extra: str) -> dict[str, str]:
+    # this checkout's openrl_jupyter in the server and its kernels
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {
-        "PYTHONPATH": str(ROOT),  # this checkout's openrl_jupyter in the server and its kernels
+        "PYTHONPATH": path,
         "JUPYTER_PATH": str(state_dir / "jupyter-path"),
         **extra,
     }
@@ -245,8 +248,9 @@ def test_panel_lists_controls_and_plots_a_kernel_run_without_leaking_the_key(ser
         )
         screenshot(page, "panel")
 
-        # the run's tab: a reward plot whose points grow
-        row.locator(".jp-OpenRL-run-name").click()
+        # the run's tab (opened from the keyboard): a reward plot whose points grow
+        row.locator(".jp-OpenRL-run-name").focus()
+        page.keyboard.press("Enter")
         page.locator(".jp-OpenRL-runview").wait_for()
         n1 = poll("reward points in the run tab", lambda: reward_points(page), page, lab)
         poll(f"more than {n1} reward points", lambda: reward_points(page) > n1, page, lab)
@@ -322,6 +326,9 @@ def test_panel_lists_controls_and_plots_a_kernel_run_without_leaking_the_key(ser
 def test_panel_shows_disconnected_under_a_base_url(browser, tmp_path_factory):
     state = tmp_path_factory.mktemp("bare-lab-state")
     lab_state(state)
+    theme = state / "lab-settings" / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+    theme.parent.mkdir(parents=True, exist_ok=True)
+    theme.write_text(json.dumps({"theme": "JupyterLab Dark"}))
     lab = start_lab(
         tmp_path_factory.mktemp("bare-lab-root"), state, env=lab_env(state), base_url="/user/alice/"
     )
@@ -340,7 +347,52 @@ def test_panel_shows_disconnected_under_a_base_url(browser, tmp_path_factory):
         # the panel's requests went under the base URL
         with httpx.Client(headers={"Authorization": f"token {lab.token}"}) as http:
             assert http.get(f"{lab.url}/openrl/health").json()["connected"] is False
+        # the dark theme reaches the panel (it uses the theme's variables, not fixed colours)
+        poll(
+            "the dark theme",
+            lambda: page.evaluate("() => document.body.dataset.jpThemeLight") == "false",
+            page,
+            lab,
+        )
+        background = page.evaluate(
+            f"() => getComputedStyle(document.querySelector('{PANEL}')).backgroundColor"
+        )
+        rgb = [int(v) for v in re.findall(r"\d+", background)[:3]]
+        assert sum(rgb) / 3 < 96, f"the panel's background in the dark theme is {background}"
         screenshot(page, "panel-disconnected")
     finally:
         context.close()
         lab.stop()
+
+
+def test_notebook7_shell_opens_the_panel_from_the_command_palette(browser, tmp_path_factory):
+    try:
+        import notebook  # noqa: F401
+    except ImportError:
+        pytest.skip("Notebook 7 is missing (pip install -e '.[test]')")
+    state = tmp_path_factory.mktemp("nb7-state")
+    lab_state(state)
+    nb = start_lab(tmp_path_factory.mktemp("nb7-root"), state, env=lab_env(state), app="notebook")
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        page = context.new_page()
+        errors: list[str] = []  # ours only: Notebook 7.6.5 itself throws one while loading its settings
+        page.on(
+            "pageerror",
+            lambda e: errors.append(f"{e}\n{e.stack}") if "openrl" in f"{e}{e.stack}".lower() else None,
+        )
+        page.goto(f"{nb.url}/tree?token={nb.token}", wait_until="domcontentloaded")
+        page.locator("#main-panel, .jp-FileBrowser").first.wait_for(timeout=60_000)
+        page.keyboard.press("Control+Shift+C")
+        palette = page.locator(".lm-CommandPalette-input")
+        palette.wait_for()
+        palette.fill("OpenRL: open panel")
+        page.locator('.lm-CommandPalette-item[data-command="openrl:open-panel"]').click()
+        panel = page.locator(PANEL)
+        panel.wait_for(state="visible", timeout=30_000)
+        poll("the panel's disconnected state", lambda: "Not connected" in panel.inner_text(), page, nb)
+        assert not errors, errors
+        screenshot(page, "panel-notebook7")
+    finally:
+        context.close()
+        nb.stop()
