@@ -332,6 +332,44 @@ def test_panel_lists_controls_and_plots_a_kernel_run_without_leaking_the_key(ser
                 pass
 
 
+def test_stop_all_from_the_palette_stops_a_tinker_sdk_run(server, panel_lab, panel_page, service_client):
+    import tinker
+    from tinker import types
+
+    page, _ = panel_page
+    lab = panel_lab
+    tc = service_client.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=3)
+    tokens = [11, 12, 13, 14, 15, 16]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    if page.locator(PANEL).count() == 0:  # run alone: open Lab and the panel
+        page.goto(f"{lab.url}/lab?token={lab.token}", wait_until="domcontentloaded")
+        page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL[1:]}"]').click()
+    row = page.locator(f'{PANEL} li[data-run-id="{tc.model_id}"]')
+    row.wait_for(timeout=30_000)
+    poll("the SDK run listed as active", lambda: row.get_attribute("data-state") == "active", page, lab)
+    assert re.search(r"step 1\b", row.inner_text()) and "loss" in row.inner_text(), row.inner_text()
+
+    page.keyboard.press("Control+Shift+C")
+    palette = page.locator(".lm-CommandPalette-input")
+    palette.wait_for()
+    palette.fill("OpenRL: stop all")
+    page.locator('.lm-CommandPalette-item[data-command="openrl:stop-all"]').click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for()
+    name = row.locator(".jp-OpenRL-run-name").inner_text()
+    assert name in dialog.inner_text(), dialog.inner_text()  # the dialog names the runs it will stop
+    dialog.locator(".jp-Dialog-button.jp-mod-warn").click()
+    poll("the SDK run to show stopped", lambda: row.get_attribute("data-state") == "stopped", page, lab)
+    with pytest.raises(tinker.RequestFailedError, match="stopped from the panel"):
+        tc.forward_backward([datum], "cross_entropy").result()
+    screenshot(page, "panel-stopped-sdk-run")
+
+
 def test_panel_shows_disconnected_under_a_base_url(browser, tmp_path_factory):
     state = tmp_path_factory.mktemp("bare-lab-state")
     lab_state(state)
