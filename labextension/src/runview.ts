@@ -7,9 +7,9 @@
 import { Widget } from '@lumino/widgets';
 
 import { OpenRLModel } from './model';
-import { requestAPI, runPath } from './request';
+import { OpenRLError, requestAPI, runPath } from './request';
 import { ISeries, lineChart } from './svg';
-import { IRunDetail, MetricsRow, runLabel } from './types';
+import { IRunDetail, MetricsRow, isLive, runLabel } from './types';
 
 /** Metrics drawn first, in this order; any other numeric metric follows. */
 const PREFERRED = ['reward_mean', 'loss', 'kl', 'ratio', 'ratio_mean', 'kl_mean'];
@@ -55,14 +55,20 @@ export class RunView extends Widget {
       this._error = null;
     } catch (error) {
       this._error = (error as Error).message;
+      if (error instanceof OpenRLError && error.status === 404) {
+        this._gone = true; // deleted on the service: stop asking
+        this._error = `This run no longer exists on the service (${this._error}).`;
+      }
     }
     this._lastLoad = Date.now();
     this.render();
   }
 
   render(): void {
-    const run =
-      this.model.runs.find(r => r.run_id === this.runId) ?? this._detail?.run;
+    const run = this._gone
+      ? undefined
+      : (this.model.runs.find(r => r.run_id === this.runId) ??
+        this._detail?.run);
     this._header.replaceChildren();
     const title = document.createElement('h2');
     title.textContent = run ? runLabel(run) : this.runId;
@@ -167,7 +173,9 @@ export class RunView extends Widget {
     if (!this.isVisible) {
       return;
     }
-    if (Date.now() - this._lastLoad > 1500) {
+    const run = this.model.runs.find(r => r.run_id === this.runId);
+    const live = run ? isLive(run) : !this._gone;
+    if (!this._gone && live && Date.now() - this._lastLoad > 1500) {
       void this.load();
     } else {
       this.render();
@@ -181,4 +189,5 @@ export class RunView extends Widget {
   private _error: string | null = null;
   private _util: number[] = [];
   private _lastLoad = 0;
+  private _gone = false;
 }
