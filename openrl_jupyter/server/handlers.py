@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from openrl_jupyter.server.app import OpenRLServer
 
 API = "/openrl/v1"
-RUN_ID = r"[A-Za-z0-9_.:\-]{1,200}"
+RUN_ID = r"[A-Za-z0-9_.:%\-]{1,300}"  # ":" may come percent-encoded
 ACTIONS = ("pause", "resume", "stop")
 MAX_REASON_CHARS = 200
 EVENTS_READ_TIMEOUT_S = 30.0  # the service ticks every second: this long silent means a dead stream
@@ -102,6 +102,11 @@ class HealthHandler(OpenRLHandler):
             ready, tick = await asyncio.gather(self.readiness(target), self.first_tick(target))
         except ServiceError as err:
             out["error"] = err.message
+            return self.reply(out)
+        if not isinstance(ready, dict):
+            out["error"] = (
+                f"openrl service at {target.url}: /readyz is not an object; is this an openrl service?"
+            )
             return self.reply(out)
         util = (tick or {}).get("utilisation") or {}
         out.update(
@@ -175,8 +180,18 @@ class RunHandler(OpenRLHandler):
             target = self.target()
             path = f"{API}/runs/{checked(run_id)}"
             run, metrics = await asyncio.gather(
-                self.call(target, "GET", path), self.call(target, "GET", path + "/metrics")
+                self.call(target, "GET", path),
+                self.call(target, "GET", path + "/metrics"),
+                return_exceptions=True,
             )
+            if isinstance(run, ServiceError) and run.status == 404:
+                # a Tinker-SDK run has no notebook record: its entry in the full list is what is known
+                listed = await self.call(target, "GET", API + "/runs", params={"include": "all"})
+                entry = next((r for r in listed.get("runs") or [] if r.get("run_id") == run_id), None)
+                run, metrics = (run, metrics) if entry is None else (entry, {"metrics": []})
+            for part in (run, metrics):
+                if isinstance(part, BaseException):
+                    raise part
         except ServiceError as err:
             return self.fail(err)
         rows = list((metrics or {}).get("metrics") or [])
@@ -284,7 +299,7 @@ def control_body(raw: bytes) -> dict:
     if action not in ACTIONS:
         raise ServiceError(400, f"action must be one of {', '.join(ACTIONS)}; got {action!r}")
     out = {"action": action}
-    reason = body.get("reason")
+    reason = body.get("reason") or None  # an empty reason box: the service's default reason
     if reason is not None:
         if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
             raise ServiceError(400, f"reason must be a string of at most {MAX_REASON_CHARS} characters")

@@ -81,8 +81,9 @@ def start_jupyter(root: Path, *, base_url: str = "/", env: dict | None = None, a
     }
     port, token = free_port(), "jp-" + secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", "--ip=127.0.0.1"]
-    cmd += [f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.base_url={base_url}"]
-    cmd += [f"--ServerApp.root_dir={root / 'work'}", "--log-level=DEBUG", *args]
+    cmd += [f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.base_url={base_url}"]
+    cmd += [f"--ServerApp.root_dir={root / 'work'}", "--ServerApp.allow_unauthenticated_access=False"]
+    cmd += ["--log-level=DEBUG", *args]
     with open(root / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     jupyter = Jupyter(f"http://127.0.0.1:{port}{base_url}", token, proc, root)
@@ -100,7 +101,7 @@ def start_jupyter(root: Path, *, base_url: str = "/", env: dict | None = None, a
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def alice_jupyter(server, tmp_path_factory):
     """A server for tenant alice (OPENRL_URL + OPENRL_TOKEN), under a hub-like base URL."""
     jupyter = start_jupyter(
@@ -112,7 +113,7 @@ def alice_jupyter(server, tmp_path_factory):
     jupyter.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bare_jupyter(tmp_path_factory):
     """A server with no service configured (the discovery file is its only way to one)."""
     jupyter = start_jupyter(tmp_path_factory.mktemp("jp-bare"))
@@ -120,12 +121,12 @@ def bare_jupyter(tmp_path_factory):
     jupyter.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dead_port() -> int:
     return free_port()  # nothing listens there
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bad_jupyter(server, dead_port, tmp_path_factory):
     """c.OpenRLServer.url names a dead port; $OPENRL_URL names the live service (config must win)."""
     jupyter = start_jupyter(

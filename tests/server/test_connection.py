@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -103,3 +105,40 @@ def test_the_extension_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_the_shipped_config_file_enables_the_extension(tmp_path):
+    """jupyter-config/server-config/openrl_jupyter.json (installed into jupyter_server_config.d by the
+    wheel) is what `jupyter server extension list` reads as enabled, and the extension validates."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    conf = tmp_path / "jupyter_server_config.d"
+    conf.mkdir()
+    shutil.copy(os.path.join(repo, "jupyter-config", "server-config", "openrl_jupyter.json"), conf)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER")}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path), PYTHONPATH=repo, NO_COLOR="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter_server", "extension", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=repo,
+    )
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
+    ours = text.split(f"Config dir: {tmp_path}", 1)[1].split("Config dir:", 1)[0]
+    assert re.search(r"openrl_jupyter\s+enabled", ours), text
+    assert re.search(r"openrl_jupyter \S+\s+OK", ours), text
+
+
+def test_every_route_and_verb_is_authenticated():
+    """jupyter_server's own check (what `allow_unauthenticated_access = False` enforces): no method of
+    ours lacks @web.authenticated."""
+    from jupyter_server.serverapp import ServerWebApplication
+
+    from openrl_jupyter.server.handlers import routes
+
+    table = routes(ext=None)
+    assert len(table) == 5
+    for pattern, handler, _ in table:
+        assert ServerWebApplication._check_handler_auth(None, pattern, handler) == [], pattern
+        assert handler.auth_resource == "openrl"

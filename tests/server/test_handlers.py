@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -89,6 +90,8 @@ def test_every_route_refuses_a_request_without_the_servers_token(alice_jupyter):
         r = anon.post(CONTROL, json={"action": "stop"})
         assert r.status_code == 403
         assert ALICE_KEY not in r.text
+    # started with allow_unauthenticated_access=False: jupyter_server lists unauthenticated endpoints
+    assert "registered for /user/alice/openrl" not in alice_jupyter.log()
 
 
 def test_a_cookie_authenticated_post_needs_the_xsrf_token(alice_jupyter, runs, server):
@@ -147,15 +150,22 @@ def test_one_run_with_its_metrics_history(alice_jupyter, runs, server, seen):
         assert r.status_code == 200, r.text
         detail = r.json()
         other = seen.add(http.get(f"openrl/runs/{runs['bob']}"))
+        encoded = http.get("openrl/runs/" + quote(runs["alice"], safe=""))  # ":" as %3A, as a browser may
     assert detail["run"]["run_id"] == runs["alice"]
     assert detail["run"]["name"] == "panel-alice"
     assert [(m["step"], m["reward_mean"]) for m in detail["metrics"]] == [(1, 0.25), (2, 0.75)]
     assert detail["samples"] == []
+    assert ":" in runs["alice"]  # the service's ids (s…:train:0) reach the route encoded or not
+    assert encoded.status_code == 200, encoded.text
+    assert encoded.json()["run"]["run_id"] == runs["alice"]
+    assert encoded.json()["metrics"] == detail["metrics"]
     assert other.status_code == 404  # another tenant's run is not found, as on the service
     assert other.json()["error"].startswith(f"openrl service at {server.url}: ")
 
 
 def test_the_event_stream_is_relayed_and_closed_with_the_browser(alice_jupyter, seen):
+    closed = "openrl: event stream from"
+    before = alice_jupyter.log().count(closed)
     with alice_jupyter.client() as http:
         response, events, raw = read_events(http, "openrl/events", 2)
     seen.add(response, raw)
@@ -166,7 +176,7 @@ def test_the_event_stream_is_relayed_and_closed_with_the_browser(alice_jupyter, 
     assert tick["utilisation"]["label"] == "engine busy"
     assert events[1]["data"]["time"] > tick["time"]  # live ticks, not a replay
     deadline = time.monotonic() + 20  # the relay notices at its next write (the service ticks each second)
-    while "openrl: event stream from" not in alice_jupyter.log():
+    while alice_jupyter.log().count(closed) == before:
         assert time.monotonic() < deadline, "the relay kept the service's stream open after the browser left"
         time.sleep(0.2)
 
@@ -215,3 +225,16 @@ def test_without_a_service_the_panel_is_told_how_to_connect(bare_jupyter):
     assert "OPENRL_URL" in health.json()["error"]
     assert listed.status_code == 503
     assert "%openrl connect --local" in listed.json()["error"]
+
+
+def test_the_panels_polling_does_not_keep_an_idle_server_alive(alice_jupyter, runs):
+    """JupyterHub's idle culler reads the server's last activity: a panel left open that polls must not
+    count as the user working; pressing pause / resume / stop does."""
+    with alice_jupyter.client() as http:
+        before = http.get("api/status").json()["last_activity"]
+        for path in ("openrl/health", "openrl/runs", f"openrl/runs/{runs['alice']}"):
+            assert http.get(path).status_code == 200
+        read_events(http, "openrl/events", 1)
+        assert http.get("api/status").json()["last_activity"] == before
+        http.post(f"openrl/runs/{runs['alice']}/control", json={"action": "nope"})
+        assert http.get("api/status").json()["last_activity"] > before
