@@ -390,14 +390,18 @@ class Run:
         if self.run_id is not None and self._runner.alive:
             self._runner.submit(self._report_state())
 
-    async def _report_state(self) -> None:
-        """Tell the service the run's state (the side panel lists it); one report at a time, each
-        carrying the state as it is when sent, so the last one the service gets is the latest."""
+    async def _beat(self) -> Any:
+        """One heartbeat carrying the run's state as it is when sent; one at a time, so the service
+        gets the states in order (a stale "running" never lands after "paused"). Answers the reply."""
         if self._report_lock is None:
             self._report_lock = asyncio.Lock()
         async with self._report_lock:
-            with contextlib.suppress(OpenRLError):
-                await self.session.async_client().heartbeat(self.run_id, state=str(self._state))
+            return await self.session.async_client().heartbeat(self.run_id, state=str(self._state))
+
+    async def _report_state(self) -> None:
+        """Tell the service the run's state (the side panel lists it)."""
+        with contextlib.suppress(OpenRLError):
+            await self._beat()
 
     async def _sync_control(self) -> None:
         """Report the state and obey the service's control (pause / resume / stop from the panel);
@@ -405,9 +409,7 @@ class Run:
         if self._outages or self.run_id is None:
             return
         try:
-            reply = await asyncio.wait_for(
-                self.session.async_client().heartbeat(self.run_id, state=str(self._state)), CONTROL_WAIT_S
-            )
+            reply = await asyncio.wait_for(self._beat(), CONTROL_WAIT_S)
         except (OpenRLError, asyncio.TimeoutError):
             return  # the step's own requests say what is wrong with the service
         self._obey(reply.get("control") if isinstance(reply, dict) else None)
@@ -487,11 +489,10 @@ class Run:
     async def _heartbeat(self) -> None:
         """While the run exists and is not done (paused included), tell the service it is wanted,
         so an idle notebook's run is not reaped as abandoned."""
-        client = self.session.async_client()
         while not self.done:
             await asyncio.sleep(self._heartbeat_s)
             try:
-                reply = await client.heartbeat(self.run_id, state=str(self._state))
+                reply = await self._beat()
                 self._obey(reply.get("control") if isinstance(reply, dict) else None)
             except NotFoundError as exc:  # the service lost the run: the next step fails with this
                 self._log(f"heartbeat: {_one_line(exc)}")

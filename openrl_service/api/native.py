@@ -98,8 +98,8 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
     @r.get("/runs/{run_id}")
     async def get_run(run_id: str, request: Request):
-        """One run: name, model, rank, step."""
-        return json_response(native.describe(native.get(tenant(request), run_id)))
+        """One run: name, model, rank, step, control... (a Tinker-SDK run of the caller too)."""
+        return json_response(native.entry(tenant(request), run_id))
 
     @r.post("/runs/{run_id}/heartbeat", openapi_extra=body(S.HEARTBEAT, required=False))
     async def heartbeat(run_id: str, request: Request):
@@ -165,7 +165,9 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
     @r.get("/runs/{run_id}/metrics")
     async def get_metrics(run_id: str, request: Request):
-        """Every metrics row stored for the run."""
+        """Every metrics row stored for the run (none for a Tinker-SDK run: its client keeps them)."""
+        if native.entry(tenant(request), run_id)["kind"] == "sdk":
+            return json_response({"metrics": []})
         return json_response({"metrics": native.get(tenant(request), run_id).metrics})
 
     @r.get("/events")

@@ -192,6 +192,7 @@ class NativeRuns:
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
         self.controls: dict[str, Control] = {}  # run id -> control state (absent: running)
+        self._share_cache: tuple[float, dict[str, float]] | None = None
         self.orphan_after_s = float(os.environ.get("OPENRL_ORPHAN_AFTER_S") or ORPHAN_AFTER_S)
         svc.durability.record_replayers["control"] = self._replay_control
         svc.session_listeners.append(self._session_finished)
@@ -401,14 +402,22 @@ class NativeRuns:
         sess = self.svc.sessions.get(run.session_id)
         last = max(run.last_request_time, sess.last_heartbeat if sess is not None else 0.0)
         now = time.time()
-        busy = self.svc.recorder.window(now - SHARE_WINDOW_S, now)["busy_s"].get(run.run_id, 0.0)
         return {
             "control": self.control_of(run.run_id).to_json(),
             "last_activity": last,
             "orphaned": run.run_id in self.runs and now - last > self.orphan_after_s,
             "last_loss": self.svc.last_loss.get(run.run_id),
-            "share": min(1.0, busy / SHARE_WINDOW_S),
+            "share": self._shares(now).get(run.run_id, 0.0),
         }
+
+    def _shares(self, now: float) -> dict[str, float]:
+        """Each run's share of device time over the last SHARE_WINDOW_S (computed at most every
+        0.5 s: a list or a heartbeat does not rescan the op records for every run)."""
+        cached = self._share_cache
+        if cached is None or not 0 <= now - cached[0] < 0.5:
+            busy = self.svc.recorder.window(now - SHARE_WINDOW_S, now)["busy_s"]
+            cached = self._share_cache = (now, {r: min(1.0, v / SHARE_WINDOW_S) for r, v in busy.items()})
+        return cached[1]
 
     @staticmethod
     def _last_reward(nr: NativeRunState) -> float | None:
@@ -432,6 +441,16 @@ class NativeRuns:
                 if run.tenant == tenant and run.run_id not in self.runs
             ]
         return out
+
+    def entry(self, tenant: str, run_id: str) -> dict:
+        """One run of ``tenant`` as the runs list shows it, notebook or Tinker SDK (else 404)."""
+        nr = self.runs.get(run_id)
+        if nr is not None:
+            return self.describe(self.get(tenant, run_id))
+        run = self.svc.runs.get(run_id)
+        if run is None or run.tenant != tenant:
+            raise NotFound(f"unknown run {run_id!r}", field="run_id")
+        return self.describe_sdk(run)
 
     def heartbeat(self, tenant: str, run_id: str, body: dict | None = None) -> NativeRunState:
         """Keep the run's session alive (a paused notebook is not an abandoned one). ``body``'s

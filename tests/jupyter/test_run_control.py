@@ -121,3 +121,42 @@ def test_run_stop_in_the_notebook_says_so(session):
     run = session.train(reward=name, prompts=PROMPTS, steps=50, **SMALL)
     run.stop(wait=True, timeout=60)
     assert run.state == RunState.STOPPED and run.stop_reason == "stopped in the notebook (run.stop())"
+
+
+REWARD = """%%openrl reward rc_letters
+def reward(prompt, completion, **info):
+    return sum(c.isalpha() for c in completion) / max(1, len(completion))
+"""
+
+
+def test_the_panel_stops_a_run_while_its_kernel_is_busy_in_a_cell(server, panel):
+    """A real ipykernel, busy in ``run.wait()``: the stop comes from outside (the panel's request)
+    and the waiting cell returns with the run stopped "from the panel"."""
+    from tests._support.kernel import Kernel
+
+    with Kernel(env={"OPENRL_URL": server.url, "OPENRL_TOKEN": ALICE_KEY}) as k:
+        k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        k.execute("P = ['Say hi:', 'Name a colour:']")
+        assert "reward rc_letters v1 registered" in k.execute(REWARD).stdout
+        k.execute(
+            "run = %openrl train --reward rc_letters --prompts P --steps 500 --batch 2 --group 4 "
+            "--max-tokens 8 --name rc-kernel",
+            timeout=30,
+        )
+        run_id = k.execute("print(run.run_id)").stdout.strip()
+        sent: list[dict] = []
+
+        def stop_once_stepping() -> None:
+            wait_until(lambda: listed(panel, run_id)["step"] >= 1, what="the kernel's run to step")
+            sent.append(panel.control(run_id, "stop"))
+
+        stopper = threading.Thread(target=stop_once_stepping, daemon=True)
+        stopper.start()
+        out = k.execute("run.wait(120)\nprint(run.state, '|', run.stop_reason, '|', run.step)", timeout=150)
+        stopper.join(60)
+        state, reason, step = (part.strip() for part in out.stdout.split("|"))
+        assert (state, reason) == ("stopped", "stopped from the panel") and 1 <= int(step) < 500
+        assert sent and sent[0]["control"]["state"] in ("stop_requested", "stopped")
+        wait_until(lambda: listed(panel, run_id)["state"] == "stopped", what="the kernel's report")
+        assert listed(panel, run_id)["control"]["state"] == "stopped"
+        k.execute("run.session.client.delete_run(run.run_id)", timeout=60)  # the shared server's quota

@@ -101,8 +101,14 @@ def test_an_sdk_run_is_listed_and_stopping_it_refuses_its_next_op_until_resumed(
     assert listed["step"] == 1 and listed["steps"] is None and listed["state"] == "active"
     assert listed["control"]["state"] == "running" and listed["control"]["reason"] is None
     assert listed["last_loss"] == pytest.approx(first_loss, rel=1e-5)
-    assert 0.0 < listed["share"] <= 1.0  # it used the device within the last minute
+    deadline = time.monotonic() + 10  # the op's record is written as it ends: poll briefly
+    while entry(alice, run_id)["share"] == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert 0.0 < entry(alice, run_id)["share"] <= 1.0  # it used the device within the last minute
     assert time.time() - listed["last_activity"] < 60 and listed["orphaned"] is False
+    one = alice.get(f"{V1}/runs/{run_id}").json()  # one run, as listed
+    assert one["kind"] == "sdk" and one["step"] == 1 and one["run_id"] == run_id
+    assert alice.get(f"{V1}/runs/{run_id}/metrics").json() == {"metrics": []}
 
     events = EventReader(server.url, ALICE_KEY)
     try:
@@ -171,6 +177,8 @@ def test_bad_control_requests_name_the_field_and_other_tenants_get_404(server, a
     assert control(alice, "no-such-run", "stop").status_code == 404
     with server.client(BOB_KEY) as bob:
         assert control(bob, run_id, "stop").status_code == 404
+        assert bob.get(f"{V1}/runs/{run_id}").status_code == 404
+        assert bob.get(f"{V1}/runs/{run_id}/metrics").status_code == 404
         assert entry(bob, run_id) is None
     assert entry(alice, run_id)["control"]["state"] == "running"  # bob's attempts changed nothing
 

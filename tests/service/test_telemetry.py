@@ -234,7 +234,7 @@ def fake_service(device: str) -> types.SimpleNamespace:
         session_listeners=[],
         sweepers=[],  # NativeRuns hooks into both, and into the journal
         settings=types.SimpleNamespace(future_ttl_s=3600.0),
-        durability=types.SimpleNamespace(loop_state=[], intent_replayers={}),
+        durability=types.SimpleNamespace(loop_state=[], intent_replayers={}, record_replayers={}),
     )
 
 
