@@ -135,6 +135,33 @@ export class RunView extends Widget {
     );
     util.dataset.metric = 'utilisation';
     this._charts.appendChild(util);
+    this._renderSamples();
+  }
+
+  /** The run's recent samples, where its metrics carry some (prompt, completion, reward). */
+  private _renderSamples(): void {
+    const samples = (this._detail?.samples ?? []).slice(-8);
+    if (samples.length === 0) {
+      return;
+    }
+    const table = document.createElement('table');
+    table.className = 'jp-OpenRL-samples';
+    const head = table.createTHead().insertRow();
+    for (const k of ['step', 'prompt', 'completion', 'reward']) {
+      const th = document.createElement('th');
+      th.textContent = k;
+      head.appendChild(th);
+    }
+    const body = table.createTBody();
+    for (const s of samples) {
+      const row = body.insertRow();
+      for (const k of ['step', 'prompt', 'completion', 'reward']) {
+        const v = s?.[k];
+        row.insertCell().textContent =
+          typeof v === 'number' ? String(Number(v.toPrecision(4))) : String(v ?? '');
+      }
+    }
+    this._charts.appendChild(table);
   }
 
   private _versionMarkers(rows: MetricsRow[]): { x: number; label: string }[] {

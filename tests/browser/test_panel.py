@@ -337,11 +337,18 @@ def test_panel_lists_controls_and_plots_a_kernel_run_without_leaking_the_key(ser
 
 
 def test_stop_all_from_the_palette_stops_a_tinker_sdk_run(server, panel_lab, panel_page, service_client):
+    page, _ = panel_page
+    try:
+        stop_all_sdk_run(page, panel_lab, service_client)
+    except BaseException:
+        screenshot(page, "panel-stop-all-failed")
+        raise
+
+
+def stop_all_sdk_run(page, lab, service_client) -> None:
     import tinker
     from tinker import types
 
-    page, _ = panel_page
-    lab = panel_lab
     tc = service_client.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=3)
     tokens = [11, 12, 13, 14, 15, 16]
     datum = types.Datum(
@@ -355,8 +362,17 @@ def test_stop_all_from_the_palette_stops_a_tinker_sdk_run(server, panel_lab, pan
         page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL[1:]}"]').click()
     row = page.locator(f'{PANEL} li[data-run-id="{tc.model_id}"]')
     row.wait_for(timeout=30_000)
-    poll("the SDK run listed as active", lambda: row.get_attribute("data-state") == "active", page, lab)
-    assert re.search(r"step 1\b", row.inner_text()) and "loss" in row.inner_text(), row.inner_text()
+    # a listing fetched before optim_step finished shows step 0: wait for the one after it
+    poll(
+        "the SDK run listed as active at step 1 with its loss",
+        lambda: (
+            row.get_attribute("data-state") == "active"
+            and re.search(r"step 1\b", row.inner_text())
+            and "loss" in row.inner_text()
+        ),
+        page,
+        lab,
+    )
 
     page.keyboard.press("Control+Shift+C")
     palette = page.locator(".lm-CommandPalette-input")
