@@ -322,6 +322,9 @@ def test_panel_lists_controls_and_plots_a_kernel_run_without_leaking_the_key(ser
             assert len(text) > 0 and ALICE_KEY not in text, f"the service key is in the {name}"
         print(f"scanned {scanned} bytes ({len(texts)} pieces, {seen['events']} stream events): no key")
         assert not capture.page_errors, capture.page_errors
+    except BaseException:
+        screenshot(page, "panel-failed")
+        raise
     finally:
         with Client(server.url, token=ALICE_KEY) as c:
             c.control(run_id, "stop")
