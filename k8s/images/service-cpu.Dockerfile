@@ -8,7 +8,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/tmp/home
+    HOME=/tmp/home \
+    SKIP_JUPYTER_BUILDER=1
 
 RUN groupadd --gid 10001 openrl && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin openrl
 
@@ -16,6 +17,7 @@ WORKDIR /build
 COPY pyproject.toml README.md constraints-cpu.txt ./
 COPY openrl_service ./openrl_service
 COPY openrl_jupyter ./openrl_jupyter
+# (SKIP_JUPYTER_BUILDER: no Jupyter in this image, so the wheel is built without the lab extension and node.)
 # torch's CPU wheel first (the version constraints-cpu.txt pins), then the package with its service extra.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints-cpu.txt torch \
     && pip install -c constraints-cpu.txt ".[service]" \

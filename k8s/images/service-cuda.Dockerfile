@@ -25,7 +25,8 @@ WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY openrl_service ./openrl_service
 COPY openrl_jupyter ./openrl_jupyter
-RUN pip install ".[service,vllm]" && rm -rf /build
+# the service image has no Jupyter: the wheel is built without the lab extension (no node)
+RUN SKIP_JUPYTER_BUILDER=1 pip install ".[service,vllm]" && rm -rf /build
 
 WORKDIR /data
 USER 10001:10001

@@ -130,9 +130,17 @@ class Lab:
 
 
 def start_lab(
-    root_dir: Path, state_dir: Path, *, env: dict[str, str] | None = None, timeout: float = 120
+    root_dir: Path,
+    state_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+    base_url: str = "/",
+    app: str = "jupyterlab",
 ) -> Lab:
-    """Start JupyterLab on 127.0.0.1 and wait until ``/api/status`` answers; ``env`` reaches its kernels."""
+    """Start JupyterLab on 127.0.0.1 and wait until ``/api/status`` answers; ``env`` reaches its kernels.
+    ``base_url`` (e.g. ``/user/alice/``, as under JupyterHub) ends up in ``lab.url``; ``app="notebook"``
+    starts Notebook 7 instead."""
     root_dir, state_dir = Path(root_dir), Path(state_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     dirs = {
@@ -156,7 +164,7 @@ def start_lab(
     cmd = [
         sys.executable,
         "-m",
-        "jupyterlab",
+        app,
         "--no-browser",
         "--ServerApp.ip=127.0.0.1",
         f"--ServerApp.port={port}",
@@ -165,13 +173,14 @@ def start_lab(
         f"--ServerApp.root_dir={root_dir}",
         "--ServerApp.terminals_enabled=False",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--ServerApp.base_url={base_url}",
     ]
     if os.geteuid() == 0:
         cmd.append("--allow-root")
     log = open(state_dir / "lab.log", "wb")  # noqa: SIM115 (the child owns it until stop)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=root_dir)
     log.close()
-    lab = Lab(f"http://127.0.0.1:{port}", token, root_dir, state_dir, proc)
+    lab = Lab(f"http://127.0.0.1:{port}{base_url.rstrip('/')}", token, root_dir, state_dir, proc)
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -1,0 +1,226 @@
+/**
+ * The left side panel: the connected service (URL, model, health, device utilisation) and the runs (name,
+ * state, step / steps, a reward sparkline, device share) with pause / resume / stop buttons.
+ */
+import { Widget } from '@lumino/widgets';
+
+import { OpenRLModel } from './model';
+import { sparkline } from './svg';
+import { IRun, isLive, isPaused, runLabel } from './types';
+
+function h<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (className) {
+    node.className = className;
+  }
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+export function percent(value: number | null | undefined): string {
+  return typeof value === 'number' && isFinite(value)
+    ? `${Math.round(value * 100)}%`
+    : '–';
+}
+
+export class OpenRLPanel extends Widget {
+  constructor(
+    readonly model: OpenRLModel,
+    private readonly _openRun: (run: IRun) => void
+  ) {
+    super();
+    this.id = 'openrl-panel';
+    this.addClass('jp-OpenRL-panel');
+    this.title.caption = 'OpenRL runs';
+    this._service = h('section', 'jp-OpenRL-service');
+    this._message = h('div', 'jp-OpenRL-message');
+    this._message.setAttribute('role', 'status');
+    this._runs = h('ul', 'jp-OpenRL-runs');
+    this._runs.setAttribute('aria-label', 'OpenRL runs');
+    const header = h('header', 'jp-OpenRL-header');
+    header.appendChild(h('h2', '', 'OpenRL'));
+    const refresh = h('button', 'jp-OpenRL-refresh jp-mod-styled', 'Refresh');
+    refresh.title = 'Refresh the runs now';
+    refresh.addEventListener('click', () => void this.model.refresh());
+    header.appendChild(refresh);
+    this.node.append(header, this._service, this._message, this._runs);
+    model.changed.connect(this.render, this);
+    this.render();
+  }
+
+  dispose(): void {
+    this.model.changed.disconnect(this.render, this);
+    super.dispose();
+  }
+
+  /** Redraw from the model (keeps focus on the button that had it). */
+  render(): void {
+    const focused = document.activeElement as HTMLElement | null;
+    const focusKey =
+      focused && this.node.contains(focused) ? focused.dataset.key : undefined;
+    this._renderService();
+    this._renderRuns();
+    if (focusKey) {
+      const again = this.node.querySelector(
+        `[data-key="${CSS.escape(focusKey)}"]`
+      ) as HTMLElement | null;
+      again?.focus();
+    }
+  }
+
+  private _renderService(): void {
+    const health = this.model.health;
+    this._service.replaceChildren();
+    this.node.dataset.connected = health?.connected ? 'true' : 'false';
+    if (!this.model.loaded) {
+      this._service.appendChild(h('p', '', 'Connecting…'));
+      return;
+    }
+    if (!health?.connected) {
+      this._service.appendChild(
+        h('p', 'jp-OpenRL-disconnected', 'Not connected to an OpenRL service.')
+      );
+      this._service.appendChild(
+        h(
+          'p',
+          'jp-OpenRL-error',
+          health?.error ||
+            'Run %openrl connect --local in a notebook, or set OPENRL_URL and OPENRL_TOKEN for the Jupyter server.'
+        )
+      );
+      return;
+    }
+    const dl = h('dl', 'jp-OpenRL-facts');
+    const facts: [string, string][] = [
+      ['Service', health.url ?? '–'],
+      ['Model', health.model ?? (health.models ?? []).join(', ') ?? '–'],
+      ['Health', this._healthText(health.health)],
+      [
+        health.device?.name ? `Device (${health.device.name})` : 'Device',
+        `${percent(this.model.utilization)} ${
+          (health.device as any)?.label ?? 'busy'
+        }`
+      ]
+    ];
+    for (const [k, v] of facts) {
+      dl.append(h('dt', '', k), h('dd', `jp-OpenRL-fact-${k.split(' ')[0].toLowerCase()}`, v));
+    }
+    this._service.appendChild(dl);
+  }
+
+  private _healthText(health: any): string {
+    if (health === null || health === undefined) {
+      return '–';
+    }
+    if (typeof health === 'string') {
+      return health;
+    }
+    return String(health.status ?? health.state ?? (health.ok === false ? 'not ok' : 'ok'));
+  }
+
+  private _renderRuns(): void {
+    const model = this.model;
+    this._message.textContent = model.runsError ?? '';
+    this._runs.replaceChildren();
+    if (!model.health?.connected) {
+      return;
+    }
+    if (model.runs.length === 0 && !model.runsError) {
+      this._runs.appendChild(
+        h('li', 'jp-OpenRL-empty', 'No runs yet: start one from a notebook.')
+      );
+      return;
+    }
+    for (const run of model.runs) {
+      this._runs.appendChild(this._renderRun(run));
+    }
+  }
+
+  private _renderRun(run: IRun): HTMLLIElement {
+    const li = h('li', 'jp-OpenRL-run');
+    li.dataset.runId = run.run_id;
+    li.dataset.state = run.state ?? '';
+    const top = h('div', 'jp-OpenRL-run-top');
+    const name = h('button', 'jp-OpenRL-run-name', runLabel(run));
+    name.title = `Open the dashboard of ${runLabel(run)} (${run.run_id})`;
+    name.dataset.key = `open:${run.run_id}`;
+    name.addEventListener('click', () => this._openRun(run));
+    const state = h('span', 'jp-OpenRL-run-state', this._stateText(run));
+    state.dataset.state = run.state ?? '';
+    top.append(name, state);
+
+    const info = h('div', 'jp-OpenRL-run-info');
+    const step = h(
+      'span',
+      'jp-OpenRL-run-step',
+      `step ${run.step ?? 0}${run.steps ? ` / ${run.steps}` : ''}`
+    );
+    const reward = h(
+      'span',
+      'jp-OpenRL-run-reward',
+      typeof run.last_reward === 'number'
+        ? `reward ${run.last_reward.toFixed(3)}`
+        : typeof run.last_loss === 'number'
+          ? `loss ${run.last_loss.toFixed(3)}`
+          : ''
+    );
+    const share = h('span', 'jp-OpenRL-run-share', `${percent(run.share)} of device`);
+    share.title = "this run's share of the device time over the last minute";
+    info.append(step, sparkline(this.model.rewards.get(run.run_id) ?? []), reward, share);
+
+    const actions = h('div', 'jp-OpenRL-run-actions');
+    const live = isLive(run);
+    const paused = isPaused(run);
+    const buttons: [string, 'pause' | 'resume' | 'stop', boolean][] = [
+      ['Pause', 'pause', live && !paused],
+      ['Resume', 'resume', live && paused],
+      ['Stop', 'stop', live]
+    ];
+    for (const [label, action, enabled] of buttons) {
+      const b = h('button', `jp-OpenRL-${action} jp-mod-styled`, label);
+      b.dataset.key = `${action}:${run.run_id}`;
+      b.disabled = !enabled;
+      b.title = `${label} ${runLabel(run)}`;
+      b.setAttribute('aria-label', `${label} ${runLabel(run)}`);
+      b.addEventListener('click', () => void this._control(run, action, b));
+      actions.appendChild(b);
+    }
+    li.append(top, info, actions);
+    return li;
+  }
+
+  private _stateText(run: IRun): string {
+    let text = run.state ?? '?';
+    const control = run.control?.state;
+    if (control === 'pause_requested' || control === 'stop_requested') {
+      text += ` (${control.replace('_', ' ')})`;
+    }
+    if (run.orphaned) {
+      text += ' · orphaned';
+    }
+    return text;
+  }
+
+  private async _control(
+    run: IRun,
+    action: 'pause' | 'resume' | 'stop',
+    button: HTMLButtonElement
+  ): Promise<void> {
+    button.disabled = true;
+    try {
+      await this.model.control(run.run_id, action);
+    } catch (error) {
+      this._message.textContent = `${action} ${runLabel(run)}: ${(error as Error).message}`;
+    }
+  }
+
+  private _service: HTMLElement;
+  private _message: HTMLElement;
+  private _runs: HTMLUListElement;
+}
