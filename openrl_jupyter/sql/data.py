@@ -457,6 +457,13 @@ def _values(con: sqlite3.Connection, table: str, col: str) -> list[Any]:
     return [r[0] for r in con.execute(f"SELECT DISTINCT {col} FROM {table} ORDER BY {col}")]
 
 
+def _aggs(col: str, choices: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Aggregates that make sense for ``col``: a total of years is not a question anyone asks."""
+    if "year" in col or col == "founded":
+        return [c for c in choices if c[0] != "SUM"]
+    return choices
+
+
 Template = Callable[[Schema, sqlite3.Connection, random.Random], "tuple[str, str, str] | None"]
 _TEMPLATES: list[Template] = []
 
@@ -626,7 +633,9 @@ def _t_agg(s, con, rng):
     if t is None:
         return None
     c, cn = rng.choice(t.nums)
-    fn, word = rng.choice([("AVG", "average"), ("MAX", "highest"), ("MIN", "lowest"), ("SUM", "total")])
+    fn, word = rng.choice(
+        _aggs(c, [("AVG", "average"), ("MAX", "highest"), ("MIN", "lowest"), ("SUM", "total")])
+    )
     return f"What is the {word} {cn} of all {t.noun}?", f"SELECT {fn}({c}) FROM {t.name}", "medium"
 
 
@@ -696,7 +705,7 @@ def _t_group_avg(s, con, rng):
         return None
     c, cn = rng.choice(t.cats)
     n, nn = rng.choice(t.nums)
-    fn, word = rng.choice([("AVG", "average"), ("MAX", "highest"), ("SUM", "total")])
+    fn, word = rng.choice(_aggs(n, [("AVG", "average"), ("MAX", "highest"), ("SUM", "total")]))
     return (
         f"What is the {word} {nn} of {t.noun} for each {cn}?",
         f"SELECT {c}, {fn}({n}) FROM {t.name} GROUP BY {c}",
@@ -711,7 +720,7 @@ def _t_having(s, con, rng):
         return None
     c, cn = rng.choice(t.cats)
     counts = [r[0] for r in con.execute(f"SELECT COUNT(*) FROM {t.name} GROUP BY {c}")]
-    k = rng.choice(sorted(set(counts)))
+    k = rng.choice([c for c in sorted(set(counts)) if c > 1] or [1])
     return (
         f"Which {cn} values are shared by at least {k} {t.noun}?",
         f"SELECT {c} FROM {t.name} GROUP BY {c} HAVING COUNT(*) >= {k}",
@@ -807,7 +816,7 @@ def _t_join_having(s, con, rng):
         return None
     lk, p, _ = parts
     counts = sorted({r[0] for r in con.execute(f"SELECT COUNT(*) FROM {lk.child} GROUP BY {lk.fk}")})
-    k = rng.choice(counts)
+    k = rng.choice([c for c in counts if c > 1] or [1])
     return (
         f"Which {p.noun} have at least {k} {lk.child} {lk.verb} them? Give their {p.label}.",
         f"SELECT T2.{p.label} FROM {lk.child} AS T1 JOIN {p.name} AS T2 ON T1.{lk.fk} = T2.id "
@@ -838,7 +847,7 @@ def _t_join_agg(s, con, rng):
     lk, p, ch = parts
     n, nn = rng.choice(ch.nums)
     v = rng.choice(_values(con, p.name, p.label))
-    fn, word = rng.choice([("AVG", "average"), ("MAX", "highest"), ("SUM", "total")])
+    fn, word = rng.choice(_aggs(n, [("AVG", "average"), ("MAX", "highest"), ("SUM", "total")]))
     return (
         f"What is the {word} {nn} of {ch.noun} {lk.verb} the {p.one} {v}?",
         f"SELECT {fn}(T1.{n}) FROM {ch.name} AS T1 JOIN {p.name} AS T2 ON T1.{lk.fk} = T2.id "
@@ -966,8 +975,8 @@ def _examples_for(db_id: str, seed: int, per_template: int, directory: Path | No
                 if sum(1 for e in out if e["_t"] == template.__name__) >= per_template:
                     break
                 made = template(schema, con, rng)
-                if made is None:
-                    break
+                if made is None:  # this draw (a table or link) does not fit the template
+                    continue
                 question, sql, difficulty = made
                 if sql in seen:
                     continue

@@ -53,7 +53,8 @@ def extract_sql(completion: str) -> str:
     fence = re.search(r"```(?:sql|sqlite)?[ \t]*\n?(.*?)(?:```|$)", text, re.S | re.I)
     if fence:
         text = fence.group(1)
-    m = re.search(r"\b(SELECT|WITH)\b", text, re.I)
+    # SQL in capitals anywhere, else a line that starts with select/with ("to select ..." is prose)
+    m = re.search(r"\b(SELECT|WITH)\b", text) or re.search(r"^\s*(select|with)\b", text, re.I | re.M)
     if m:
         text = text[m.start() :]
     for i, ch in enumerate(text):

@@ -116,6 +116,8 @@ def test_a_huge_result_is_capped(db):
             "SELECT a FROM t WHERE b = 'x;y'",
         ),
         ("SELECT COUNT(*) FROM t;;", "SELECT COUNT(*) FROM t"),
+        ("To select the names we use SELECT name FROM t", "SELECT name FROM t"),
+        ("Answer:\nselect name from t;", "select name from t"),
         ("with x as (select 1) select * from x", "with x as (select 1) select * from x"),
     ],
 )
