@@ -28,6 +28,8 @@ from typing import Any
 
 SCHEMAS = ("shop", "school", "flights", "library")
 DEFAULT_TEST_SCHEMAS = ("flights", "library")
+# Bump when the schemas or the row builders change, so a cached database file is never stale.
+GENERATOR_VERSION = 1
 
 _FIRST = [
     "Alice",
@@ -430,7 +432,9 @@ def database_path(db_id: str, seed: int = 0, directory: str | os.PathLike[str] |
     """
     base = Path(directory) if directory is not None else Path(tempfile.gettempdir()) / "openrl-sql"
     base.mkdir(parents=True, exist_ok=True)
-    path = base / f"{db_id}-seed{seed}.sqlite"
+    if db_id not in _SCHEMAS:
+        raise ValueError(f"db_id must be one of {', '.join(SCHEMAS)}, got {db_id!r}")
+    path = base / f"{db_id}-v{GENERATOR_VERSION}-seed{int(seed)}.sqlite"
     with _cache_lock:
         if not path.exists():
             build_database(db_id, seed, path)
