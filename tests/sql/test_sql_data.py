@@ -131,3 +131,22 @@ def test_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "4"
+
+
+def test_same_questions_in_another_process(ds, tmp_path):
+    """A detached job rebuilds the data from the seed: string hashing must not leak into it."""
+    import json
+    import os
+
+    code = (
+        "import json, sys\n"
+        "from openrl_jupyter.sql import generate\n"
+        "d = generate(0, directory=sys.argv[1])\n"
+        "print(json.dumps([d.train, d.test]))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [ds.train, ds.test]
