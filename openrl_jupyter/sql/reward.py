@@ -1,0 +1,176 @@
+"""Execution-match reward for text-to-SQL: run predicted and gold SQL read-only and compare results.
+
+    r = execution_match("SELECT name FROM customers", gold_sql, db_path)
+    r.score   # 1.0 or 0.0
+    r.error   # the sqlite error (or "result too large", "time limit"), None when the query ran
+
+A query can never write, attach files or hang the caller: the database is opened read-only by URI
+(``mode=ro&immutable=1``), an authorizer allows only reads (SELECT, column reads, functions,
+recursive CTEs), a progress handler stops a query past the time limit, and at most ``max_rows``
+rows are fetched (more scores 0 with "result too large"). Results are compared as multisets of row
+tuples (floats rounded), or as ordered lists when the gold query has ORDER BY.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_MAX_ROWS = 10_000
+FLOAT_DIGITS = 4
+
+_ALLOWED = frozenset(
+    {sqlite3.SQLITE_READ, sqlite3.SQLITE_SELECT, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+)
+_DENIED_FUNCTIONS = frozenset({"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"})
+
+
+class SQLError(Exception):
+    """A query that failed: the sqlite message, or the limit it hit."""
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    score: float
+    error: str | None = None  # why the predicted query scored 0 without running to a result
+    rows: int | None = None  # rows the predicted query returned
+
+    def __float__(self) -> float:
+        return self.score
+
+
+def extract_sql(completion: str) -> str:
+    """The SQL in a model's completion: a ```sql fence if there is one, else the text from the first
+    SELECT/WITH; cut after the first complete statement, trailing semicolons dropped."""
+    text = completion
+    fence = re.search(r"```(?:sql|sqlite)?[ \t]*\n?(.*?)(?:```|$)", text, re.S | re.I)
+    if fence:
+        text = fence.group(1)
+    # SQL in capitals anywhere, else a line that starts with select/with ("to select ..." is prose)
+    m = re.search(r"\b(SELECT|WITH)\b", text) or re.search(r"^\s*(select|with)\b", text, re.I | re.M)
+    if m:
+        text = text[m.start() :]
+    for i, ch in enumerate(text):
+        if ch == ";" and sqlite3.complete_statement(text[: i + 1]):
+            text = text[:i]
+            break
+    return text.strip().rstrip(";").strip()
+
+
+def _authorizer(action: int, arg1: Any, arg2: Any, db: Any, trigger: Any) -> int:
+    if action not in _ALLOWED:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and str(arg2).lower() in _DENIED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
+def _connect(db: str | os.PathLike[str]) -> sqlite3.Connection:
+    path = Path(db)
+    if not path.is_file():
+        raise FileNotFoundError(f"database not found: {path}")
+    con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+    con.execute("PRAGMA query_only = 1")
+    con.set_authorizer(_authorizer)
+    return con
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, float):
+        r = round(v, FLOAT_DIGITS)
+        return int(r) if r.is_integer() else r
+    return v
+
+
+def run_query(
+    sql: str,
+    db: str | os.PathLike[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+) -> list[tuple[Any, ...]]:
+    """Run one read-only query with a time limit and a row cap; raise SQLError on any failure."""
+    if not sql.strip():
+        raise SQLError("empty query")
+    con = _connect(db)
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+
+    def progress() -> int:
+        nonlocal timed_out
+        if time.monotonic() > deadline:
+            timed_out = True
+            return 1
+        return 0
+
+    con.set_progress_handler(progress, 1000)
+    try:
+        cur = con.execute(sql)
+        rows = cur.fetchmany(max_rows + 1)
+        if len(rows) > max_rows:
+            raise SQLError(f"result too large: more than {max_rows} rows")
+        return [tuple(_norm(v) for v in r) for r in rows]
+    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as e:
+        if timed_out:
+            raise SQLError(f"time limit: stopped after {timeout_s:g} s") from None
+        raise SQLError(f"{type(e).__name__}: {e}") from None
+    finally:
+        con.close()
+
+
+def execution_match(
+    pred_sql: str,
+    gold_sql: str,
+    db: str | os.PathLike[str],
+    *,
+    ordered: bool | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+) -> MatchResult:
+    """1.0 when ``pred_sql`` returns the same result as ``gold_sql`` on ``db``, else 0.0 with the error.
+
+    ``ordered`` defaults to whether the gold query has ORDER BY. A gold query that fails raises
+    SQLError (that is a data bug, not the model's fault).
+    """
+    gold = run_query(gold_sql, db, timeout_s=max(timeout_s, 5.0), max_rows=max_rows)
+    if ordered is None:
+        ordered = re.search(r"\border\s+by\b", gold_sql, re.I) is not None
+    try:
+        pred = run_query(pred_sql, db, timeout_s=timeout_s, max_rows=max_rows)
+    except SQLError as e:
+        return MatchResult(0.0, str(e))
+    same = pred == gold if ordered else Counter(pred) == Counter(gold)
+    return MatchResult(1.0 if same else 0.0, None, len(pred))
+
+
+def sql_reward(prompt: str, completion: str, **info: Any) -> float:
+    """A per-sample reward in the notebook's shape: ``info`` carries the example's fields.
+
+    The database is ``info["db_path"]`` when given, else rebuilt from ``info["db_id"]`` and
+    ``info["seed"]`` (default 0). The sqlite error of a failed query is printed, so it lands in the
+    run's log.
+    """
+    from openrl_jupyter.sql.data import database_path
+
+    for key in ("sql", "db_id"):
+        if key not in info and not (key == "db_id" and "db_path" in info):
+            raise KeyError(f"sql_reward needs info[{key!r}] (the example's fields)")
+    db = info.get("db_path") or database_path(info["db_id"], int(info.get("seed", 0)))
+    result = execution_match(
+        extract_sql(completion),
+        info["sql"],
+        db,
+        ordered=info.get("ordered"),
+        timeout_s=float(info.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        max_rows=int(info.get("max_rows", DEFAULT_MAX_ROWS)),
+    )
+    if result.error:
+        print(f"sql error: {result.error}")
+    return result.score
