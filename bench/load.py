@@ -93,7 +93,7 @@ def record_wire(log: list[dict]) -> None:
         log.append(entry)
         try:
             response = await send(self, request, **kw)
-        except Exception as exc:
+        except BaseException as exc:  # also a cancelled request (the SDK cancels pending polls at close)
             entry.update(status=None, error=type(exc).__name__, t1=time.time())
             raise
         entry.update(status=response.status_code, t1=time.time())
