@@ -89,13 +89,16 @@ def record_wire(log: list[dict]) -> None:
 
     async def recording_send(self, request, **kw):
         t0 = time.time()
-        entry = {"path": request.url.path, "t0": t0}
+        # "unfinished" until it returns: the report may be taken while a background call (the
+        # SDK's session heartbeat) is still in flight
+        entry = {"path": request.url.path, "t0": t0, "status": None, "error": "unfinished"}
         log.append(entry)
         try:
             response = await send(self, request, **kw)
         except BaseException as exc:  # also a cancelled request (the SDK cancels pending polls at close)
             entry.update(status=None, error=type(exc).__name__, t1=time.time())
             raise
+        entry.pop("error")
         entry.update(status=response.status_code, t1=time.time())
         path = request.url.path
         if path.endswith("/retrieve_future"):
@@ -214,7 +217,8 @@ def client_main(cfg: dict) -> int:
             train(datums, "importance_sampling")
     t_end = time.time()
     svc.close("success").result()
-    wire_out = [w for w in wire if w["path"] != "/api/v1/healthz"]
+    # copies (dict() runs under the GIL): a call still in flight on the SDK's thread may update its entry
+    wire_out = [dict(w) for w in list(wire) if w["path"] != "/api/v1/healthz"]
     emit(
         {"kind": kind, "t_start": t_start, "t_end": t_end, "ops": ops, "steps": step_counts, "wire": wire_out}
     )
