@@ -27,6 +27,7 @@ import contextlib
 import html
 import itertools
 import math
+import re
 import statistics
 import threading
 import time
@@ -56,6 +57,7 @@ GRID_KEYS = (
 )
 MAX_POINTS = 64  # runs one sweep may start (the service's per-tenant run quota is the real limit)
 POLL_S = 0.2
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # + "-best": a checkpoint name
 _SHORT = {
     "lr": "lr",
     "rank": "r",
@@ -98,7 +100,7 @@ def point_label(point: Mapping[str, Any]) -> str:
             parts.append(f"ov{int(v)}")
         else:
             parts.append(f"{_SHORT[key]}{_num(v)}")
-    return "-".join(parts)
+    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))
 
 
 def expand_grid(grid: Any) -> list[dict[str, Any]]:
@@ -209,8 +211,11 @@ class Sweep:
         clash = sorted(set(options) & set(grid))
         if clash:
             raise UsageError(f"{', '.join(clash)} is both in the grid and given as an option; give it once")
-        if name is not None and (not isinstance(name, str) or not name or len(name) > 64):
-            raise UsageError(f"name must be a non-empty string of at most 64 characters; got {name!r}")
+        if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
+            raise UsageError(
+                "name must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
+                f"(it names the runs and the best checkpoint); got {name!r}"
+            )
         self.session = session
         self.name = name or f"sweep-{uuid.uuid4().hex[:6]}"
         self.points = points
@@ -288,7 +293,8 @@ class Sweep:
     @property
     def best(self) -> Run | None:
         """The best run not dropped at a rung (by its mean ``metric`` since the last rung), or None."""
-        ranked = self._rank(self._live(), None)
+        scored = [r for r in self._live() if self.score(r) is not None]
+        ranked = self._rank(scored, None)
         return ranked[0] if ranked else None
 
     def score(self, run: Run, upto: int | None = None, since: int | None = None) -> float | None:
@@ -426,7 +432,7 @@ class Sweep:
                     self._held.discard(run.name)
                     release.append(run)
         for run in release:
-            if not run.done:
+            with contextlib.suppress(UsageError):  # it ended meanwhile (e.g. stopped from the panel)
                 run.resume()
         return True
 
@@ -454,8 +460,9 @@ class Sweep:
                         for run in self.runs:
                             if run.name in self._held:
                                 self._held.discard(run.name)
-                                if not run.done and not self._stopping and not self._budget_spent:
-                                    run.resume()
+                                if not self._stopping and not self._budget_spent:
+                                    with contextlib.suppress(UsageError):
+                                        run.resume()
                 if all(r.done for r in self.runs):
                     break
             for unsubscribe in self._unsubscribe:

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from openrl_jupyter import session as sess
+from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunState
 from openrl_jupyter.session import UsageError
 from openrl_jupyter.sweep import Sweep, expand_grid, plan_rungs, point_label, survivors
@@ -122,6 +123,7 @@ def test_sweep_stop_stops_every_run(session):
         ({"grid": {"lr": [1e-4]}, "mode": "up"}, "mode must be 'max'"),
         ({"grid": {"lr": [1e-4]}, "lr": 1e-3}, "lr is both in the grid and given as an option"),
         ({"grid": {"lr": list(range(1, 66))}}, "the grid has 65 points; a sweep starts at most 64"),
+        ({"grid": {"lr": [1e-4]}, "name": "my sweep"}, "name must be 1 to 64 letters"),
     ],
 )
 def test_bad_sweep_arguments_name_the_field_and_its_limit(kwargs, message):
@@ -160,3 +162,38 @@ def test_the_sweep_module_imports_without_torch_or_pandas():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
+
+
+@pytest.fixture
+def shell(server, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
+    monkeypatch.delenv("OPENRL_URL", raising=False)
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "openrl_jupyter")
+    ip.run_line_magic("openrl", f"connect {server.url} --name msweeps")
+    yield ip
+    forget_runs(sess.get_session("msweeps"))
+    ip.run_line_magic("unload_ext", "openrl_jupyter")
+
+
+def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
+    from IPython.core.error import UsageError as IPythonUsageError
+
+    from openrl_jupyter.magics import help_text
+
+    registry.register("sweep_letters", letters)
+    shell.user_ns["P"] = PROMPTS
+    line = "sweep --reward sweep_letters --prompts P --lr 1e-4,2e-4 --loss ppo --steps 2 --rungs 1"
+    sweep = shell.run_line_magic("openrl", line + " --group 4 --batch 2 --max-tokens 8 --name msw")
+    assert isinstance(sweep, Sweep) and sweep.rungs == [1]
+    assert [r.name for r in sweep.runs] == ["msw-lr1e-4-ppo", "msw-lr2e-4-ppo"]
+    sweep.wait(120)
+    assert len(sweep.stopped_at_rung) == 1 and sweep.best is not None
+    assert sweep.best.step == 2 and sweep.best.name not in sweep.stopped_at_rung
+    with pytest.raises(IPythonUsageError, match="--lr takes comma-separated float values"):
+        shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,fast")
+    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(
+        shell.find_magic("openrl").__self__._parsers
+    )
