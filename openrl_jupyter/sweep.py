@@ -246,6 +246,8 @@ class Sweep:
         self._unsubscribe: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
+        self._watchers: list[Callable[[], None]] = []
+        self._dashboard = None
 
     # -- starting -------------------------------------------------------------------------------
     def start(self) -> Sweep:
@@ -328,6 +330,37 @@ class Sweep:
         if wait:
             self.wait(timeout)
         return self
+
+    def on_change(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` after each rung is decided and when the sweep is done; returns the
+        function that unsubscribes."""
+        with self._lock:
+            self._watchers.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._watchers:
+                    self._watchers.remove(fn)
+
+        return unsubscribe
+
+    def _notify(self) -> None:
+        from openrl_jupyter.runner import notify
+
+        with self._lock:
+            watchers = list(self._watchers)
+        notify([lambda _e, f=f: f() for f in watchers], {})
+
+    def dashboard(self, **options: Any):
+        """The live comparison dashboard (one line per run; dropped runs grey, the best highlighted;
+        the results table); needs ipywidgets and plotly."""
+        from openrl_jupyter.sweep_dashboard import SweepDashboard
+
+        if self._dashboard is None or options:
+            if self._dashboard is not None:
+                self._dashboard.close()
+            self._dashboard = SweepDashboard(self, **options)
+        return self._dashboard
 
     def to_pandas(self):
         """One row per run: its grid parameters, final/best/score metric, steps, state, rung dropped at."""
@@ -452,8 +485,11 @@ class Sweep:
             while True:
                 self._wake.wait(POLL_S)
                 self._wake.clear()
+                decided = False
                 while self._decide():
-                    pass
+                    decided = True
+                if decided:
+                    self._notify()
                 with self._lock:
                     if self._stopping or self._budget_spent or self._current_rung() is None:
                         # nothing left to decide: nobody should stay held
@@ -477,6 +513,7 @@ class Sweep:
         finally:
             self.finished_at = time.time()
             self._done.set()
+            self._notify()
 
     # -- display --------------------------------------------------------------------------------
     def __repr__(self) -> str:

@@ -82,6 +82,18 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
     assert "* sw-high-lr1e-4" in text and "dropped at rung 1" in text and sweep.checkpoint in text
     assert "font-weight:bold" in page.split("sw-high-lr1e-4")[0].rsplit("<tr", 1)[1]
 
+    dash = sweep.dashboard(call_later=lambda delay, fn: None)  # drawn once when built
+    try:
+        traces = {t.meta: t for t in dash.fig.data}
+        assert set(traces) == {f"run:{n}" for n in names}
+        best, dropped = traces[f"run:{hi.name}"], traces[f"run:{lo.name}"]
+        assert list(best.x) == [1, 2, 3, 4] and best.name.startswith("★") and best.line.width == 4
+        assert list(dropped.x) == [1] and dropped.line.color == "#b0b0b0" and "rung 1" in dropped.name
+        assert list(traces[f"run:{mi.name}"].y) == [r["reward_mean"] for r in mi.history]
+        assert "sw-best" in dash.table.value and dash._repr_mimebundle_()["text/plain"] == repr(sweep)
+    finally:
+        dash.close()
+
 
 def test_the_budget_caps_the_steps_of_all_runs_together(session):
     sweep = session.sweep(
