@@ -368,7 +368,9 @@ class Sweep:
             import pandas as pd
         except ImportError:
             raise UsageError("to_pandas() needs pandas: pip install pandas") from None
-        return pd.DataFrame(self.rows()).set_index("run")
+        frame = pd.DataFrame(self.rows()).set_index("run")
+        frame["stopped_at_rung"] = frame["stopped_at_rung"].astype("Int64")  # 1, 2... or <NA>
+        return frame
 
     def rows(self) -> list[dict]:
         best = self.best
