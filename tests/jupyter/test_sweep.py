@@ -193,7 +193,7 @@ def shell(server, monkeypatch):
 def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
     from IPython.core.error import UsageError as IPythonUsageError
 
-    from openrl_jupyter.magics import help_text
+    from openrl_jupyter.magics import _parsers, help_text
 
     registry.register("sweep_letters", letters)
     shell.user_ns["P"] = PROMPTS
@@ -206,6 +206,4 @@ def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
     assert sweep.best.step == 2 and sweep.best.name not in sweep.stopped_at_rung
     with pytest.raises(IPythonUsageError, match="--lr takes comma-separated float values"):
         shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,fast")
-    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(
-        shell.find_magic("openrl").__self__._parsers
-    )
+    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(_parsers())
