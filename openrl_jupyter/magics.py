@@ -78,6 +78,31 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     )
     t.add_argument("--name", default=None, help="run name (default: generated)")
     t.add_argument("--session", default=None)
+    w = p["sweep"] = _parser(
+        "sweep",
+        "Start one run per combination of the listed values at once, stopping the worse half at each "
+        "rung (successive halving); returns the sweep. Lists are comma-separated: --lr 1e-4,3e-4.",
+    )
+    w.add_argument("--reward", required=True, help="registered reward name(s), comma-separated")
+    w.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
+    for flag, what in (
+        ("--lr", "learning rates"),
+        ("--rank", "LoRA ranks"),
+        ("--loss", f"losses ({', '.join(LOSSES)})"),
+        ("--temperature", "sampling temperatures"),
+        ("--seed", "seeds"),
+    ):
+        w.add_argument(flag, default=None, help=f"{what}, comma-separated")
+    w.add_argument("--steps", type=int, default=60)
+    w.add_argument("--budget", type=int, default=None, help="the most steps of all runs together")
+    w.add_argument("--rungs", type=int, default=None, help="how many halvings (default: down to one run)")
+    w.add_argument("--keep", type=float, default=0.5, help="the share kept at each rung")
+    w.add_argument("--metric", default="reward_mean", help="the history column runs are ranked by")
+    w.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
+    w.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
+    w.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
+    w.add_argument("--name", default=None, help="sweep name (its runs are NAME-lr1e-4-r8-...)")
+    w.add_argument("--session", default=None)
     for verb, desc in (
         ("pause", "Pause a run (it finishes its current step first)."),
         ("resume", "Resume a paused run (a step that paused on an error is retried)."),
@@ -141,6 +166,8 @@ def help_text(parsers: dict[str, MagicArgumentParser]) -> str:
         usage = usage.replace("%%openrl", "%openrl").replace(" [-h]", "")
         if verb == "train":
             usage = "run = " + usage
+        if verb == "sweep":
+            usage = "sweep = " + usage
         parts.append(_wrap(re.findall(r"\[[^\]]*\]|\S+", usage), 100, "  ", "      "))
         parts.append("        " + (parser.description or ""))
         if verb == "connect":
@@ -205,6 +232,7 @@ class OpenRLMagics(Magics):
         self._verbs: dict[str, Callable] = {
             "connect": self._connect,
             "train": self._train,
+            "sweep": self._sweep,
             "pause": self._pause,
             "resume": self._resume,
             "stop": self._stop,
@@ -296,6 +324,43 @@ class OpenRLMagics(Magics):
             normalize_std=a.normalize_std,
             seed=a.seed,
             overlap=a.overlap,
+        )
+
+    def _sweep(self, a):
+        session = self._session(a.session)
+        prompts = self._resolve_prompts(a.prompts)
+        grid: dict = {}
+        kinds = {"lr": float, "rank": int, "loss": str, "temperature": float, "seed": int}
+        for key, kind in kinds.items():
+            raw = getattr(a, key)
+            if raw is None:
+                continue
+            try:
+                grid[key] = [kind(v.strip()) for v in raw.split(",") if v.strip()]
+            except ValueError:
+                raise UsageError(
+                    f"--{key} takes comma-separated {kind.__name__} values, e.g. --lr 1e-4,3e-4; got {raw!r}"
+                ) from None
+        rewards = [r.strip() for r in a.reward.split(",") if r.strip()]
+        reward = rewards[0] if len(rewards) == 1 else None
+        if len(rewards) > 1:
+            grid["reward"] = rewards
+        if not grid:
+            raise UsageError(
+                "give at least one list to sweep over: --lr, --rank, --loss, --temperature, --seed"
+            )
+        options = {k: getattr(a, k) for k in ("group", "batch", "max_tokens") if getattr(a, k) is not None}
+        return session.sweep(
+            reward=reward,
+            prompts=prompts,
+            grid=grid,
+            steps=a.steps,
+            budget=a.budget,
+            rungs=a.rungs,
+            keep=a.keep,
+            metric=a.metric,
+            name=a.name,
+            **options,
         )
 
     def _resolve_prompts(self, src: str):

@@ -30,6 +30,7 @@ from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, start
 if TYPE_CHECKING:
     from openrl_jupyter.feed import EventFeed
     from openrl_jupyter.run import Run
+    from openrl_jupyter.sweep import Sweep
 
 DEFAULT_NAME = "default"
 
@@ -100,6 +101,16 @@ class Session:
             print(note, flush=True)
             run._log(note)
         return run
+
+    def sweep(self, *, prompts: Any, grid: Any, reward: Any = None, **options: Any) -> Sweep:
+        """Start one run per point of ``grid`` at once, with successive halving; returns the
+        :class:`~openrl_jupyter.sweep.Sweep` (see ``openrl_jupyter.sweep``).
+
+        Options: steps, budget, rungs, keep, metric, mode, name, save_best, and any ``train``
+        option shared by every run (group, batch, max_tokens, ...)."""
+        from openrl_jupyter.sweep import Sweep
+
+        return Sweep(self, reward=reward, prompts=prompts, grid=grid, **options).start()
 
     # -- Tinker keys minted for the hub user ----------------------------------------------------------
     def mint_key(self, name: str | None = None, *, export: bool = True) -> MintedKey:

@@ -1,0 +1,566 @@
+"""Sweeps ("autoresearch"): many runs at once on one service, with successive halving.
+
+    sweep = session.sweep(reward="letters", prompts=PROMPTS, steps=40,
+                          grid={"lr": [1e-4, 3e-4], "rank": [8, 16], "loss": ["ppo"]})
+    sweep.wait(); sweep.best; sweep.to_pandas()
+
+``session.sweep`` starts one :class:`~openrl_jupyter.run.Run` per grid point at once (each through
+``session.train``; all of them share the service, whose engine packs their steps together), named
+``<sweep>-lr1e-4-r8-ppo`` and so on. Successive halving: at each rung (a step number) a run that
+reaches it is held (paused between steps) until every live run has reached it, so they are compared
+at the same step; they are ranked by the mean of ``metric`` over the history rows since the previous
+rung, the better ``keep`` share (rounded up, at least one) resumes and the others are stopped, with
+``stop_reason`` "stopped by the sweep at rung k (…)". A run that pauses on an error, or that the user
+pauses, does not hold the others up: it is ranked on the rows it has. ``budget`` caps the steps of all
+runs together: once spent, every live run is stopped. When every run is done, the best surviving run
+(by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
+checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
+
+Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
+normalize_std, overlap, and reward (a list of reward names or functions, to compare rewards).
+This module imports without torch, pandas or widgets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import itertools
+import math
+import re
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from openrl_jupyter._exceptions import OpenRLError
+from openrl_jupyter.session import UsageError
+
+if TYPE_CHECKING:
+    from openrl_jupyter.run import Run
+    from openrl_jupyter.session import Session
+
+GRID_KEYS = (
+    "lr",
+    "rank",
+    "loss",
+    "group",
+    "batch",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "normalize_std",
+    "overlap",
+    "reward",
+)
+MAX_POINTS = 64  # runs one sweep may start (the service's per-tenant run quota is the real limit)
+POLL_S = 0.2
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # + "-best": a checkpoint name
+_SHORT = {
+    "lr": "lr",
+    "rank": "r",
+    "group": "g",
+    "batch": "b",
+    "max_tokens": "t",
+    "temperature": "temp",
+    "seed": "s",
+}
+_LOSS_SHORT = {"importance_sampling": "is", "ppo": "ppo"}
+
+
+def _num(v: Any) -> str:
+    """A compact number for a run name: 1e-4, 3e-5, 0.5, 8."""
+    if isinstance(v, float) and v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4):
+        mantissa, exp = f"{v:e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{int(exp)}"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _reward_label(v: Any) -> str:
+    if callable(v):
+        name = getattr(v, "__name__", "") or "reward"
+        return "lambda" if name == "<lambda>" else name
+    return str(v)
+
+
+def point_label(point: Mapping[str, Any]) -> str:
+    """The suffix of a grid point's run name: ``lr1e-4-r8-ppo``."""
+    parts = []
+    for key, v in point.items():
+        if key == "loss":
+            parts.append(_LOSS_SHORT.get(v, str(v)))
+        elif key == "reward":
+            parts.append(_reward_label(v))
+        elif key == "normalize_std":
+            parts.append("std" if v else "nostd")
+        elif key == "overlap":
+            parts.append(f"ov{int(v)}")
+        else:
+            parts.append(f"{_SHORT[key]}{_num(v)}")
+    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))
+
+
+def expand_grid(grid: Any) -> list[dict[str, Any]]:
+    """Every combination of the grid's values (in the grid's order), after checking it."""
+    if not isinstance(grid, Mapping) or not grid:
+        raise UsageError(
+            f"grid must be a non-empty dict of train options to lists of values "
+            f"(keys: {', '.join(GRID_KEYS)}); got {grid!r}"
+        )
+    for key, values in grid.items():
+        if key not in GRID_KEYS:
+            raise UsageError(
+                f"grid key {key!r} is not a train option a sweep can vary; use one of {', '.join(GRID_KEYS)}"
+            )
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise UsageError(
+                f"grid[{key!r}] must be a list of values; got {type(values).__name__} {values!r}"
+            )
+        if not values:
+            raise UsageError(f"grid[{key!r}] is empty: give at least one value")
+        labels = [_reward_label(v) if key == "reward" else repr(v) for v in values]
+        if len(set(labels)) != len(labels):
+            raise UsageError(f"grid[{key!r}] repeats a value: {list(values)!r}")
+    n = math.prod(len(v) for v in grid.values())
+    if n > MAX_POINTS:
+        raise UsageError(f"the grid has {n} points; a sweep starts at most {MAX_POINTS} runs")
+    keys = list(grid)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def survivors(n: int, keep: float) -> int:
+    """How many of ``n`` ranked runs a rung keeps: the better ``keep`` share, rounded up, at least 1."""
+    return max(1, math.ceil(n * keep - 1e-9))
+
+
+def plan_rungs(rungs: Any, steps: int, n: int, keep: float) -> list[int]:
+    """The step numbers of the rungs. ``rungs``: a list of steps, a count, or None (as many as halve
+    ``n`` runs to one). A count of k puts them at steps/2^k, ..., steps/4, steps/2."""
+    if rungs is None:
+        count, left = 0, n
+        while left > 1:
+            left = survivors(left, keep)
+            count += 1
+        rungs = count
+    if isinstance(rungs, bool):
+        raise UsageError(f"rungs must be a count or a list of step numbers; got {rungs!r}")
+    if isinstance(rungs, int):
+        if not 0 <= rungs <= 16:
+            raise UsageError(f"rungs must be a count from 0 to 16 (or a list of steps); got {rungs}")
+        at = sorted({max(1, round(steps / 2 ** (rungs - i))) for i in range(rungs)})
+        return [s for s in at if s < steps]
+    if isinstance(rungs, (str, bytes)) or not isinstance(rungs, Sequence):
+        raise UsageError(f"rungs must be a count or a list of step numbers; got {rungs!r}")
+    at = list(rungs)
+    for s in at:
+        if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s < steps:
+            raise UsageError(f"rungs must be steps from 1 to steps-1 ({steps - 1}); got {s!r}")
+    if at != sorted(set(at)):
+        raise UsageError(f"rungs must be increasing step numbers; got {at!r}")
+    return at
+
+
+class Sweep:
+    """Runs of a grid, started at once on one session, with successive halving (see the module)."""
+
+    def __init__(
+        self,
+        session: Session,
+        *,
+        reward: Any = None,
+        prompts: Any,
+        grid: Any,
+        steps: int = 60,
+        budget: int | None = None,
+        rungs: Any = None,
+        keep: float = 0.5,
+        metric: str = "reward_mean",
+        mode: str = "max",
+        name: str | None = None,
+        save_best: bool = True,
+        **options: Any,
+    ):
+        points = expand_grid(grid)
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep < 1:
+            raise UsageError(f"keep must be a share between 0 and 1 (exclusive), e.g. 0.5; got {keep!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1_000_000:
+            raise UsageError(f"steps must be an integer from 1 to 1000000; got {steps!r}")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < len(points)
+        ):
+            raise UsageError(
+                f"budget must be a number of steps (all runs together) of at least the number of runs "
+                f"({len(points)}); got {budget!r}"
+            )
+        if not isinstance(metric, str) or not metric:
+            raise UsageError(
+                f"metric must be the name of a history column, e.g. 'reward_mean'; got {metric!r}"
+            )
+        if mode not in ("max", "min"):
+            raise UsageError(f"mode must be 'max' (higher metric is better) or 'min'; got {mode!r}")
+        if reward is None and "reward" not in grid:
+            raise UsageError("reward is missing: give reward=... (or a 'reward' list in the grid)")
+        if reward is not None and "reward" in grid:
+            raise UsageError("give reward=... or a 'reward' list in the grid, not both")
+        for key in ("name", "model_name"):
+            if key in options:
+                raise UsageError(f"{key} is not a per-run option of a sweep; the sweep names its runs")
+        clash = sorted(set(options) & set(grid))
+        if clash:
+            raise UsageError(f"{', '.join(clash)} is both in the grid and given as an option; give it once")
+        if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
+            raise UsageError(
+                "name must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit "
+                f"(it names the runs and the best checkpoint); got {name!r}"
+            )
+        self.session = session
+        self.name = name or f"sweep-{uuid.uuid4().hex[:6]}"
+        self.points = points
+        self.steps = steps
+        self.budget = budget
+        self.keep = float(keep)
+        self.metric = metric
+        self.mode = mode
+        self.rungs = plan_rungs(rungs, steps, len(points), self.keep)
+        self._reward = reward
+        self._prompts = prompts
+        self._options = options
+        self._save_best = save_best
+        self.runs: list[Run] = []
+        self.params: dict[str, dict[str, Any]] = {}  # run name -> its grid point
+        self.stopped_at_rung: dict[str, int] = {}  # run name -> the rung (1-based) that dropped it
+        self.rung_log: list[dict] = []  # one entry per rung decided: step, ranking, kept, dropped
+        self.checkpoint: str | None = None
+        self.save_error: str | None = None
+        self.started_at = time.time()
+        self.finished_at: float | None = None
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._held: set[str] = set()
+        self._next_rung = 0
+        self._budget_spent = False
+        self._stopping = False
+        self._unsubscribe: list[Callable[[], None]] = []
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._watchers: list[Callable[[], None]] = []
+        self._dashboard = None
+
+    # -- starting -------------------------------------------------------------------------------
+    def start(self) -> Sweep:
+        """Start every run (each ``train`` returns at once, so they all step concurrently)."""
+        try:
+            for point in self.points:
+                opts = dict(self._options)
+                opts.update(point)
+                reward = opts.pop("reward", self._reward)
+                run_name = f"{self.name}-{point_label(point)}"
+                run = self.session.train(
+                    reward=reward, prompts=self._prompts, steps=self.steps, name=run_name, **opts
+                )
+                with self._lock:
+                    self.runs.append(run)
+                    self.params[run.name] = dict(point)
+                self._unsubscribe.append(run.subscribe(self._listener(run)))
+        except BaseException:
+            for run in self.runs:
+                run.stop()
+            raise
+        self._thread = threading.Thread(target=self._monitor, name=f"openrl-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _listener(self, run: Run) -> Callable[[dict], None]:
+        def on_event(event: dict) -> None:
+            if event.get("kind") == "step":
+                # on the runner thread, before the run's next step begins: hold it here at a rung
+                with self._lock:
+                    rung = self._current_rung()
+                    if rung is not None and run.step >= rung and run.name not in self.stopped_at_rung:
+                        self._held.add(run.name)
+                        run.pause()
+                    self._check_budget()
+            self._wake.set()
+
+        return on_event
+
+    # -- what a cell reads ----------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def best(self) -> Run | None:
+        """The best run not dropped at a rung (by its mean ``metric`` since the last rung), or None."""
+        scored = [r for r in self._live() if self.score(r) is not None]
+        ranked = self._rank(scored, None)
+        return ranked[0] if ranked else None
+
+    def score(self, run: Run, upto: int | None = None, since: int | None = None) -> float | None:
+        """The mean ``metric`` of the run's history rows with since < step <= upto (None: no rows)."""
+        since = self._last_rung() if since is None else since
+        values = [
+            r[self.metric]
+            for r in run.history
+            if since < r["step"] <= (upto if upto is not None else math.inf)
+            and isinstance(r.get(self.metric), (int, float))
+        ]
+        if not values and since > 0:  # stopped before any step after the rung: its rows before it
+            return self.score(run, upto, 0)
+        return statistics.fmean(values) if values else None
+
+    def wait(self, timeout: float | None = None) -> Sweep:
+        """Block until every run is done and the best is saved; TimeoutError after ``timeout`` s."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"sweep {self.name!r} is not done after {timeout} s; it goes on")
+        return self
+
+    def stop(self, *, wait: bool = False, timeout: float | None = None) -> Sweep:
+        """Stop every live run after its current step."""
+        with self._lock:
+            self._stopping = True
+            for run in self.runs:
+                if not run.done:
+                    run.stop_reason = run.stop_reason or "stopped with the sweep (sweep.stop())"
+                    run.stop()
+        self._wake.set()
+        if wait:
+            self.wait(timeout)
+        return self
+
+    def on_change(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` after each rung is decided and when the sweep is done; returns the
+        function that unsubscribes."""
+        with self._lock:
+            self._watchers.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._watchers:
+                    self._watchers.remove(fn)
+
+        return unsubscribe
+
+    def _notify(self) -> None:
+        from openrl_jupyter.runner import notify
+
+        with self._lock:
+            watchers = list(self._watchers)
+        notify([lambda _e, f=f: f() for f in watchers], {})
+
+    def dashboard(self, **options: Any):
+        """The live comparison dashboard (one line per run; dropped runs grey, the best highlighted;
+        the results table); needs ipywidgets and plotly."""
+        from openrl_jupyter.sweep_dashboard import SweepDashboard
+
+        if self._dashboard is None or options:
+            if self._dashboard is not None:
+                self._dashboard.close()
+            self._dashboard = SweepDashboard(self, **options)
+        return self._dashboard
+
+    def to_pandas(self):
+        """One row per run: its grid parameters, final/best/score metric, steps, state, rung dropped at."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise UsageError("to_pandas() needs pandas: pip install pandas") from None
+        frame = pd.DataFrame(self.rows()).set_index("run")
+        frame["stopped_at_rung"] = frame["stopped_at_rung"].astype("Int64")  # 1, 2... or <NA>
+        return frame
+
+    def rows(self) -> list[dict]:
+        best = self.best
+        out = []
+        for run in self.runs:
+            history = run.history
+            values = [r[self.metric] for r in history if isinstance(r.get(self.metric), (int, float))]
+            row = {"run": run.name}
+            row.update(
+                {k: _reward_label(v) if k == "reward" else v for k, v in self.params[run.name].items()}
+            )
+            pick = max if self.mode == "max" else min
+            row.update(
+                {
+                    f"final_{self.metric}": values[-1] if values else None,
+                    f"best_{self.metric}": pick(values) if values else None,
+                    "score": self.score(run),
+                    "steps": run.step,
+                    "state": str(run.state),
+                    "stopped_at_rung": self.stopped_at_rung.get(run.name),
+                    "best": best is run,
+                }
+            )
+            out.append(row)
+        return out
+
+    # -- halving --------------------------------------------------------------------------------
+    def _current_rung(self) -> int | None:
+        return self.rungs[self._next_rung] if self._next_rung < len(self.rungs) else None
+
+    def _last_rung(self) -> int:
+        return self.rungs[self._next_rung - 1] if self._next_rung > 0 else 0
+
+    def _rank(self, runs: list[Run], upto: int | None, since: int | None = None) -> list[Run]:
+        """Best first; runs with no rows last (a failed run never wins over one that stepped)."""
+        scored = [(self.score(r, upto, since), i, r) for i, r in enumerate(runs)]
+        sign = -1 if self.mode == "max" else 1
+        scored.sort(key=lambda t: (t[0] is None, sign * t[0] if t[0] is not None else 0.0, t[1]))
+        return [r for s, _, r in scored if s is not None] + [r for s, _, r in scored if s is None]
+
+    def _live(self) -> list[Run]:
+        return [r for r in self.runs if r.name not in self.stopped_at_rung]
+
+    def _at_rung(self, run: Run, rung: int) -> bool:
+        """Whether ``run`` no longer holds the rung up: it reached it, is done, or is paused on its own."""
+        from openrl_jupyter.run import RunState
+
+        if run.step >= rung or run.done:
+            return True
+        return run.state == RunState.PAUSED and run.name not in self._held
+
+    def _decide(self) -> bool:
+        """Decide the current rung if every live run reached it; True when one was decided."""
+        from openrl_jupyter.run import RunState
+
+        with self._lock:
+            rung = self._current_rung()
+            if rung is None or self._stopping:
+                return False
+            live = self._live()
+            if not all(self._at_rung(r, rung) for r in live):
+                return False
+            k = self._next_rung + 1
+            since = self._last_rung()
+            ranked = self._rank([r for r in live if r.state != RunState.FAILED], rung, since)
+            ranked += [r for r in live if r.state == RunState.FAILED]
+            n_keep = survivors(len(ranked), self.keep)
+            kept, dropped = ranked[:n_keep], ranked[n_keep:]
+            cut = self.score(kept[-1], rung, since) if kept else None
+            for run in dropped:
+                self.stopped_at_rung[run.name] = k
+                own = self.score(run, rung, since)
+                run.stop_reason = (
+                    f"stopped by the sweep at rung {k} (step {rung}): {self.metric} "
+                    f"{_fmt(own)} vs {_fmt(cut)} for the last of the {n_keep} kept"
+                )
+                run.stop()
+            self.rung_log.append(
+                {
+                    "rung": k,
+                    "step": rung,
+                    "ranking": [(r.name, self.score(r, rung, since)) for r in ranked],
+                    "kept": [r.name for r in kept],
+                    "dropped": [r.name for r in dropped],
+                }
+            )
+            self._next_rung += 1
+            nxt = self._current_rung()
+            release = []
+            for run in kept:
+                if run.name in self._held:
+                    if nxt is not None and run.step >= nxt and not run.done:
+                        continue  # already at the next rung too: it stays held
+                    self._held.discard(run.name)
+                    release.append(run)
+        for run in release:
+            with contextlib.suppress(UsageError):  # it ended meanwhile (e.g. stopped from the panel)
+                run.resume()
+        return True
+
+    def _check_budget(self) -> None:
+        if self.budget is None or self._budget_spent:
+            return
+        total = sum(r.step for r in self.runs)
+        if total >= self.budget:
+            self._budget_spent = True
+            for run in self.runs:
+                if not run.done:
+                    run.stop_reason = f"stopped by the sweep: its budget of {self.budget} steps is spent"
+                    run.stop()
+
+    def _monitor(self) -> None:
+        try:
+            while True:
+                self._wake.wait(POLL_S)
+                self._wake.clear()
+                decided = False
+                while self._decide():
+                    decided = True
+                if decided:
+                    self._notify()
+                with self._lock:
+                    if self._stopping or self._budget_spent or self._current_rung() is None:
+                        # nothing left to decide: nobody should stay held
+                        for run in self.runs:
+                            if run.name in self._held:
+                                self._held.discard(run.name)
+                                if not self._stopping and not self._budget_spent:
+                                    with contextlib.suppress(UsageError):
+                                        run.resume()
+                if all(r.done for r in self.runs):
+                    break
+            for unsubscribe in self._unsubscribe:
+                with contextlib.suppress(Exception):
+                    unsubscribe()
+            best = self.best
+            if self._save_best and best is not None and best.run_id is not None:
+                try:
+                    self.checkpoint = best.save(f"{self.name}-best", overwrite=True)
+                except (OpenRLError, TimeoutError) as exc:
+                    self.save_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.finished_at = time.time()
+            self._done.set()
+            self._notify()
+
+    # -- display --------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        rows = self.rows()
+        state = "done" if self.done else "running"
+        head = (
+            f"<openrl Sweep {self.name!r} {state}: {len(self.runs)} runs, {self.steps} steps, "
+            f"rungs at {self.rungs or 'none'}, keep {self.keep:g}, {self.metric} ({self.mode})>"
+        )
+        lines = [head]
+        for r in rows:
+            mark = "*" if r["best"] else " "
+            rung = f"dropped at rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else ""
+            lines.append(
+                f" {mark} {r['run']:<40} {r['state']:<9} step {r['steps']:>4}  score {_fmt(r['score'])}  {rung}"
+            )
+        if self.checkpoint:
+            lines.append(f"best saved: {self.checkpoint}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = self.rows()
+        keys = list(self.points[0]) if self.points else []
+        head = "".join(
+            f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "state", "steps", "score", "dropped at"]
+        )
+        body = []
+        for r in rows:
+            style = (
+                ' style="font-weight:bold;background:#e6f4ea"'
+                if r["best"]
+                else (' style="color:#999"' if r["stopped_at_rung"] else "")
+            )
+            cells = [r["run"], *(r[k] for k in keys), r["state"], r["steps"], _fmt(r["score"])]
+            cells.append(f"rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else "")
+            body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        title = html.escape(
+            f"sweep {self.name}: {len(self.runs)} runs, rungs at {self.rungs or 'none'}, "
+            f"{self.metric} ({self.mode}){' — done' if self.done else ''}"
+        )
+        saved = (
+            f"<div>best saved: <code>{html.escape(self.checkpoint)}</code></div>" if self.checkpoint else ""
+        )
+        return f"<div><b>{title}</b><table><tr>{head}</tr>{''.join(body)}</table>{saved}</div>"
+
+
+def _fmt(v: Any) -> str:
+    return "—" if v is None else f"{v:.4g}"

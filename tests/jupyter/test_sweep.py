@@ -1,0 +1,209 @@
+"""Sweeps against the real service on loopback: the runs of a grid step at the same time, successive
+halving stops the worse runs at each rung, the best survivor is picked and saved; bad input is a
+clear error. Which run is worse is made certain by the grid itself: it varies the reward, and the
+three rewards' ranges do not overlap, so no training noise can reorder them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from openrl_jupyter import session as sess
+from openrl_jupyter.rewards import registry
+from openrl_jupyter.run import RunState
+from openrl_jupyter.session import UsageError
+from openrl_jupyter.sweep import Sweep, expand_grid, plan_rungs, point_label, survivors
+from tests._support.runs import PROMPTS, SMALL, forget_runs, letters
+from tests.conftest import ALICE_KEY
+
+
+@pytest.fixture
+def session(server):
+    s = sess.connect(server.url, token=ALICE_KEY, name="sweeps")
+    yield s
+    forget_runs(s)
+    sess.disconnect("sweeps")
+
+
+def shifted(name: str, base: float, barrier: threading.Barrier):
+    """A reward in [base, base + 0.1] that, on its first call, waits until every run of the sweep is
+    scoring at the same moment (so it only returns if the runs really step concurrently)."""
+    first = threading.Event()
+
+    def reward(prompt, completion, **info):
+        if not first.is_set():
+            first.set()
+            barrier.wait()  # BrokenBarrierError after the timeout: the runs did not overlap
+        return base + 0.1 * letters(prompt, completion)
+
+    reward.__name__ = name
+    return reward
+
+
+def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(session):
+    barrier = threading.Barrier(3, timeout=90)
+    low, mid, high = shifted("low", 0.0, barrier), shifted("mid", 0.4, barrier), shifted("high", 0.8, barrier)
+    sweep = session.sweep(
+        prompts=PROMPTS, grid={"reward": [low, high, mid], "lr": [1e-4]}, steps=4, name="sw", **SMALL
+    )
+    assert sweep.rungs == [1, 2]  # three runs halve to one in two rungs: at steps/4 and steps/2
+    names = [r.name for r in sweep.runs]
+    assert names == ["sw-low-lr1e-4", "sw-high-lr1e-4", "sw-mid-lr1e-4"]
+    assert len({r.run_id for r in sweep.runs}) == 3
+    assert {r.run_id for r in sweep.runs} <= {r["run_id"] for r in session.client.list_runs()}  # one service
+    sweep.wait(240)
+    by = {r.name: r for r in sweep.runs}
+    lo, hi, mi = by["sw-low-lr1e-4"], by["sw-high-lr1e-4"], by["sw-mid-lr1e-4"]
+    # rung 1 (step 1): of three, the better two go on; rung 2 (step 2): the better one
+    assert sweep.stopped_at_rung == {lo.name: 1, mi.name: 2}
+    assert [e["dropped"] for e in sweep.rung_log] == [[lo.name], [mi.name]]
+    assert lo.state == RunState.STOPPED and lo.step == 1  # held at the rung, then stopped: no step wasted
+    assert mi.state == RunState.STOPPED and mi.step == 2
+    assert lo.stop_reason.startswith("stopped by the sweep at rung 1 (step 1): reward_mean")
+    assert mi.stop_reason.startswith("stopped by the sweep at rung 2 (step 2)")
+    assert hi.state == RunState.FINISHED and hi.step == 4
+    assert all(0.8 <= r["reward_mean"] <= 0.9 for r in hi.history)
+    assert sweep.best is hi
+    assert sweep.checkpoint is not None and sweep.checkpoint.startswith("tinker://")
+    assert sweep.checkpoint.endswith("/weights/sw-best") and sweep.save_error is None
+
+    frame = sweep.to_pandas()
+    assert list(frame.index) == names
+    assert list(frame["reward"]) == ["low", "high", "mid"] and list(frame["lr"]) == [1e-4] * 3
+    assert list(frame["steps"]) == [1, 4, 2]
+    assert list(frame["state"]) == ["stopped", "finished", "stopped"]
+    assert frame["stopped_at_rung"].tolist()[0] == 1 and frame["stopped_at_rung"].tolist()[2] == 2
+    assert frame.loc[hi.name, "best"] and not frame.loc[lo.name, "best"]
+    assert 0.8 <= frame.loc[hi.name, "score"] <= 0.9 and frame.loc[lo.name, "final_reward_mean"] <= 0.1
+    text, page = repr(sweep), sweep._repr_html_()
+    assert "* sw-high-lr1e-4" in text and "dropped at rung 1" in text and sweep.checkpoint in text
+    assert "font-weight:bold" in page.split("sw-high-lr1e-4")[0].rsplit("<tr", 1)[1]
+
+    dash = sweep.dashboard(call_later=lambda delay, fn: None)  # drawn once when built
+    try:
+        traces = {t.meta: t for t in dash.fig.data}
+        assert set(traces) == {f"run:{n}" for n in names}
+        best, dropped = traces[f"run:{hi.name}"], traces[f"run:{lo.name}"]
+        assert list(best.x) == [1, 2, 3, 4] and best.name.startswith("★") and best.line.width == 4
+        assert list(dropped.x) == [1] and dropped.line.color == "#b0b0b0" and "rung 1" in dropped.name
+        assert list(traces[f"run:{mi.name}"].y) == [r["reward_mean"] for r in mi.history]
+        assert "sw-best" in dash.table.value and dash._repr_mimebundle_()["text/plain"] == repr(sweep)
+    finally:
+        dash.close()
+
+
+def test_the_budget_caps_the_steps_of_all_runs_together(session):
+    sweep = session.sweep(
+        reward=letters, prompts=PROMPTS, grid={"lr": [1e-4, 2e-4]}, steps=50, budget=4, rungs=0, **SMALL
+    )
+    sweep.wait(180)
+    total = sum(r.step for r in sweep.runs)
+    assert 4 <= total <= 4 + len(sweep.runs)  # a step already under way when the budget ran out ends
+    for run in sweep.runs:
+        assert run.state == RunState.STOPPED
+        assert run.stop_reason == "stopped by the sweep: its budget of 4 steps is spent"
+    assert sweep.stopped_at_rung == {} and sweep.best in sweep.runs
+
+
+def test_sweep_stop_stops_every_run(session):
+    sweep = session.sweep(reward=letters, prompts=PROMPTS, grid={"rank": [4, 8]}, steps=500, rungs=0, **SMALL)
+    sweep.stop(wait=True, timeout=120)
+    assert all(r.state == RunState.STOPPED for r in sweep.runs) and sweep.done
+    assert [r.name.split("-")[-1] for r in sweep.runs] == ["r4", "r8"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"grid": {}}, "grid must be a non-empty dict"),
+        ({"grid": {"lr": []}}, r"grid\['lr'\] is empty"),
+        ({"grid": {"dropout": [0.1]}}, "grid key 'dropout' is not a train option.*lr, rank, loss"),
+        ({"grid": {"lr": 1e-4}}, r"grid\['lr'\] must be a list of values; got float"),
+        ({"grid": {"loss": "ppo"}}, r"grid\['loss'\] must be a list of values; got str"),
+        ({"grid": {"lr": [1e-4, 1e-4]}}, "repeats a value"),
+        ({"grid": {"lr": [1e-4]}, "keep": 1}, "keep must be a share between 0 and 1"),
+        ({"grid": {"lr": [1e-4]}, "keep": 0}, "keep must be a share between 0 and 1"),
+        ({"grid": {"lr": [1e-4, 2e-4]}, "budget": 1}, r"budget must be .* at least the number of runs \(2\)"),
+        ({"grid": {"lr": [1e-4]}, "rungs": [5, 3]}, "rungs must be increasing"),
+        (
+            {"grid": {"lr": [1e-4]}, "steps": 10, "rungs": [10]},
+            r"rungs must be steps from 1 to steps-1 \(9\)",
+        ),
+        ({"grid": {"lr": [1e-4]}, "mode": "up"}, "mode must be 'max'"),
+        ({"grid": {"lr": [1e-4]}, "lr": 1e-3}, "lr is both in the grid and given as an option"),
+        ({"grid": {"lr": list(range(1, 66))}}, "the grid has 65 points; a sweep starts at most 64"),
+        ({"grid": {"lr": [1e-4]}, "name": "my sweep"}, "name must be 1 to 64 letters"),
+    ],
+)
+def test_bad_sweep_arguments_name_the_field_and_its_limit(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        Sweep(None, reward="letters", prompts=PROMPTS, **kwargs)
+
+
+def test_a_sweep_needs_exactly_one_source_of_reward():
+    with pytest.raises(UsageError, match="reward is missing"):
+        Sweep(None, prompts=PROMPTS, grid={"lr": [1e-4]})
+    with pytest.raises(UsageError, match="not both"):
+        Sweep(None, reward="letters", prompts=PROMPTS, grid={"reward": [letters]})
+
+
+def test_grid_points_names_and_rungs():
+    points = expand_grid({"lr": [1e-4, 3e-5], "rank": [8], "loss": ["ppo", "importance_sampling"]})
+    assert [point_label(p) for p in points] == [
+        "lr1e-4-r8-ppo",
+        "lr1e-4-r8-is",
+        "lr3e-5-r8-ppo",
+        "lr3e-5-r8-is",
+    ]
+    assert [survivors(n, 0.5) for n in (1, 2, 3, 6)] == [1, 1, 2, 3]
+    assert plan_rungs(None, 40, 4, 0.5) == [10, 20]  # 4 -> 2 -> 1: two rungs, at steps/4 and steps/2
+    assert plan_rungs(None, 40, 6, 0.5) == [5, 10, 20]  # 6 -> 3 -> 2 -> 1: three
+    assert plan_rungs(None, 40, 6, 0.25) == [10, 20]  # 6 -> 2 -> 1
+    assert plan_rungs(2, 4, 3, 0.5) == [1, 2] and plan_rungs(0, 4, 3, 0.5) == []
+    assert plan_rungs([3, 7], 10, 4, 0.5) == [3, 7]
+
+
+def test_the_sweep_module_imports_without_torch_or_pandas():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['pandas'] = None\n"
+        "from openrl_jupyter.sweep import Sweep\nfrom openrl_jupyter import Session\n"
+        "print(hasattr(Session, 'sweep'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
+
+
+@pytest.fixture
+def shell(server, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
+    monkeypatch.delenv("OPENRL_URL", raising=False)
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "openrl_jupyter")
+    ip.run_line_magic("openrl", f"connect {server.url} --name msweeps")
+    yield ip
+    forget_runs(sess.get_session("msweeps"))
+    ip.run_line_magic("unload_ext", "openrl_jupyter")
+
+
+def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
+    from IPython.core.error import UsageError as IPythonUsageError
+
+    from openrl_jupyter.magics import _parsers, help_text
+
+    registry.register("sweep_letters", letters)
+    shell.user_ns["P"] = PROMPTS
+    line = "sweep --reward sweep_letters --prompts P --lr 1e-4,2e-4 --loss ppo --steps 2 --rungs 1"
+    sweep = shell.run_line_magic("openrl", line + " --group 4 --batch 2 --max-tokens 8 --name msw")
+    assert isinstance(sweep, Sweep) and sweep.rungs == [1]
+    assert [r.name for r in sweep.runs] == ["msw-lr1e-4-ppo", "msw-lr2e-4-ppo"]
+    sweep.wait(120)
+    assert len(sweep.stopped_at_rung) == 1 and sweep.best is not None
+    assert sweep.best.step == 2 and sweep.best.name not in sweep.stopped_at_rung
+    with pytest.raises(IPythonUsageError, match="--lr takes comma-separated float values"):
+        shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,fast")
+    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(_parsers())
