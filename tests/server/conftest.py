@@ -142,7 +142,18 @@ def bad_jupyter(server, dead_port, tmp_path_factory):
 def service_pid():
     """A live process whose command line names openrl_service: what a discovery file's pid must be
     (the pid of a process that is not a service, e.g. a reused one, makes the file stale)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    proc = service_stand_in()
     yield proc.pid
     proc.kill()
     proc.wait()
+
+
+def service_stand_in() -> subprocess.Popen:
+    """A sleeping process whose command line names openrl_service, returned once it has exec'd (until
+    then /proc/<pid>/cmdline is still pytest's, and it would not count as a service)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    deadline = time.monotonic() + 30
+    while b"openrl_service" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the stand-in service process did not start"
+        time.sleep(0.01)
+    return proc

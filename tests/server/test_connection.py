@@ -17,6 +17,7 @@ import pytest
 from openrl_jupyter.local import LocalService, advertise, discovered
 from openrl_jupyter.server.connection import ServiceError, Target, refused, resolve
 from openrl_jupyter.server.handlers import control_body
+from tests.server.conftest import service_stand_in
 
 ENV = {"OPENRL_URL": "http://env:8000", "OPENRL_TOKEN": "tml-env", "JUPYTERHUB_API_TOKEN": "hub-tok"}
 
@@ -71,7 +72,7 @@ def test_advertising_a_service_clears_killed_kernels_files(tmp_path, monkeypatch
     )
     an_hour_ago = time.time() - 3600
     os.utime(tmp_path / f"openrl-local-{service_pid}.json", (an_hour_ago, an_hour_ago))
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    proc = service_stand_in()
     try:
         service = LocalService(proc, "http://127.0.0.1:9", str(tmp_path), "tml-k")
         path = advertise(service)
