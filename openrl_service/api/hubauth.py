@@ -84,7 +84,7 @@ class HubAuth:
         self._client: httpx.AsyncClient | None = None
         self._inflight: dict[str, asyncio.Future] = {}
 
-    def _client_for_loop(self) -> httpx.AsyncClient:
+    def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=HUB_TIMEOUT_S, trust_env=False)
         return self._client
@@ -128,7 +128,7 @@ class HubAuth:
     async def _ask(self, token: str) -> HubIdentity | Refusal:
         url = f"{self.api_url}/user"
         try:
-            r = await self._client_for_loop().get(url, headers={"Authorization": f"token {token}"})
+            r = await self._http().get(url, headers={"Authorization": f"token {token}"})
         except httpx.HTTPError as e:
             raise HubUnavailable(
                 f"JupyterHub API at {self.api_url} is unreachable ({type(e).__name__})"

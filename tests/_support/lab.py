@@ -129,6 +129,20 @@ class Lab:
                 self.proc.wait(grace)
 
 
+def write_notebook(path: Path, *sources: str) -> None:
+    """A notebook of code cells ``sources`` with the python3 kernelspec, as Lab opens it."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
+    nbformat.write(nb, str(path))
+
+
 def start_lab(
     root_dir: Path,
     state_dir: Path,

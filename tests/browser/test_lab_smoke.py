@@ -7,9 +7,7 @@ kernel, jupyter-widgets, anywidget and the plotly front end are all exercised. S
 
 from __future__ import annotations
 
-import nbformat
-
-from tests._support.lab import open_notebook, report, run_all, screenshot, wait_points
+from tests._support.lab import open_notebook, report, run_all, screenshot, wait_points, write_notebook
 
 N = 7
 
@@ -32,17 +30,6 @@ for i in range({N}):
         fig.data[0].y = list(ys)
     time.sleep(0.05)
 len(fig.data[0].x)"""
-
-
-def write_notebook(path, *sources: str) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3 (ipykernel)",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    nbformat.write(nb, str(path))
 
 
 def test_figurewidget_draws_points_added_by_a_later_cell(lab, page):

@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import httpx
-import nbformat
 import pytest
 
 from openrl_jupyter.client import Client
-from tests._support.lab import VIEWPORT, open_notebook, report, run_all, screenshot, start_lab
+from tests._support.lab import VIEWPORT, open_notebook, report, run_all, screenshot, start_lab, write_notebook
 from tests.conftest import ALICE_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,17 +91,6 @@ CAPTURE = """
   window.EventSource = CapturingEventSource;
 })();
 """
-
-
-def write_notebook(path: Path, *sources: str) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3 (ipykernel)",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in sources]
-    nbformat.write(nb, str(path))
 
 
 def lab_state(state_dir: Path) -> None:
