@@ -852,6 +852,23 @@ class _Worker:
         self.seen = 0
         self.target: Any = None
         self.terminated: str | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> None:
+        """Fetch and apply the payload versions sent since the last poll."""
+        with self._lock:
+            try:
+                self.apply(self.client.payloads(self.job_id, after=self.seen))
+            except OpenRLError as exc:
+                _log(f"could not fetch new payloads: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a bad new version must not end the run
+                _log(f"could not load a new payload: {type(exc).__name__}: {exc}")
+
+    def _on_event(self, event: dict) -> None:
+        # on the runner thread, after a step and before the next one starts: a new reward version
+        # sent meanwhile applies from that next step
+        if event.get("kind") == "step":
+            self.poll()
 
     def apply(self, versions: list[dict]) -> dict | None:
         """Register the rewards of new payload versions; the first job payload's body, if among them."""
@@ -898,16 +915,13 @@ class _Worker:
             self.target = session.sweep(reward=reward, prompts=body["prompts"], grid=grid, **options)
         runs = [self.target] if body["kind"] == "run" else self.target.runs
         _log(f"started {', '.join(f'{r.name} ({r.run_id})' for r in runs)}")
+        for r in runs:
+            r.subscribe(self._on_event)
         while not self.target.done:
             if self.terminated:
                 self.target.stop()
             time.sleep(WORKER_POLL_S)
-            try:
-                self.apply(self.client.payloads(self.job_id, after=self.seen))
-            except OpenRLError as exc:
-                _log(f"could not fetch new payloads: {exc}")
-            except Exception as exc:  # noqa: BLE001 - a bad new version must not end the run
-                _log(f"could not load a new payload: {type(exc).__name__}: {exc}")
+            self.poll()  # also while a step takes long, or the run is paused
         for r in runs:  # the runs' final state reaches the service before the job's key is revoked
             with contextlib.suppress(Exception):
                 r._runner.submit(r._report_state()).result(10)

@@ -55,7 +55,7 @@ class _Running:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _alive(self.pid):
+        if self.returncode is None and _gone(self.pid):
             self.returncode = 0
         return self.returncode
 
@@ -219,6 +219,23 @@ def detached_data_dir() -> str:
         return os.path.join(jupyter_data_dir(), "openrl-local")
     except ImportError:
         return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", "local")
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts as exited; one still exiting does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 def _alive(pid: int) -> bool:

@@ -482,10 +482,10 @@ class OpenRLMagics(Magics):
             run_ids = list(job.get("runs") or [])
             mine.update(run_ids)
             runs = [service_runs[r] for r in run_ids if r in service_runs]
-            step = sum(int(r.get("step") or 0) for r in runs)
+            # steps done: the rows the job's runs stored (a step with nothing to train stores one too)
+            step = sum(int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in runs)
             total = sum(int(r.get("steps") or 0) for r in runs) or (job.get("meta") or {}).get("steps", "?")
-            last = next((r.get("last_reward") for r in runs[::-1] if r.get("last_reward")), None)
-            mean = last.get("reward_mean") if isinstance(last, dict) else None
+            mean = next((r["last_reward"] for r in runs[::-1] if r.get("last_reward") is not None), None)
             where = job.get("where", "?") + (f" pid {job['pid']}" if job.get("pid") else "")
             kind = "" if job.get("kind") == "run" else f" ({len(run_ids)} runs)"
             rows.append(

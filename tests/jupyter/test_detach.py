@@ -1,0 +1,319 @@
+"""Runs that outlive the notebook (``--detach``): a real service, real kernels, real worker processes.
+
+The detached local run is started from a kernel, the kernel is killed with SIGKILL, the run goes on
+in its worker and finishes; a new kernel attaches to it and sees its whole history. A payload that
+cannot travel is refused at submit time with what could not travel, and nothing starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import openrl_jupyter.session as sessions
+from openrl_jupyter import jobs
+from openrl_jupyter._exceptions import RequestError
+from openrl_jupyter.client import Client
+from openrl_jupyter.session import UsageError
+from tests._support.kernel import Kernel
+from tests.conftest import ALICE_KEY
+
+PROMPTS = ["Say hi:", "Name a colour:", "Count to three:"]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(poll)
+
+
+def dynamic(source: str, **globals_) -> dict:
+    """Functions defined as a notebook defines them: in a module nobody can import (so they travel
+    by value, as ``__main__``'s do)."""
+    ns = {"__name__": "openrl_test_notebook", **globals_}
+    exec(textwrap.dedent(source), ns)  # noqa: S102 - the test's own code
+    return ns
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def jobs_dir(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    monkeypatch.setenv("OPENRL_JOBS_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def session(server, jobs_dir):
+    s = sessions.connect(server.url, token=ALICE_KEY, name=unique("detach"))
+    yield s
+    sessions.disconnect(s.name)
+
+
+# -- payloads: what travels, and the proof -------------------------------------------------------------
+def test_a_user_module_of_the_notebook_folder_travels_by_value(tmp_path, monkeypatch):
+    folder = tmp_path / "notebook"
+    folder.mkdir()
+    (folder / "scoring_here.py").write_text("def score(c):\n    return len(c) / 10\n")
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    import scoring_here  # noqa: F401 - what a notebook cell does
+
+    try:
+        assert "scoring_here" in jobs.user_modules()
+        assert "openrl_jupyter" not in jobs.user_modules() and "httpx" not in jobs.user_modules()
+        ns = dynamic(
+            """
+            import scoring_here
+            def reward(prompt, completion, **info):
+                return scoring_here.score(completion)
+            """
+        )
+        body = {
+            "rewards": [jobs.reward_entry(ns["reward"])],
+            "probe": {"prompt": "p", "info": {}, "completion": "ok"},
+        }
+        report = jobs.prove(jobs.dumps(body, "test"), body, "test")
+        # the clean python (another folder, no sys.path of ours) ran the module's code: by value
+        assert report[0]["there"] == {"name": "reward", "ok": True, "value": "0.2"}
+        assert report[0]["here"]["value"] == "0.2"
+    finally:
+        sys.modules.pop("scoring_here", None)
+
+
+def test_payloads_that_cannot_travel_are_refused_at_submit_and_nothing_starts(
+    session, server, jobs_dir, tmp_path, monkeypatch
+):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "only_here.py").write_text("def score(c):\n    return 1.0\n")
+    (folder / "data.txt").write_text("abc")
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    lock = threading.Lock()
+    cases = {
+        # a lock cannot be pickled at all
+        "a lock": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    with lock:
+                        return 1.0
+                """,
+                lock=lock,
+            )["reward"],
+            "cannot pickle '_thread.lock' object",
+        ),
+        # imported inside the function: importable from this folder only, not in the job
+        "an import": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    import only_here
+                    return only_here.score(completion)
+                """
+            )["reward"],
+            "ModuleNotFoundError: No module named 'only_here'",
+        ),
+        # a relative path: the job does not run in the notebook's folder
+        "a file": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    with open("data.txt") as f:
+                        return len(f.read()) / 3
+                """
+            )["reward"],
+            "FileNotFoundError",
+        ),
+    }
+    for what, (fn, expected) in cases.items():
+        name = unique("refused")
+        with pytest.raises(UsageError) as err:
+            session.train(reward=fn, prompts=PROMPTS, steps=2, name=name, detach="local")
+        message = str(err.value)
+        assert expected in message, (what, message)
+        assert "Nothing was submitted" in message or "cannot be sent" in message, message
+        assert name not in session.detached
+        names = {j["name"] for j in session.jobs()}
+        assert name not in names, f"{what}: a job was submitted"
+    assert list(jobs_dir.iterdir()) == [], "a worker was started"
+    sys.modules.pop("only_here", None)
+
+
+def test_detach_from_an_embedded_service_is_refused_unless_it_is_detached_too(
+    tmp_path, monkeypatch, jobs_dir
+):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("OPENRL_LOCAL_DATA_DIR", str(tmp_path / "local-data"))
+    plain = sessions.connect(local=True, name=unique("plain"))
+    try:
+        with pytest.raises(
+            UsageError, match=r"stops with this\s+kernel.*connect\(local=True, detached=True\)"
+        ):
+            plain.train(reward=lambda p, c, **i: 1.0, prompts=PROMPTS, steps=2, detach="local")
+    finally:
+        sessions.disconnect(plain.name)
+    detached = sessions.connect(local=True, detached=True, name=unique("det"))
+    pid = detached.local.process.pid
+    try:
+        assert os.getsid(pid) != os.getsid(0), "the detached service is in the kernel's session"
+        sessions.disconnect(detached.name)
+        assert alive(pid), "disconnecting stopped the detached service"
+        again = sessions.connect(local=True, detached=True, name=unique("again"))
+        assert again.url == detached.url and again.local.process.pid == pid  # found, not started twice
+        sessions.disconnect(again.name)
+    finally:
+        from openrl_jupyter.local import find_detached
+
+        found = find_detached()
+        if found is not None:
+            found.stop()
+    assert not alive(pid)
+
+
+def test_k8s_detach_on_a_service_without_jobs_configured_is_a_clear_409(session):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return 1.0\n")["reward"]
+    with pytest.raises(RequestError) as err:
+        session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s")
+    assert err.value.status == 409
+    assert "k8s" in str(err.value) and "--jobs-namespace" in str(err.value)
+
+
+# -- detached local runs ----------------------------------------------------------------------------------
+def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_dir):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=500,
+        batch=2,
+        group=4,
+        max_tokens=4,
+        name=unique("ctl"),
+        detach="local",
+    )
+    assert job.where == "local" and job.process is not None and os.getsid(job.process.pid) != os.getsid(0)
+    client = session.client
+
+    def done_steps() -> int:  # the rows the run stored: one per step (trained or not)
+        return client.get_run(run_id)["metrics_count"]
+
+    run_id = wait_for(lambda: job.runs and job.runs[0], 120, "the run")
+    wait_for(lambda: done_steps() >= 1, 120, "the first step")
+    assert client.get_run(run_id).get("user_metadata", {}).get("openrl.job") == job.job_id
+    job.pause()
+    wait_for(lambda: client.get_run(run_id).get("state") == "paused", 60, "the run to pause")
+    held = done_steps()
+    time.sleep(2)
+    assert done_steps() == held, "a paused detached run went on stepping"
+    job.resume()
+    wait_for(lambda: done_steps() > held, 60, "a step after resume")
+    job.stop(wait=True, timeout=120)
+    assert job.state == "stopped"
+    assert job.process.wait(30) == 0
+    assert "stopped" in job.logs()
+    assert done_steps() < 500
+
+
+CELL_REWARD_V1 = """%%openrl reward gated
+import os, time
+def reward(prompt, completion, **info):
+    # in the job (not in the submit-time proof), step 1 waits here until the test opens the gate
+    while "OPENRL_JOB_ID" in os.environ and not os.path.exists(GATE):
+        time.sleep(0.05)
+    return scoring.score(completion)
+"""
+CELL_REWARD_V2 = """%%openrl reward gated
+def reward(prompt, completion, **info):
+    return 1.0 - scoring.score(completion)
+"""
+
+
+def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_whole_history(
+    server, tmp_path, jobs_dir
+):
+    notebook = tmp_path / "notebook"
+    notebook.mkdir()
+    (notebook / "scoring.py").write_text(
+        "def score(c):\n    return sum(ch.isalpha() for ch in c) / max(1, len(c))\n"
+    )
+    gate = tmp_path / "gate"
+    name = unique("outlive")
+    env = {"OPENRL_URL": server.url, "OPENRL_TOKEN": ALICE_KEY, "OPENRL_JOBS_DIR": str(jobs_dir)}
+    steps = 5
+    with Kernel(env=env, cwd=notebook) as k:
+        k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        k.execute(
+            f"import scoring\nGATE = {str(gate)!r}\nP = {PROMPTS!r}"
+        )  # a module of the notebook's folder
+        assert "reward gated v1 registered" in k.execute(CELL_REWARD_V1).stdout
+        k.execute(
+            f"job = %openrl train --reward gated --prompts P --steps {steps} --batch 2 --group 4 "
+            f"--max-tokens 6 --name {name} --detach local",
+            timeout=120,
+        )
+        worker = int(k.execute("print(job.process.pid)").stdout)
+        # the worker has its payloads and created its run: step 1 now waits at the gate
+        k.execute("import time\nwhile not job.runs:\n    time.sleep(0.2)", timeout=120)
+        # the reward is redefined while step 1 waits at the gate: the job gets v2 from step 2 on
+        out = k.execute(CELL_REWARD_V2, timeout=120).stdout
+        assert "reward gated v2 registered" in out and f"sent to detached {name} (its payload v2)" in out
+        kernel_pid = k.km.provisioner.process.pid
+        os.kill(kernel_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(kernel_pid), 10, "the kernel to die")
+        assert alive(worker), "the worker died with the kernel"
+        gate.write_text("open")
+
+        with Client(server.url, token=ALICE_KEY) as c:
+            entry = wait_for(
+                lambda: (e := c.get_job(name))["state"] in jobs.TERMINAL and e, 240, "the job to finish", 0.5
+            )
+        assert entry["state"] == "finished", entry
+        assert entry["where"] == "local" and entry["pid"] == worker
+
+    with Kernel(env=env) as k2:
+        k2.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        out = k2.execute(
+            f"view = %openrl attach {name}\n"
+            "print([r['step'] for r in view.history])\n"
+            "print([r['reward_version'] for r in view.history])\n"
+            "print(view.state, view.step, view.total_steps)",
+            timeout=60,
+        ).stdout.splitlines()
+        assert out[0] == str(list(range(1, steps + 1))), out  # every step, from the service
+        assert out[1] == str([1] + [2] * (steps - 1)), out  # hot swap from the next step on
+        assert out[2] == f"finished {steps} {steps}"
+        shown = k2.execute("view", timeout=60)
+        assert shown.outputs and f"step {steps}/{steps}" in shown.outputs[-1]["text/plain"]
+        listing = k2.execute("print(repr(%openrl runs))", timeout=60).stdout
+        row = next(line for line in listing.splitlines() if line.startswith(name))
+        assert f"local pid {worker}" in row and "finished" in row and f"{steps}/{steps}" in row
