@@ -314,6 +314,60 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
         assert out[2] == f"finished {steps} {steps}"
         shown = k2.execute("view", timeout=60)
         assert shown.outputs and f"step {steps}/{steps}" in shown.outputs[-1]["text/plain"]
-        listing = k2.execute("print(repr(%openrl runs))", timeout=60).stdout
+        listing = k2.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
         row = next(line for line in listing.splitlines() if line.startswith(name))
         assert f"local pid {worker}" in row and "finished" in row and f"{steps}/{steps}" in row
+
+
+def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_its_runs(session, jobs_dir):
+    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter.sql.reward import sql_reward
+
+    examples = sql_data.generate(0, per_template=1).train[:2]
+    prompts = [{"prompt": sql_data.render_prompt(e), **e} for e in examples]
+    assert all("db_path" not in p for p in prompts)  # the job rebuilds the databases from db_id + seed
+    name = unique("dsweep")
+    job = session.sweep(
+        reward=sql_reward,  # a function of an installed package: it travels by reference
+        prompts=prompts,
+        grid={"lr": [1e-4, 3e-4]},
+        steps=2,
+        rungs=0,
+        batch=2,
+        group=2,
+        max_tokens=8,
+        name=name,
+        detach="local",
+    )
+    assert job.kind == "sweep" and job.where == "local"
+    job.wait(240)
+    assert job.state == "finished", job.logs()
+    client = session.client
+    runs = [client.get_run(rid) for rid in job.runs]
+    assert sorted(r["name"] for r in runs) == [f"{name}-lr1e-4", f"{name}-lr3e-4"]
+    for r in runs:
+        assert r["user_metadata"] == {"openrl.job": job.job_id, "openrl.sweep": name}
+    rows = job.history
+    assert sorted((r["run"], r["step"]) for r in rows) == sorted((r["name"], s) for r in runs for s in (1, 2))
+    assert all(r["failed"] == 0 and r["reward_name"] == "sql_reward" for r in rows), rows
+    assert "best" in job.entry["message"]
+
+
+def test_a_sweep_in_the_kernel_labels_its_runs_with_its_name_too(session):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    name = unique("lsweep")
+    sweep = session.sweep(
+        reward=fn,
+        prompts=PROMPTS,
+        grid={"seed": [1, 2]},
+        steps=1,
+        rungs=0,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=name,
+        save_best=False,
+    )
+    sweep.wait(120)
+    for run in sweep.runs:
+        assert session.client.get_run(run.run_id)["user_metadata"] == {"openrl.sweep": name}
