@@ -7,6 +7,7 @@ cannot travel is refused at submit time with what could not travel, and nothing 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from openrl_jupyter import jobs
 from openrl_jupyter._exceptions import RequestError
 from openrl_jupyter.client import Client
 from openrl_jupyter.session import UsageError
-from tests._support.kernel import Kernel
+from tests._support.kernel import Kernel, of_type
 from tests.conftest import ALICE_KEY
 
 PROMPTS = ["Say hi:", "Name a colour:", "Count to three:"]
@@ -291,30 +292,51 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
         os.kill(kernel_pid, signal.SIGKILL)
         wait_for(lambda: not alive(kernel_pid), 10, "the kernel to die")
         assert alive(worker), "the worker died with the kernel"
-        gate.write_text("open")
 
-        with Client(server.url, token=ALICE_KEY) as c:
-            entry = wait_for(
-                lambda: (e := c.get_job(name))["state"] in jobs.TERMINAL and e, 240, "the job to finish", 0.5
-            )
-        assert entry["state"] == "finished", entry
-        assert entry["where"] == "local" and entry["pid"] == worker
-
+    # a new kernel attaches while the job runs (its step 1 still waits at the gate)
     with Kernel(env=env) as k2:
         k2.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        out = k2.execute(f"view = %openrl attach {name}\nprint(view.state, view.step)", timeout=60).stdout
+        assert out.split() == ["running", "0"], out
+        listing = k2.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
+        row = next(line for line in listing.splitlines() if line.startswith(name))
+        assert f"local pid {worker}" in row and "running" in row and f"0/{steps}" in row, listing
+        shown = k2.execute("view", timeout=60)
+        assert shown.comm_opens, "displaying the attached run opened no dashboard"
+        gate.write_text("open")
+
+        def finished(msgs) -> bool:
+            return any(f"{steps}/{steps}" in json.dumps(m["content"]) for m in of_type(msgs, "comm_msg"))
+
+        updates = k2.drain(240, until=finished)
+        assert finished(updates), "the attached dashboard never showed the last step"
+        assert len(of_type(updates, "comm_msg")) >= 3, "expected several live updates while no cell ran"
+
         out = k2.execute(
-            f"view = %openrl attach {name}\n"
+            "view.wait(120)\n"
             "print([r['step'] for r in view.history])\n"
             "print([r['reward_version'] for r in view.history])\n"
             "print(view.state, view.step, view.total_steps)",
-            timeout=60,
+            timeout=180,
         ).stdout.splitlines()
         assert out[0] == str(list(range(1, steps + 1))), out  # every step, from the service
         assert out[1] == str([1] + [2] * (steps - 1)), out  # hot swap from the next step on
         assert out[2] == f"finished {steps} {steps}"
-        shown = k2.execute("view", timeout=60)
-        assert shown.outputs and f"step {steps}/{steps}" in shown.outputs[-1]["text/plain"]
-        listing = k2.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
+        with Client(server.url, token=ALICE_KEY) as c:
+            entry = c.get_job(name)
+        assert entry["state"] == "finished" and entry["where"] == "local" and entry["pid"] == worker
+        wait_for(lambda: not alive(worker), 30, "the worker to exit")
+
+    # and any later kernel sees the whole history too
+    with Kernel(env=env) as k3:
+        k3.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        out = k3.execute(
+            f"view = %openrl attach {name}\nprint([r['step'] for r in view.history], view.state)", timeout=60
+        ).stdout
+        assert out.strip() == f"{list(range(1, steps + 1))} finished"
+        shown = k3.execute("view", timeout=60)
+        assert f"step {steps}/{steps}" in shown.outputs[-1]["text/plain"]
+        listing = k3.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
         row = next(line for line in listing.splitlines() if line.startswith(name))
         assert f"local pid {worker}" in row and "finished" in row and f"{steps}/{steps}" in row
 
