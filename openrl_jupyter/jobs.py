@@ -455,6 +455,10 @@ class JobTimeout(OpenRLError, TimeoutError):
     """``Job.wait`` gave up after its timeout; the job goes on."""
 
 
+class JobFailed(OpenRLError):
+    """``Job.wait`` on a job that failed (its message says why; ``job.logs()`` for a local one)."""
+
+
 class Job:
     """A detached run or sweep: where it runs, its state and runs, control, and its history."""
 
@@ -531,13 +535,23 @@ class Job:
         return self
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> Job:
-        """Block until the job is finished, stopped or failed; JobTimeout after ``timeout`` s."""
+        """Block until the job is finished or stopped; JobFailed when it failed, JobTimeout after
+        ``timeout`` s (the job goes on)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.state not in TERMINAL:
             if deadline is not None and time.monotonic() > deadline:
                 raise JobTimeout(f"job {self.name!r} is still {self.entry.get('state')} after {timeout} s")
             time.sleep(poll_s)
+        if self.entry.get("state") == "failed":
+            where = f" (log: {self.log_path})" if self.log_path else ""
+            raise JobFailed(f"job {self.name!r} failed: {self.entry.get('message')}{where}")
         return self
+
+    def delete(self) -> None:
+        """Revoke the job's key and delete its Kubernetes Job (a local worker then fails its next
+        request and ends); its runs stay on the service."""
+        self.session.client.delete_job(self.job_id)
+        self.session.detached.pop(self.name, None)
 
     def send_reward(self, version: RewardVersion) -> int:
         """Send a new version of a named reward to the job (proved first); its payload version."""
@@ -674,6 +688,9 @@ class Attached:
 
     @property
     def done(self) -> bool:
+        """The run is over and, for a job's run, the job has reported its end too."""
+        if self.job is not None:
+            return self.job.entry.get("state") in TERMINAL
         return self._state in TERMINAL
 
     def refresh(self) -> list[dict]:

@@ -296,7 +296,16 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
     # a new kernel attaches while the job runs (its step 1 still waits at the gate)
     with Kernel(env=env) as k2:
         k2.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
-        out = k2.execute(f"view = %openrl attach {name}\nprint(view.state, view.step)", timeout=60).stdout
+        out = k2.execute(
+            f"view = %openrl attach {name}\n"
+            "import time\n"
+            "deadline = time.monotonic() + 30\n"  # the worker reports "running" once its run exists
+            "while view.state != 'running' and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            "    view.refresh()\n"
+            "print(view.state, view.step)",
+            timeout=60,
+        ).stdout
         assert out.split() == ["running", "0"], out
         listing = k2.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
         row = next(line for line in listing.splitlines() if line.startswith(name))
