@@ -343,6 +343,7 @@ def jobs_dir() -> str:
 
 
 def _flat_prompts(loaded: list[dict]) -> list[dict]:
+    """Prompts as ``load_prompts`` takes them again (a dict per prompt, its info flattened)."""
     return [{"prompt": p["prompt"], **p["info"]} for p in loaded]
 
 
@@ -382,7 +383,7 @@ def submit(session: Session, kind: str, where: Any, *, reward: Any, prompts: Any
         options["model"] = session.model
     loaded = load_prompts(prompts)
     if kind == "run":
-        config = make_config(session.defaults, reward=reward, prompts=loaded_as_list(loaded), **options)
+        config = make_config(session.defaults, reward=reward, prompts=_flat_prompts(loaded), **options)
         rewards = [reward_entry(reward)]
         steps = config.steps
         options["name"] = name  # the run is named after its job
@@ -391,7 +392,7 @@ def submit(session: Session, kind: str, where: Any, *, reward: Any, prompts: Any
 
         opts = dict(options)
         grid = opts.pop("grid")
-        checked = Sweep(session, reward=reward, prompts=loaded_as_list(loaded), grid=grid, name=name, **opts)
+        checked = Sweep(session, reward=reward, prompts=_flat_prompts(loaded), grid=grid, name=name, **opts)
         listed = [reward] if reward is not None else list(grid.get("reward") or [])
         for r in listed:
             if isinstance(r, str):
@@ -443,11 +444,6 @@ def submit(session: Session, kind: str, where: Any, *, reward: Any, prompts: Any
     if where == "local":
         job._spawn(key)
     return job
-
-
-def loaded_as_list(loaded: list[dict]) -> list[dict]:
-    """Prompts as ``load_prompts`` takes them again (a dict per prompt, its info flattened)."""
-    return _flat_prompts(loaded)
 
 
 # -- the handle -----------------------------------------------------------------------------------------
@@ -573,7 +569,12 @@ class Job:
         return int(reply["version"])
 
     def attach(self) -> Attached | Job:
+        """The attached view of the job's run (a sweep's job: itself; see ``attached``)."""
         return attach(self.session, self.job_id)
+
+    def attached(self) -> list[Attached]:
+        """Every run of the job (a sweep's), attached: history and a live dashboard each."""
+        return [Attached(self.session, self.session.client.get_run(rid), self) for rid in self.runs]
 
     def close(self) -> None:
         """Forget the local child (it goes on by itself)."""
@@ -832,14 +833,6 @@ def attach(session: Session, name: str) -> Attached | Job:
     if not runs:
         raise UsageError(f"no detached job or run named {name!r} on {session.url} (see %openrl runs)")
     return Attached(session, runs[-1])
-
-
-def attached_runs(job: Job) -> list[Attached]:
-    """Every run of a job, attached."""
-    return [Attached(job.session, job.session.client.get_run(rid), job) for rid in job.runs]
-
-
-Job.attached = attached_runs  # type: ignore[attr-defined]
 
 
 # -- the worker ---------------------------------------------------------------------------------------
