@@ -590,3 +590,86 @@ RUN_CONTROL = obj(
     },
     "action",
 )
+
+
+# -- detached jobs (/openrl/v1/jobs, api/jobs.py; the checks are engine/jobs.py's) -------------------
+JOB_NAME: dict = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,64}$"}
+SHA256: dict = {
+    "type": "string",
+    "pattern": "^[0-9a-fA-F]{64}$",
+    "description": "SHA-256 of the decoded payload",
+}
+REWARD_NAME: dict = {"type": ["string", "null"], "minLength": 1, "maxLength": 128}
+
+
+def job_payload_b64(lim: Limits) -> dict:
+    return {
+        "type": "string",
+        "contentEncoding": "base64",
+        "minLength": 1,
+        "maxLength": (lim.max_job_payload_bytes + 2) // 3 * 4,
+        "description": "the payload bytes, standard base64; decoded at most OPENRL_MAX_JOB_PAYLOAD_BYTES; "
+        "stored and returned as they are, never unpickled",
+    }
+
+
+def submit_job(lim: Limits) -> dict:
+    return obj(
+        {
+            "name": JOB_NAME,
+            "kind": {"type": "string", "enum": ["run", "sweep"]},
+            "where": {"type": "string", "enum": ["local", "k8s"]},
+            "payload": job_payload_b64(lim),
+            "payload_sha256": SHA256,
+            "reward": REWARD_NAME,
+            "meta": {
+                "type": "object",
+                "maxProperties": 32,
+                "propertyNames": {"maxLength": 64},
+                "additionalProperties": {
+                    "anyOf": [
+                        {"type": "string", "maxLength": 256},
+                        {"type": "number"},
+                        {"type": "boolean"},
+                        {"type": "null"},
+                    ]
+                },
+            },
+            "k8s": obj(
+                {
+                    "image": STR,
+                    "volumes": {"type": "array", "items": STR},
+                    "cpu": STR,
+                    "memory": STR,
+                },
+                additionalProperties=False,
+                description="only with where=k8s; checked against the service's allowed images, volumes "
+                "and limits",
+            ),
+        },
+        "name",
+        "kind",
+        "where",
+        "payload",
+        "payload_sha256",
+    )
+
+
+def add_job_payload(lim: Limits) -> dict:
+    return obj(
+        {"payload": job_payload_b64(lim), "payload_sha256": SHA256, "reward": REWARD_NAME},
+        "payload",
+        "payload_sha256",
+    )
+
+
+JOB_STATE = obj(
+    {
+        "state": {"type": "string", "enum": ["running", "finished", "failed", "stopped"]},
+        "pid": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        "host": {"type": "string", "maxLength": 255},
+        "message": {"type": "string", "maxLength": 2000},
+    },
+    "state",
+)
+JOB_CONTROL = RUN_CONTROL
