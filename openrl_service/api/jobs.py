@@ -18,6 +18,7 @@ the service runs with --jobs-namespace): ``validate`` before the key is minted, 
 from __future__ import annotations
 
 import logging
+import time
 
 import anyio
 from fastapi import APIRouter, Query, Request
@@ -28,6 +29,7 @@ from openrl_service.engine.jobs import Jobs
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
 log = logging.getLogger("openrl_service")
+PHASE_TTL_S = 5.0
 
 
 def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
@@ -46,20 +48,32 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
     def job_of(request: Request) -> str | None:
         return getattr(request.state, "job_id", None)
 
+    phases: dict[str, tuple[float, str]] = {}  # Kubernetes Job name → (when asked, phase)
+
+    async def phase_of(job_name: str) -> str:
+        """The Kubernetes Job's phase, asked at most every PHASE_TTL_S (a worker polls its entry)."""
+        kube = launcher()
+        if kube is None:
+            return "unknown"
+        hit = phases.get(job_name)
+        if hit is not None and time.monotonic() - hit[0] < PHASE_TTL_S:
+            return hit[1]
+        try:
+            phase = (await anyio.to_thread.run_sync(kube.status, job_name)).get("phase", "unknown")
+        except Exception:  # noqa: BLE001 - an unreachable API server leaves the phase unknown
+            log.warning("Kubernetes status of job %s failed", job_name, exc_info=True)
+            return "unknown"
+        if len(phases) > 10_000:
+            phases.clear()
+        phases[job_name] = (time.monotonic(), phase)
+        return phase
+
     async def entry(rec: dict) -> dict:
-        phase = None
         k8s = rec.get("k8s")
-        if k8s is not None:
-            kube = launcher()
-            phase = "unknown"
-            if kube is not None and k8s.get("job"):
-                try:
-                    phase = (await anyio.to_thread.run_sync(kube.status, k8s["job"])).get("phase", "unknown")
-                except Exception:  # noqa: BLE001 - an unreachable API server leaves the phase unknown
-                    log.warning("Kubernetes status of job %s failed", k8s.get("job"), exc_info=True)
+        phase = await phase_of(k8s["job"]) if k8s is not None and k8s.get("job") else None
         return jobs.entry(rec, phase)
 
-    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)))
+    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=S.SUBMIT_JOB_LINKS)
     async def submit_job(request: Request):
         """Submit a detached job: its payload is stored (never unpickled) and a job-scoped key minted;
         where=local answers the key, where=k8s hands it to a Kubernetes Job's Secret."""

@@ -613,6 +613,10 @@ def job_payload_b64(lim: Limits) -> dict:
     }
 
 
+HELLO_B64 = "aGVsbG8="  # b"hello": an example payload and its SHA-256
+HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+
+
 def submit_job(lim: Limits) -> dict:
     return obj(
         {
@@ -652,6 +656,15 @@ def submit_job(lim: Limits) -> dict:
         "where",
         "payload",
         "payload_sha256",
+        example={
+            "name": "sql-rl",
+            "kind": "run",
+            "where": "local",
+            "payload": HELLO_B64,
+            "payload_sha256": HELLO_SHA256,
+            "reward": "sql",
+            "meta": {"steps": 20, "model": "openrl/tiny"},
+        },
     )
 
 
@@ -673,3 +686,19 @@ JOB_STATE = obj(
     "state",
 )
 JOB_CONTROL = RUN_CONTROL
+
+
+def _on_job(job_id: str) -> dict:
+    at = {"path.job_id": job_id}
+    ops = ("get_job", "job_state", "job_control", "payloads", "delete_job")
+    return {op: to(f"jobs_{op}", parameters=at) for op in ops} | {
+        "add_payload": to(
+            "jobs_add_payload",
+            parameters=at,
+            request_body={"payload": HELLO_B64, "payload_sha256": HELLO_SHA256},
+            exact=True,
+        )
+    }
+
+
+SUBMIT_JOB_LINKS = links(201, **_on_job("$response.body#/job_id"))
