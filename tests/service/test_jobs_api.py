@@ -442,3 +442,25 @@ def test_jobs_payloads_and_keys_survive_a_restart(tmp_path, tiny_model_dir):
             refused(alice.post(f"{V1}/jobs", json=body("keeps")), 409, "name")  # still active
     finally:
         live.stop()
+
+
+def test_a_job_key_keeps_its_scope_on_a_service_without_auth(tmp_path, tiny_model_dir):
+    """--no-auth (a --local session's service): anyone is the default tenant, but a job's key still
+    labels its runs, stays inside its job and is refused once revoked."""
+    live = start_server(tmp_path / "data", tiny_model_dir, no_auth=True)
+    try:
+        with live.client(None) as anon:
+            job = submit(anon, "open")
+            own = new_run(anon, "anon-run")["run_id"]
+            with keyed(live.url, job["key"]) as jk:
+                run = new_run(jk, "job-run")
+                assert run["user_metadata"] == {"openrl.job": job["job_id"]}
+                refused(jk.get(f"{V1}/runs/{own}"), 403, "job open")
+                refused(jk.post("/api/v1/create_session", json={}), 403, "job open")
+                assert (
+                    jk.post(f"{V1}/jobs/{job['job_id']}/state", json={"state": "stopped"}).status_code == 200
+                )
+                refused(jk.get(f"{V1}/runs/{run['run_id']}"), 401, "revoked")
+            assert anon.get(f"{V1}/jobs/open").json()["state"] == "stopped"
+    finally:
+        live.stop()
