@@ -59,6 +59,7 @@ def _detach_options(parser: MagicArgumentParser, what: str) -> None:
         action="append",
         default=None,
         dest="volumes",
+        metavar="NAME",
         help="with --detach k8s: a volume the service allows (repeatable)",
     )
     parser.add_argument("--cpu", default=None, help="with --detach k8s: CPU for the reward work, e.g. 2")
@@ -153,7 +154,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
         ("stop", "Stop a run (it finishes its current step first)."),
     ):
         v = p[verb] = _parser(verb, desc)
-        v.add_argument("run", nargs="?", default=None, help="run name (default: the latest)")
+        v.add_argument(
+            "run",
+            nargs="?",
+            default=None,
+            help="run name, or a detached run's (default: the latest run of this kernel)",
+        )
         v.add_argument("--session", default=None)
         if verb != "resume":
             v.add_argument("--wait", action="store_true", help="return once no step is in flight")
@@ -163,7 +169,11 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
     for verb, desc in (
-        ("runs", "This session's runs, and the other runs the service has for this key."),
+        (
+            "runs",
+            "This session's runs, the detached runs (where they run: local pid, k8s) and the other "
+            "runs the service has for this key.",
+        ),
         ("dashboard", "The service-wide dashboard: every run of this key plus device utilisation."),
         ("sessions", "The open connections."),
     ):
@@ -434,17 +444,39 @@ class OpenRLMagics(Magics):
             return src
         raise UsageError(f"--prompts {src!r}: give a notebook variable name or a .txt/.jsonl path")
 
+    def _job(self, a):
+        """The detached job ``a.run`` names, when no run of this kernel has that name."""
+        session = self._session(a.session)
+        if a.run is not None and a.run not in session.runs and a.run in session.detached:
+            return session.detached[a.run]
+        return None
+
     def _pause(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.pause()
+            print(f"openrl: asked detached {job.kind} {job.name!r} to pause after its current step")
+            return
         run = self._session(a.session).get_run(a.run)
         run.pause(wait=a.wait)
         print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")
 
     def _resume(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.resume()
+            print(f"openrl: asked detached {job.kind} {job.name!r} to resume")
+            return
         run = self._session(a.session).get_run(a.run)
         run.resume()
         print(f"openrl: run {run.name!r} is {run.state} from step {run.step}/{run.total_steps}")
 
     def _stop(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.stop(wait=a.wait)
+            print(f"openrl: detached {job.kind} {job.name!r} is {job.entry.get('state')}")
+            return
         run = self._session(a.session).get_run(a.run)
         run.stop(wait=a.wait)
         print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")

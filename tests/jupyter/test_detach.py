@@ -312,7 +312,22 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
         assert f"local pid {worker}" in row and "running" in row and f"0/{steps}" in row, listing
         shown = k2.execute("view", timeout=60)
         assert shown.comm_opens, "displaying the attached run opened no dashboard"
+        # the magics control a detached run by name: pause after step 1, then resume
+        out = k2.execute(f"%openrl pause {name}", timeout=60).stdout
+        assert f"asked detached run {name!r} to pause" in out
         gate.write_text("open")
+        out = k2.execute(
+            "deadline = time.monotonic() + 60\n"
+            "while view.state != 'paused' and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            "    view.refresh()\n"
+            "time.sleep(1.5)\n"
+            "view.refresh()\n"
+            "print(view.state, view.step)",
+            timeout=90,
+        ).stdout
+        assert out.split() == ["paused", "1"], out
+        assert f"asked detached run {name!r} to resume" in k2.execute(f"%openrl resume {name}").stdout
 
         def finished(msgs) -> bool:
             return any(f"{steps}/{steps}" in json.dumps(m["content"]) for m in of_type(msgs, "comm_msg"))
