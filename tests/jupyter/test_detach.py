@@ -498,3 +498,13 @@ def test_k8s_detach_goes_through_the_service_and_the_pod_entrypoint_runs_with_it
         with pytest.raises(Exception) as revoked:
             c.get_job(job.job_id)
         assert getattr(revoked.value, "status", None) == 401
+
+
+def test_the_sql_reward_rebuilds_a_database_the_job_does_not_have_from_its_seed(tmp_path):
+    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter.sql.reward import sql_reward
+
+    example = sql_data.generate(0, per_template=1).train[0]
+    kernel_only = tmp_path / "not-in-the-job" / "db.sqlite"  # a path of the notebook's machine
+    assert sql_reward("q", example["sql"], **{**example, "db_path": str(kernel_only)}) == 1.0
+    assert sql_reward("q", "SELECT 1", **{**example, "db_path": str(kernel_only)}) == 0.0
