@@ -14,9 +14,10 @@ site-packages nor an installed distribution — are registered with
 Data a reward needs (the SQL databases) is rebuilt in the job from its seed
 (``openrl_jupyter.sql.database_path``), not shipped.
 
-Proof at submit time: the payload is unpickled in a clean ``python -I`` subprocess (working folder a
-fresh temporary one, so nothing of the kernel's ``sys.path`` or folder leaks) and each reward is
-called there on the first prompt with a short dummy completion; the same call is made in the kernel.
+Proof at submit time: the payload is unpickled in a clean Python subprocess (working folder a fresh
+temporary one, so nothing of the kernel's ``sys.path`` or folder leaks; ``-I`` for Kubernetes, the
+local worker's environment for local) and each reward is called there on the first prompt with a
+short dummy completion; the same call is made in the kernel.
 When the kernel's call works and the clean one does not (a module only importable here, a name
 defined nowhere that travels, a file that is not there...), or the payload cannot be pickled at all
 (a lock, an open socket...), submitting raises a UsageError saying what could not travel and how to
@@ -276,15 +277,20 @@ def _call_here(entry: dict, probe: dict) -> dict:
         pool.shutdown(wait=False)
 
 
-def prove(data: bytes, body: dict, what: str) -> list[dict]:
+def prove(data: bytes, body: dict, what: str, where: str = "k8s") -> list[dict]:
     """Unpickle ``data`` in a clean Python and call its rewards on the probe; compare with the same
-    calls here. Raises a UsageError when something works here but could not travel."""
+    calls here. Raises a UsageError when something works here but could not travel.
+
+    The clean Python runs in a fresh temporary folder with none of the kernel's ``sys.path``; for
+    ``where="k8s"`` it is isolated (``-I``: no PYTHONPATH, no user site-packages — a pod has none of
+    them); for ``"local"`` it gets the environment the local worker gets (which keeps both)."""
+    flags = ["-I"] if where != "local" else []
     with tempfile.TemporaryDirectory(prefix="openrl-proof-") as tmp:
         out = os.path.join(tmp, "result.json")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENRL_", "JUPYTERHUB_", "JPY_"))}
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", "-c", PROOF_CHILD, out],
+                [sys.executable, *flags, "-c", PROOF_CHILD, out],
                 input=data,
                 cwd=tmp,
                 env=env,
@@ -413,7 +419,7 @@ def submit(session: Session, kind: str, where: Any, *, reward: Any, prompts: Any
     }
     what = f"the detached {kind} {name!r}"
     data = dumps(body, what)
-    prove(data, body, what)
+    prove(data, body, what, where)
     import cloudpickle
 
     named = sorted({e["name"] for e in rewards if not e["pinned"]})
@@ -564,7 +570,7 @@ class Job:
         body["probe"] = self.probe
         data = dumps(body, what)
         if self.probe is not None:
-            prove(data, body, what)
+            prove(data, body, what, self.where)
         reply = self.session.client.add_payload(self.job_id, **encode(data), reward=version.name)
         return int(reply["version"])
 
