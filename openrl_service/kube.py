@@ -66,7 +66,7 @@ ANNOTATION_JOB_ID = "openrl.dev/job-id"
 API_VERBS = {
     ("batch", "jobs"): ("create", "get", "delete"),
     ("", "configmaps"): ("create", "delete"),
-    ("", "secrets"): ("create", "delete"),
+    ("", "secrets"): ("create",),
 }
 
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
