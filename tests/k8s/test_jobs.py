@@ -692,3 +692,21 @@ def test_bad_job_flags_are_refused_at_startup(tmp_path):
     done = subprocess.run([*argv, "--jobs-namespace", "openrl"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--job-image (OPENRL_JOB_IMAGES) must name at least one image" in done.stderr
+
+
+def test_readme_sets_the_api_server_address_the_policy_uses():
+    import re
+
+    from tests.k8s._k8s import ROOT
+
+    readme = (K8S / "README.md").read_text()
+    m = re.search(r'sed -i "s#cidr: ([\d./]+)#cidr: \$APISERVER/32#" (\S+)', readme)
+    assert m, "k8s/README.md does not show how to set the API server's address"
+    cidr, path = m.groups()
+    assert f"cidr: {cidr}" in (ROOT / path).read_text()
+    (policy,) = [
+        p
+        for p in of_kind(overlay(JOBS_OVERLAY), "NetworkPolicy")
+        if p["metadata"]["name"] == "openrl-service-jobs"
+    ]
+    assert [r["to"][0]["ipBlock"]["cidr"] for r in policy["spec"]["egress"]] == [cidr]
