@@ -27,6 +27,7 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -266,16 +267,18 @@ def load_api_client():
         raise ValueError(
             "--jobs-namespace needs the kubernetes package: pip install 'openrl-jupyter[k8s]'"
         ) from None
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException as in_cluster:
-        try:
-            config.load_kube_config()
+        try:  # KUBECONFIG as it is now (the client reads it once, at its import)
+            path = os.environ.get("KUBECONFIG") or "~/.kube/config"
+            config.load_kube_config(config_file=path, client_configuration=configuration)
         except Exception as e:
             raise ValueError(
                 f"--jobs-namespace: no Kubernetes credentials (in the cluster: {in_cluster}; kubeconfig: {e})"
             ) from None
-    return client.ApiClient()
+    return client.ApiClient(configuration)
 
 
 def launcher_from_settings(settings) -> KubeLauncher | None:

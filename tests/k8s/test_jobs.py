@@ -710,3 +710,46 @@ def test_readme_sets_the_api_server_address_the_policy_uses():
         if p["metadata"]["name"] == "openrl-service-jobs"
     ]
     assert [r["to"][0]["ipBlock"]["cidr"] for r in policy["spec"]["egress"]] == [cidr]
+
+
+def test_the_service_builds_its_launcher_from_its_settings(api, tmp_path, monkeypatch):
+    """svc.kube: None without --jobs-namespace; with it, a launcher that reaches the API server the
+    kubeconfig names (outside a pod) and submits with the configured images and volumes."""
+    from openrl_service import config
+    from openrl_service.engine.service import TrainingService
+
+    assert TrainingService(config.Settings(data_dir=tmp_path / "off")).kube is None
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": api.url}}],
+                "users": [{"name": "svc", "user": {"token": "not-a-real-token"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "svc"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: use the kubeconfig
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    env = {
+        "OPENRL_JOBS_NAMESPACE": "openrl",
+        "OPENRL_JOB_IMAGES": f"{IMAGE},{OTHER_IMAGE}",
+        "OPENRL_JOB_VOLUMES_FILE": str(K8S / "components" / "jobs" / "job-volumes.yaml"),
+        "OPENRL_JOB_QUEUE": "openrl-jobs",
+        "OPENRL_JOB_MAX_CPU": "2",
+    }
+    svc = TrainingService(config.from_env(env, data_dir=tmp_path / "on"))
+    assert isinstance(svc.kube, KubeLauncher)
+    with pytest.raises(UserError, match=r"<= 2 \(OPENRL_JOB_MAX_CPU\)"):
+        svc.kube.validate({"cpu": "3"})
+    out = submit(svc.kube, {"volumes": ["datasets"]})
+    job = api.objects("jobs")[out["job"]]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+    assert job["spec"]["template"]["spec"]["containers"][0]["env"][0] == {
+        "name": "OPENRL_URL",
+        "value": SERVICE_URL,
+    }
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "openrl-jobs"
