@@ -1,22 +1,14 @@
 """Detached runs as Kubernetes Jobs: openrl_service/kube.py with the real `kubernetes` client against
-kmock (an in-process Kubernetes API on loopback), and k8s/components/jobs.
-
-kmock stores what it is sent and runs no controllers; like the API server, the emulator below gives
-every created object a uid (the owner references of the ConfigMap and Secret point at the Job's) and
-can refuse a create, to prove a half-done submit is cleaned up."""
+kmock (an in-process Kubernetes API on loopback, tests/k8s/kubeapi.py), and k8s/components/jobs."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import subprocess
 import sys
-import threading
-import uuid
+from pathlib import Path
 
-import kmock
-import kubernetes
 import kubernetes_validate
 import pytest
 
@@ -32,6 +24,7 @@ from openrl_service.kube import (
     parse_volumes,
 )
 from tests.k8s._k8s import K8S, SERVICE_NAMESPACE, env_of, of_kind, overlay
+from tests.k8s.kubeapi import KubeAPI, pod_command_and_env
 from tests.k8s.netpol import Cluster, External, Pod, allowed
 
 K8S_VERSION = "1.33"
@@ -51,70 +44,6 @@ VERBS = {
     "UPDATE": "patch",
     "DELETE": "delete",
 }
-
-
-class Emulator(kmock.KubernetesEmulator):
-    """kmock plus what the API server does that the launcher relies on: a uid on create, and a
-    refusal (403) of the creates named in ``refuse`` (plural resource names)."""
-
-    refuse: set[str] = set()
-
-    async def _handle(self, request):
-        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            plural = request.resource.plural
-            if plural in self.refuse:
-                raise kmock.KubernetesError(
-                    status=403,
-                    reason="Forbidden",
-                    message=f'{plural} is forbidden: User "system:serviceaccount:openrl:openrl-service" cannot create',
-                )
-            request.data.setdefault("metadata", {})["uid"] = str(uuid.uuid4())
-        return await super()._handle(request)
-
-
-class KubeAPI:
-    """The emulator served on loopback from a thread of its own (the kubernetes client is sync)."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(started),))
-        self.thread.daemon = True
-        self.thread.start()
-        assert started.wait(30), "kmock did not start"
-        config = kubernetes.client.Configuration()
-        config.host = self.url
-        self.client = kubernetes.client.ApiClient(config)
-
-    async def _serve(self, started: threading.Event) -> None:
-        self.stop = asyncio.Event()
-        async with Emulator() as emu, kmock.Server(emu) as server:
-            emu.resources.load_bundled()
-            emu.refuse = set()
-            self.emu, self.url = emu, str(server.url).rstrip("/")
-            started.set()
-            await self.stop.wait()
-
-    def close(self) -> None:
-        self.client.close()
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
-
-    def objects(self, plural: str | None = None) -> dict[str, dict]:
-        """Live objects by name (of one resource, or all as "plural/name")."""
-        out = {}
-        for (res, _, name), obj in self.emu.objects.items():
-            if not obj.deleted and (plural is None or res.plural == plural):
-                out[name if plural else f"{res.plural}/{name}"] = obj.raw
-        return out
-
-    def calls(self) -> list[tuple[str, str, str, dict]]:
-        """(apiGroup, plural, verb, query) of every resource request the launcher made."""
-        return [
-            (r.resource.group, r.resource.plural, VERBS[r.action.name], dict(r.params))
-            for r in self.emu._requests
-            if r.resource is not None and r.action is not None
-        ]
 
 
 @pytest.fixture
@@ -753,3 +682,16 @@ def test_the_service_builds_its_launcher_from_its_settings(api, tmp_path, monkey
         "value": SERVICE_URL,
     }
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "openrl-jobs"
+
+
+def test_the_job_container_can_be_materialised_here(api, tmp_path):
+    """What a pod of the Job would see, resolved from the stored objects: the worker command, the
+    service URL, the job key from the Secret and spec.json from the ConfigMap. (An end-to-end test
+    runs this command against a live service with this environment.)"""
+    out = submit(launcher(api))
+    command, env = pod_command_and_env(api, out["job"], tmp_path)
+    assert command == ["python", "-m", "openrl_jupyter.jobs", "worker"]
+    assert env["OPENRL_TOKEN"] == KEY and env["OPENRL_URL"] == SERVICE_URL and env["OPENRL_JOB_ID"] == JOB_ID
+    spec = json.loads(Path(env["OPENRL_JOB_SPEC"]).read_text())
+    assert spec == {"job_id": JOB_ID, "name": "sql-rl", "kind": "run", "service_url": SERVICE_URL}
+    assert env["OPENRL_JOB_SPEC"].startswith(str(tmp_path))
