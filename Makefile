@@ -31,7 +31,7 @@ LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
 SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter.json
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-load fuzz conformance serve clean
+.PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -144,6 +144,9 @@ bench-sampling: $(VLLM_STAMP) ## tokens/s of the torch sampler vs vLLM on SmolLM
 
 bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, speedup vs bound, fairness, fused step
 	$(BIN)/python bench/packing.py
+
+bench-sweep: $(STAMP) ## a 6-run sweep vs the same runs one after another (text-to-SQL execution reward, tiny model)
+	$(BIN)/python bench/sweep.py $(BENCH_ARGS)
 
 bench-load: $(STAMP) ## 16 Tinker SDK users (SFT, RL, sampling) x 50 steps on one service: ops/s, latency, 5xx, RSS
 	$(BIN)/python bench/load.py

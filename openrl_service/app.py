@@ -17,12 +17,14 @@ from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
 from openrl_service.api.hubauth import HubAuth, MintedKeys
+from openrl_service.api.jobs import build_jobs_router
 from openrl_service.api.keys import build_keys_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
+from openrl_service.engine.jobs import Jobs
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
 from openrl_service.lifecycle import Lifecycle
@@ -34,6 +36,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     svc = service or TrainingService(settings)
     life = Lifecycle(svc, grace_s=settings.drain_grace_s)
     minted = MintedKeys(settings.data_dir / "minted-keys.json", settings.max_keys_per_user)
+    jobs = Jobs(settings.data_dir, settings.limits, svc.runs)
     hub = (
         HubAuth(settings.hub_api_url, settings.hub_service_name, settings.hub_cache_ttl_s)
         if settings.hub_api_url
@@ -96,6 +99,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_hub_router(svc))
     app.include_router(build_rest_router(svc))
     app.include_router(build_native_router(svc))
+    app.include_router(build_jobs_router(svc, jobs))
     app.include_router(build_metrics_router(svc))
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
 
@@ -133,6 +137,11 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)
 
     app.add_middleware(
-        AuthMiddleware, settings=settings, keys=KeyRing(settings.api_keys), minted=minted, hub=hub
+        AuthMiddleware,
+        settings=settings,
+        keys=KeyRing(settings.api_keys),
+        minted=minted,
+        hub=hub,
+        jobs=jobs,
     )
     return app

@@ -35,6 +35,7 @@ class Limits:
     max_request_tokens: int = 4 * 1024 * 1024  # OPENRL_MAX_REQUEST_TOKENS: Σ N·K over a call's datums
     max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
     max_metric_rows: int = 100_000  # OPENRL_MAX_METRIC_ROWS: a native run keeps its newest rows, drops older
+    max_job_payload_bytes: int = 8 * 1024 * 1024  # OPENRL_MAX_JOB_PAYLOAD_BYTES: a detached job's payload
     # Queue limits (backpressure). Per lane: one training run, or one sampler. Sampling over a limit is
     # refused with 429 + Retry-After; training is queued and reported as try_again/paused_capacity.
     max_queued_per_run: int = 64  # OPENRL_MAX_QUEUED_PER_RUN: queued requests per run or sampler

@@ -1,12 +1,21 @@
 /**
  * The left side panel: the connected service (URL, model, health, device utilisation) and the runs (name,
- * state, step / steps, a reward sparkline, device share) with pause / resume / stop buttons.
+ * state, step / steps, a reward sparkline, device share) with pause / resume / stop buttons. A sweep's
+ * runs ("openrl.sweep" in their user_metadata) sit together under the sweep's header (live / total, best
+ * reward, Stop sweep), ended ones greyed; a detached run carries a badge saying where it runs.
  */
 import { Widget } from '@lumino/widgets';
 
 import { OpenRLModel } from './model';
 import { sparkline } from './svg';
-import { IRun, isLive, isPaused, runLabel } from './types';
+import {
+  IRun,
+  detachedOf,
+  groupRuns,
+  isLive,
+  isPaused,
+  runLabel
+} from './types';
 
 function h<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -137,8 +146,67 @@ export class OpenRLPanel extends Widget {
       );
       return;
     }
-    for (const run of model.runs) {
-      this._runs.appendChild(this._renderRun(run));
+    for (const group of groupRuns(model.runs)) {
+      if (group.sweep === null) {
+        this._runs.appendChild(this._renderRun(group.runs[0]));
+      } else {
+        this._runs.appendChild(this._renderSweep(group.sweep, group.runs));
+      }
+    }
+  }
+
+  /** A sweep: a header (name, live/total, best reward so far, Stop sweep) over its runs. */
+  private _renderSweep(sweep: string, runs: IRun[]): HTMLLIElement {
+    const li = h('li', 'jp-OpenRL-sweep');
+    li.dataset.sweep = sweep;
+    const live = runs.filter(isLive);
+    const rewards = runs
+      .map(r => r.last_reward)
+      .filter((v): v is number => typeof v === 'number');
+    const top = h('div', 'jp-OpenRL-sweep-top');
+    const title = h('span', 'jp-OpenRL-sweep-name', `sweep ${sweep}`);
+    const count = h(
+      'span',
+      'jp-OpenRL-sweep-count',
+      `${live.length} of ${runs.length} running` +
+        (rewards.length ? ` · best reward ${Math.max(...rewards).toFixed(3)}` : '')
+    );
+    const stop = h('button', 'jp-OpenRL-sweep-stop jp-mod-styled', 'Stop sweep');
+    stop.dataset.key = `stop-sweep:${sweep}`;
+    stop.disabled = live.length === 0;
+    stop.title = `Stop every running run of sweep ${sweep}`;
+    stop.setAttribute('aria-label', `Stop sweep ${sweep}`);
+    stop.addEventListener('click', () => void this._stopSweep(sweep, live, stop));
+    top.append(title, count, stop);
+    const list = h('ul', 'jp-OpenRL-sweep-runs');
+    list.setAttribute('aria-label', `runs of sweep ${sweep}`);
+    for (const run of runs) {
+      const item = this._renderRun(run);
+      if (!isLive(run)) {
+        item.classList.add('jp-mod-ended');
+      }
+      list.appendChild(item);
+    }
+    li.append(top, list);
+    return li;
+  }
+
+  private async _stopSweep(
+    sweep: string,
+    runs: IRun[],
+    button: HTMLButtonElement
+  ): Promise<void> {
+    button.disabled = true;
+    const failed: string[] = [];
+    for (const run of runs) {
+      try {
+        await this.model.control(run.run_id, 'stop', `sweep ${sweep} stopped from the panel`);
+      } catch (error) {
+        failed.push(`${runLabel(run)}: ${(error as Error).message}`);
+      }
+    }
+    if (failed.length) {
+      this._message.textContent = `stop sweep ${sweep}: ${failed.join('; ')}`;
     }
   }
 
@@ -154,6 +222,12 @@ export class OpenRLPanel extends Widget {
     const state = h('span', 'jp-OpenRL-run-state', this._stateText(run));
     state.dataset.state = run.state ?? '';
     top.append(name, state);
+    const where = detachedOf(run);
+    if (where !== null) {
+      const badge = h('span', 'jp-OpenRL-run-detached', where);
+      badge.title = `a detached run (${where}): it keeps going when its notebook closes`;
+      top.append(badge);
+    }
 
     const info = h('div', 'jp-OpenRL-run-info');
     const step = h(

@@ -25,6 +25,7 @@ import orjson
 
 from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal
 from openrl_service.config import LOOPBACK_HOSTS, Settings
+from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
 
 log = logging.getLogger("openrl_service")
 
@@ -147,8 +148,10 @@ class AuthMiddleware:
         keys: KeyRing,
         minted: MintedKeys | None = None,
         hub: HubAuth | None = None,
+        jobs: Jobs | None = None,
     ):
         self.app = app
+        self.jobs = jobs
         self.settings = settings
         self.keys = keys
         self.minted = minted
@@ -198,8 +201,17 @@ class AuthMiddleware:
         )
         if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
             via = "none"
-            if self.settings.auth_enabled:
-                key = credential(headers)
+            key = credential(headers)
+            # A job's key (engine/jobs.py), also on a service without auth: its scope still holds.
+            job = None
+            if self.jobs is not None and key and key.startswith(JOB_KEY_PREFIX):
+                job = self.jobs.access(key, scope.get("method", "GET"), path)
+                if isinstance(job, JobRefusal):
+                    return await _error(send, job.status, job.message, "X-API-Key")
+            if job is not None:
+                tenant, via = job.tenant, "job"
+                scope.setdefault("state", {})["job_id"] = job.job_id
+            elif self.settings.auth_enabled:
                 tenant, via = self.keys.tenant(key), "api_key"
                 if tenant is None and self.minted is not None:
                     tenant, via = self.minted.tenant(key), "minted"

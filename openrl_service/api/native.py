@@ -35,6 +35,7 @@ from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
 from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
+from openrl_service.engine.jobs import JOB_META_KEY
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS, NativeRuns
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import UserError
@@ -51,6 +52,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         generate_unique_id_function=S.operation_ids("native"),
     )
     native = NativeRuns(svc)
+    svc.native_runs = native  # the jobs router fans job control out to its runs
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
     lim, ttl = svc.limits, svc.settings.min_ttl_s
@@ -58,6 +60,10 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
     def tenant(request: Request) -> str:
         return request.state.tenant
+
+    def job_of(request: Request) -> str | None:
+        """The job whose key made the request (engine/jobs.py), else None."""
+        return getattr(request.state, "job_id", None)
 
     async def once(request: Request, make):
         """``make()``, or the first reply of this request's X-Idempotency-Key."""
@@ -83,7 +89,8 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         """Create a LoRA run on the served model (defaults from its capability entry)."""
 
         async def make(identity):
-            out = await native.create(tenant(request), await read_json(request, max_body), identity)
+            body = await read_json(request, max_body)
+            out = await native.create(tenant(request), body, identity, job=job_of(request))
             return json_response(out, status=201)
 
         return await once(request, make)
@@ -94,7 +101,10 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         with its control state, last activity, orphaned, last reward / loss and device share."""
         if include not in (None, "all"):
             raise UserError(f"include must be 'all' (or absent); got {include[:100]!r}", field="include")
-        return json_response({"runs": native.list(tenant(request), include_all=include == "all")})
+        runs = native.list(tenant(request), include_all=include == "all")
+        if job_of(request) is not None:  # a job's key sees the job's runs only
+            runs = [e for e in runs if e["user_metadata"].get(JOB_META_KEY) == job_of(request)]
+        return json_response({"runs": runs})
 
     @r.get("/runs/{run_id}")
     async def get_run(run_id: str, request: Request):

@@ -590,3 +590,115 @@ RUN_CONTROL = obj(
     },
     "action",
 )
+
+
+# -- detached jobs (/openrl/v1/jobs, api/jobs.py; the checks are engine/jobs.py's) -------------------
+JOB_NAME: dict = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,64}$"}
+SHA256: dict = {
+    "type": "string",
+    "pattern": "^[0-9a-fA-F]{64}$",
+    "description": "SHA-256 of the decoded payload",
+}
+REWARD_NAME: dict = {"type": ["string", "null"], "minLength": 1, "maxLength": 128}
+
+
+def job_payload_b64(lim: Limits) -> dict:
+    return {
+        "type": "string",
+        "contentEncoding": "base64",
+        "minLength": 1,
+        "maxLength": (lim.max_job_payload_bytes + 2) // 3 * 4,
+        "description": "the payload bytes, standard base64; decoded at most OPENRL_MAX_JOB_PAYLOAD_BYTES; "
+        "stored and returned as they are, never unpickled",
+    }
+
+
+HELLO_B64 = "aGVsbG8="  # b"hello": an example payload and its SHA-256
+HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+
+
+def submit_job(lim: Limits) -> dict:
+    return obj(
+        {
+            "name": JOB_NAME,
+            "kind": {"type": "string", "enum": ["run", "sweep"]},
+            "where": {"type": "string", "enum": ["local", "k8s"]},
+            "payload": job_payload_b64(lim),
+            "payload_sha256": SHA256,
+            "reward": REWARD_NAME,
+            "meta": {
+                "type": "object",
+                "maxProperties": 32,
+                "propertyNames": {"maxLength": 64},
+                "additionalProperties": {
+                    "anyOf": [
+                        {"type": "string", "maxLength": 256},
+                        {"type": "number"},
+                        {"type": "boolean"},
+                        {"type": "null"},
+                    ]
+                },
+            },
+            "k8s": obj(
+                {
+                    "image": STR,
+                    "volumes": {"type": "array", "items": STR},
+                    "cpu": STR,
+                    "memory": STR,
+                },
+                additionalProperties=False,
+                description="only with where=k8s; checked against the service's allowed images, volumes "
+                "and limits",
+            ),
+        },
+        "name",
+        "kind",
+        "where",
+        "payload",
+        "payload_sha256",
+        example={
+            "name": "sql-rl",
+            "kind": "run",
+            "where": "local",
+            "payload": HELLO_B64,
+            "payload_sha256": HELLO_SHA256,
+            "reward": "sql",
+            "meta": {"steps": 20, "model": "openrl/tiny"},
+        },
+    )
+
+
+def add_job_payload(lim: Limits) -> dict:
+    return obj(
+        {"payload": job_payload_b64(lim), "payload_sha256": SHA256, "reward": REWARD_NAME},
+        "payload",
+        "payload_sha256",
+    )
+
+
+JOB_STATE = obj(
+    {
+        "state": {"type": "string", "enum": ["running", "finished", "failed", "stopped"]},
+        "pid": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        "host": {"type": "string", "maxLength": 255},
+        "message": {"type": "string", "maxLength": 2000},
+    },
+    "state",
+)
+JOB_CONTROL = RUN_CONTROL
+
+
+def _on_job(job_id: str) -> dict:
+    at = {"path.job_id": job_id}
+    ops = ("get_job", "job_state", "job_control", "payloads", "delete_job")
+    return {op: to(f"jobs_{op}", parameters=at) for op in ops} | {
+        "add_payload": to(
+            "jobs_add_payload",
+            parameters=at,
+            request_body={"payload": HELLO_B64, "payload_sha256": HELLO_SHA256},
+            exact=True,
+        )
+    }
+
+
+SUBMIT_JOB_LINKS = links(201, **_on_job("$response.body#/job_id"))

@@ -51,9 +51,10 @@ import orjson
 
 from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.checks import integer, number
+from openrl_service.engine.jobs import JOB_META_KEY
 from openrl_service.engine.registry import new_session_id
 from openrl_service.engine.service import RunState, TrainingService
-from openrl_service.errors import ApiError, Conflict, NotFound, UserError
+from openrl_service.errors import ApiError, Conflict, Forbidden, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
@@ -282,8 +283,11 @@ class NativeRuns:
             raise NotFound(f"unknown run {run_id!r}", field="run_id")
         return nr
 
-    async def create(self, tenant: str, body: dict, idem: tuple | None = None) -> dict:
-        """Create a run on ``base_model`` (default: the service's first model); the reply describes it (201)."""
+    async def create(
+        self, tenant: str, body: dict, idem: tuple | None = None, job: str | None = None
+    ) -> dict:
+        """Create a run on ``base_model`` (default: the service's first model); the reply describes it
+        (201). ``job``: the job whose key asks (engine/jobs.py): the run is labelled with it."""
         model = self.svc.served(body.get("base_model"))
         defaults = model.base.defaults
         name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
@@ -306,7 +310,7 @@ class NativeRuns:
             "base_model": model.name,
             "spec": spec,
             "seed": seed,
-            "user_metadata": self.svc.check_metadata(body.get("user_metadata")),
+            "user_metadata": _job_label(self.svc.check_metadata(body.get("user_metadata")), job),
             "session_id": new_session_id(),
             "idem": idem,
         }
@@ -359,6 +363,7 @@ class NativeRuns:
         return {
             "run_id": run.run_id,
             "name": nr.name,
+            "user_metadata": run.user_metadata,
             "base_model": run.base_model,
             "lora_rank": run.spec.rank,
             "step": nr.steps,
@@ -386,6 +391,7 @@ class NativeRuns:
         return {
             "run_id": run.run_id,
             "name": (sess.display_name if sess is not None and sess.display_name else None) or run.run_id,
+            "user_metadata": run.user_metadata,
             "base_model": run.base_model,
             "lora_rank": run.spec.rank,
             "step": run.state.steps if run.state is not None else 0,
@@ -925,6 +931,21 @@ class NativeRuns:
         if rec.error is not None:
             raise rec.error
         return rec.result
+
+
+def _job_label(meta: dict, job: str | None) -> dict:
+    """A run created by a job's key carries ``user_metadata["openrl.job"] = job``; another job's
+    label is refused (403)."""
+    if job is None:
+        return meta
+    claimed = meta.get(JOB_META_KEY, job)
+    if claimed != job:
+        raise Forbidden(
+            f'user_metadata["{JOB_META_KEY}"] is {repr(claimed)[:100]}, but this key belongs to job {job}: '
+            "its runs are labelled with that job",
+            field=f"user_metadata.{JOB_META_KEY}",
+        )
+    return {**meta, JOB_META_KEY: job}
 
 
 def _adam(raw: dict, defaults: dict) -> AdamParams:

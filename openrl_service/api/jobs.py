@@ -1,0 +1,190 @@
+"""Detached jobs (``/openrl/v1/jobs``): runs that outlive the notebook (engine/jobs.py keeps them).
+
+    POST   /openrl/v1/jobs                       submit {name, kind, where, payload, payload_sha256, reward?,
+                                                 meta?, k8s?} → 201 entry (+ key for where=local)
+    GET    /openrl/v1/jobs                       the caller's jobs (a job key: its own job only)
+    GET    /openrl/v1/jobs/{job}                 one job, by id or else the newest of that name
+    POST   /openrl/v1/jobs/{job}/state           {state, pid?, host?, message?}; terminal revokes the key
+    POST   /openrl/v1/jobs/{job}/control         {action, reason?}: pause / resume / stop every run of it
+    POST   /openrl/v1/jobs/{job}/payloads        a new payload version (a hot-swapped reward) → 201 {version}
+    GET    /openrl/v1/jobs/{job}/payloads        ?after=N: the versions after N, with their bytes (base64)
+    DELETE /openrl/v1/jobs/{job}                 forget it, revoke its key, delete its Kubernetes Job
+
+where=k8s goes through the service's KubeLauncher (``svc.kube``, openrl_service/kube.py; None unless
+the service runs with --jobs-namespace): ``validate`` before the key is minted, ``submit`` after
+(the key goes into a Secret and is never returned), ``status`` for entries, ``delete`` on DELETE.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+from fastapi import APIRouter, Query, Request
+
+from openrl_service.api import schemas as S
+from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
+from openrl_service.engine.jobs import Jobs
+from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
+
+log = logging.getLogger("openrl_service")
+PHASE_TTL_S = 5.0
+
+
+def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
+    r = APIRouter(
+        prefix="/openrl/v1",
+        tags=["jobs"],
+        route_class=BackpressureRoute,  # POSTs that journal run control are synced before the reply
+        generate_unique_id_function=S.operation_ids("jobs"),
+    )
+    lim = svc.limits
+    max_body = lim.max_body_bytes
+
+    def launcher():
+        return getattr(svc, "kube", None)
+
+    def job_of(request: Request) -> str | None:
+        return getattr(request.state, "job_id", None)
+
+    phases: dict[str, tuple[float, str]] = {}  # Kubernetes Job name → (when asked, phase)
+
+    async def phase_of(job_name: str) -> str:
+        """The Kubernetes Job's phase, asked at most every PHASE_TTL_S (a worker polls its entry)."""
+        kube = launcher()
+        if kube is None:
+            return "unknown"
+        hit = phases.get(job_name)
+        if hit is not None and time.monotonic() - hit[0] < PHASE_TTL_S:
+            return hit[1]
+        try:
+            phase = (await anyio.to_thread.run_sync(kube.status, job_name)).get("phase", "unknown")
+        except Exception:  # noqa: BLE001 - an unreachable API server leaves the phase unknown
+            log.warning("Kubernetes status of job %s failed", job_name, exc_info=True)
+            return "unknown"
+        if len(phases) > 10_000:
+            phases.clear()
+        phases[job_name] = (time.monotonic(), phase)
+        return phase
+
+    async def entry(rec: dict) -> dict:
+        k8s = rec.get("k8s")
+        phase = await phase_of(k8s["job"]) if k8s is not None and k8s.get("job") else None
+        return jobs.entry(rec, phase)
+
+    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=S.SUBMIT_JOB_LINKS)
+    async def submit_job(request: Request):
+        """Submit a detached job: its payload is stored (never unpickled) and a job-scoped key minted;
+        where=local answers the key, where=k8s hands it to a Kubernetes Job's Secret."""
+        req = jobs.check_submit(await read_json(request, max_body))
+        kube = None
+        if req["where"] == "k8s":
+            kube = launcher()
+            if kube is None:
+                raise Conflict(
+                    "where=k8s needs a service started with --jobs-namespace (OPENRL_JOBS_NAMESPACE); "
+                    "this one runs where=local jobs only",
+                    field="where",
+                )
+            req["k8s"] = await anyio.to_thread.run_sync(kube.validate, req["k8s"])
+        rec, key = await anyio.to_thread.run_sync(jobs.create, tenant(request), req)
+        out_k8s = None
+        if kube is not None:
+            try:
+                out_k8s = await anyio.to_thread.run_sync(
+                    lambda: kube.submit(
+                        tenant=rec["tenant"],
+                        job_id=rec["job_id"],
+                        name=rec["name"],
+                        kind=rec["kind"],
+                        key=key,
+                        request=req["k8s"],
+                    )
+                )
+            except ApiError:
+                await anyio.to_thread.run_sync(jobs.discard, rec)
+                raise
+            except Exception as e:
+                await anyio.to_thread.run_sync(jobs.discard, rec)
+                log.exception("submitting job %s to Kubernetes failed", rec["job_id"])
+                raise InternalError(f"submitting the job to Kubernetes failed ({type(e).__name__})") from None
+            await anyio.to_thread.run_sync(jobs.set_k8s, rec, out_k8s)
+        out = jobs.entry(rec, "pending" if out_k8s is not None else None)
+        if out_k8s is not None:
+            out["k8s"] = dict(out_k8s)
+        else:
+            out["key"] = key  # shown once; only its digest is kept
+        return json_response(out, status=201)
+
+    @r.get("/jobs")
+    async def list_jobs(request: Request):
+        """The caller's jobs, oldest first (a job key sees its own job only)."""
+        own = job_of(request)
+        recs = [rec for rec in jobs.of_tenant(tenant(request)) if own is None or rec["job_id"] == own]
+        return json_response({"jobs": [await entry(rec) for rec in recs]})
+
+    @r.get("/jobs/{job_id}")
+    async def get_job(job_id: str, request: Request):
+        """One job, by id, else the newest job of that name."""
+        return json_response(await entry(jobs.find(tenant(request), job_id)))
+
+    @r.post("/jobs/{job_id}/state", openapi_extra=S.body(S.JOB_STATE))
+    async def job_state(job_id: str, request: Request):
+        """The job reports its state (pid, host, message); finished, failed or stopped revokes its key."""
+        body = await read_json(request, max_body)
+        rec = await anyio.to_thread.run_sync(jobs.report_state, tenant(request), job_id, body)
+        return json_response(await entry(rec))
+
+    @r.post("/jobs/{job_id}/control", openapi_extra=S.body(S.JOB_CONTROL))
+    async def job_control(job_id: str, request: Request):
+        """Pause, resume or stop every run of the job (each as /runs/{id}/control does); the job's
+        entry keeps the request, so a worker that has no run yet obeys it too."""
+        body = await read_json(request, max_body)
+        who = tenant(request)
+        control = jobs.check_control(body)
+        rec = jobs.find(who, job_id)
+        if rec["state"] in ("finished", "failed", "stopped"):
+            raise Conflict(
+                f"job {rec['name']} is {rec['state']}; there is nothing to {control['action']}",
+                field="action",
+            )
+        native = svc.native_runs
+        sent = {k: v for k, v in control.items() if v is not None}
+        for run_id in jobs.runs_of(rec):
+            try:
+                native.control(who, run_id, sent)
+            except (NotFound, Conflict):  # gone, or already done in its worker: nothing to control
+                continue
+        await anyio.to_thread.run_sync(jobs.set_control, rec, control)
+        return json_response(await entry(rec))
+
+    @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=S.body(S.add_job_payload(lim)))
+    async def add_payload(job_id: str, request: Request):
+        """A new payload version (a hot-swapped reward); the job's worker picks it up at its next step."""
+        body = await read_json(request, max_body)
+        version = await anyio.to_thread.run_sync(jobs.add_payload, tenant(request), job_id, body)
+        return json_response({"version": version}, status=201)
+
+    @r.get("/jobs/{job_id}/payloads")
+    async def payloads(job_id: str, request: Request, after: int = Query(0, ge=0, le=2**31)):
+        """The payload versions after ``after`` (0: all), each with its bytes as base64."""
+        out = await anyio.to_thread.run_sync(jobs.payloads, tenant(request), job_id, after)
+        return json_response({"payloads": out})
+
+    @r.delete("/jobs/{job_id}")
+    async def delete_job(job_id: str, request: Request):
+        """Forget the job and its payloads and revoke its key (its worker's next request is refused);
+        a Kubernetes Job is deleted. Its runs stay."""
+        rec = jobs.find(tenant(request), job_id)
+        k8s = rec.get("k8s")
+        if k8s and k8s.get("job"):  # first: if Kubernetes refuses, the job (and its key) stay to retry
+            kube = launcher()
+            if kube is None:
+                log.warning("job %s: no Kubernetes launcher to delete Job %s", rec["job_id"], k8s["job"])
+            else:
+                await anyio.to_thread.run_sync(kube.delete, k8s["job"])
+        rec = await anyio.to_thread.run_sync(jobs.delete, tenant(request), rec["job_id"])
+        return json_response({"job_id": rec["job_id"], "name": rec["name"], "deleted": True})
+
+    return r

@@ -1,0 +1,511 @@
+"""Detached jobs: what a notebook hands off so a run outlives its kernel (``/openrl/v1/jobs``).
+
+A job is a record (name, kind, where, state, meta, control), its payloads (opaque bytes, version 1
+the submit's, later versions a hot-swapped reward) and a job-scoped key (``tml-job-…``) the job's
+worker authenticates with. The service never unpickles, imports or runs a payload: it stores the
+bytes it was sent, checks their SHA-256 and size, and hands them back byte-identical.
+
+On disk, under the tenant's folder (``<data>/tenants/<tenant>/jobs/<job_id>/``): ``job.json`` (the
+record, with the key's SHA-256 digest, never the key; mode 0600) and ``payload-<version>.bin``. Each
+file is written whole to a temporary file, fsynced and renamed over its name, so a crash leaves the
+old file or the new one. Everything is read back at startup: jobs, payloads and keys survive a restart.
+
+The key is scoped to its job (see :meth:`Jobs.allows`): it creates runs (each labelled
+``user_metadata["openrl.job"] = job_id`` by the service), uses only those runs, reads its own job and
+payloads and reports the job's state. A terminal state (finished, failed, stopped) or DELETE revokes
+it; a revoked key is refused with 401 naming its job.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from openrl_service.config import Limits, tenant_folder
+from openrl_service.errors import Conflict, NotFound, PayloadTooLarge, UserError
+
+log = logging.getLogger("openrl_service")
+
+JOB_KEY_PREFIX = "tml-job-"
+JOB_META_KEY = "openrl.job"  # user_metadata key of a job's runs
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+KINDS = ("run", "sweep")
+WHERES = ("local", "k8s")
+REPORTED_STATES = ("running", "finished", "failed", "stopped")  # what POST /jobs/{id}/state takes
+TERMINAL_STATES = ("finished", "failed", "stopped")
+CONTROL_ACTIONS = ("pause", "resume", "stop")
+K8S_FIELDS = ("image", "volumes", "cpu", "memory")
+MAX_META_VALUES = 32
+MAX_META_KEY_CHARS = 64
+MAX_META_STR_CHARS = 256
+MAX_REWARD_CHARS = 128
+MAX_MESSAGE_CHARS = 2000
+MAX_HOST_CHARS = 255
+MAX_REASON_CHARS = 200
+MAX_PAYLOAD_VERSIONS = 100  # per job: each hot-swap stores a version
+SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+V1 = "/openrl/v1"
+
+
+@dataclass(frozen=True)
+class JobAccess:
+    """A valid job key: whose job it is."""
+
+    tenant: str
+    job_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class JobRefusal:
+    """A job key that may not make this request: 401 (revoked) or 403 (outside the job's scope)."""
+
+    status: int
+    message: str
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """``data`` as ``path``: a 0600 temporary file, fsynced, renamed over the name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def decode_payload(value: Any, sha: Any, limit: int, field: str = "payload") -> bytes:
+    """A base64 payload decoded, at most ``limit`` bytes (413 naming it), matching ``sha`` (400)."""
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{field} is required: the job's payload as a base64 string", field=field)
+    if len(value) > (limit + 2) // 3 * 4 + 4:  # refused before decoding
+        raise PayloadTooLarge(
+            f"{field} decodes to more than {limit} bytes (OPENRL_MAX_JOB_PAYLOAD_BYTES={limit})", field=field
+        )
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise UserError(f"{field} must be standard base64 (RFC 4648)", field=field) from None
+    if len(data) > limit:
+        raise PayloadTooLarge(
+            f"{field} is {len(data)} bytes; at most {limit} (OPENRL_MAX_JOB_PAYLOAD_BYTES={limit})",
+            field=field,
+        )
+    if not isinstance(sha, str) or not SHA_RE.match(sha):
+        raise UserError(
+            "payload_sha256 is required: the SHA-256 of the decoded payload, 64 hex digits",
+            field="payload_sha256",
+        )
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != sha.lower():
+        raise UserError(
+            f"payload_sha256 does not match the payload: got {sha.lower()[:16]}…, the payload's is "
+            f"{actual[:16]}… (damaged in transit?)",
+            field="payload_sha256",
+        )
+    return data
+
+
+def _reward(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REWARD_CHARS:
+        raise UserError(
+            f"reward must be a string of 1-{MAX_REWARD_CHARS} characters or null; got {repr(value)[:100]}",
+            field="reward",
+        )
+    return value
+
+
+def _meta(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"meta must be an object of scalar values; got {type(value).__name__}", field="meta")
+    if len(value) > MAX_META_VALUES:
+        raise UserError(f"meta: at most {MAX_META_VALUES} values; got {len(value)}", field="meta")
+    for k, v in value.items():
+        if len(k) > MAX_META_KEY_CHARS:
+            raise UserError(f"meta: a name has at most {MAX_META_KEY_CHARS} characters", field="meta")
+        if isinstance(v, str):
+            if len(v) > MAX_META_STR_CHARS:
+                raise UserError(
+                    f"meta.{k}: a string of at most {MAX_META_STR_CHARS} characters; got {len(v)}",
+                    field=f"meta.{k}",
+                )
+        elif v is not None and not isinstance(v, (bool, int, float)):
+            raise UserError(
+                f"meta.{k} must be a string, number, boolean or null; got {type(v).__name__}",
+                field=f"meta.{k}",
+            )
+    return dict(value)
+
+
+def _choice(body: dict, name: str, choices: tuple[str, ...]) -> str:
+    value = body.get(name)
+    if value not in choices:
+        raise UserError(f"{name} must be one of {', '.join(choices)}; got {repr(value)[:100]}", field=name)
+    return value
+
+
+class Jobs:
+    """Every tenant's jobs, their payloads and their keys (digests only); see the module docstring."""
+
+    def __init__(self, data_dir: Path, limits: Limits, runs: dict | None = None):
+        self.root = Path(data_dir) / "tenants"
+        self.limits = limits
+        self.runs = runs if runs is not None else {}  # the engine's run registry (run id → RunState)
+        self._lock = threading.RLock()
+        self.jobs: dict[str, dict] = {}  # job id → record (what job.json holds)
+        self._keys: dict[str, str] = {}  # SHA-256 of a live key → job id
+        self._revoked: dict[str, str] = {}  # SHA-256 of a revoked key → job id (a 401 names the job)
+        self._load()
+
+    # -- disk -------------------------------------------------------------------------------------
+    def _dir(self, rec: dict) -> Path:
+        return self.root / tenant_folder(rec["tenant"]) / "jobs" / rec["job_id"]
+
+    def _save(self, rec: dict) -> None:
+        _write_atomic(self._dir(rec) / "job.json", json.dumps(rec).encode())
+
+    def _load(self) -> None:
+        for path in sorted(self.root.glob("*/jobs/*/job.json")):
+            try:
+                rec = json.loads(path.read_text())
+                job_id = rec["job_id"]
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("skipping an unreadable job record %s", path)
+                continue
+            self.jobs[job_id] = rec
+            if rec.get("key_digest"):
+                (self._revoked if rec.get("key_revoked") else self._keys)[rec["key_digest"]] = job_id
+
+    # -- keys -------------------------------------------------------------------------------------
+    def access(self, key: str, method: str, path: str) -> JobAccess | JobRefusal | None:
+        """What a ``tml-job-`` key may do here: its job (allowed), a refusal, or None (unknown key)."""
+        digest = _sha(key)
+        job_id = self._keys.get(digest)
+        if job_id is None:
+            gone = self._revoked.get(digest)
+            if gone is None:
+                return None
+            rec = self.jobs.get(gone)
+            why = f"its job is {rec['state']}" if rec is not None else "its job was deleted"
+            name = rec["name"] if rec is not None else gone
+            return JobRefusal(401, f"this key of job {name} ({gone}) was revoked: {why}")
+        rec = self.jobs[job_id]
+        acc = JobAccess(rec["tenant"], job_id, rec["name"])
+        if not self.allows(acc, method, path):
+            return JobRefusal(
+                403,
+                f"this key belongs to job {rec['name']} ({job_id}) and may only create and use that "
+                "job's runs (/openrl/v1/runs), read the job and its payloads and report its state; "
+                f"{method} {path[:200]} is outside it",
+            )
+        return acc
+
+    def allows(self, acc: JobAccess, method: str, path: str) -> bool:
+        """The job key's scope (the service's health checks are public anyway)."""
+        if method == "GET" and path in ("/readyz", "/api/v1/healthz", "/api/v1/get_server_capabilities"):
+            return True
+        if path == f"{V1}/runs":
+            return method in ("GET", "POST")
+        if path.startswith(f"{V1}/runs/"):
+            return self.run_belongs(acc, path[len(f"{V1}/runs/") :].split("/", 1)[0])
+        mine = f"{V1}/jobs/{acc.job_id}"
+        if method == "GET":
+            return path in (f"{V1}/jobs", mine, f"{mine}/payloads")
+        return method == "POST" and path == f"{mine}/state"
+
+    def run_belongs(self, acc: JobAccess, run_id: str) -> bool:
+        run = self.runs.get(run_id)
+        if run is not None:
+            return run.tenant == acc.tenant and (run.user_metadata or {}).get(JOB_META_KEY) == acc.job_id
+        rec = self.jobs.get(acc.job_id)
+        return rec is not None and run_id in rec.get("runs", ())  # gone now: its routes answer 404
+
+    def _revoke(self, rec: dict) -> None:
+        digest = rec.get("key_digest")
+        if digest and not rec.get("key_revoked"):
+            rec["key_revoked"] = True
+            self._keys.pop(digest, None)
+            self._revoked[digest] = rec["job_id"]
+
+    # -- submit -----------------------------------------------------------------------------------
+    def check_submit(self, body: dict) -> dict:
+        """A submit body checked (each error names its field and limit), the payload decoded."""
+        name = body.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise UserError(
+                f"name must be 1-64 characters of A-Z a-z 0-9 . _ -; got {repr(name)[:100]}", field="name"
+            )
+        kind = _choice(body, "kind", KINDS)
+        where = _choice(body, "where", WHERES)
+        payload = decode_payload(
+            body.get("payload"), body.get("payload_sha256"), self.limits.max_job_payload_bytes
+        )
+        k8s = body.get("k8s")
+        if k8s is not None:
+            if where != "k8s":
+                raise UserError("k8s settings apply only with where=k8s", field="k8s")
+            if not isinstance(k8s, dict):
+                raise UserError(f"k8s must be an object; got {type(k8s).__name__}", field="k8s")
+            for k in k8s:
+                if k not in K8S_FIELDS:
+                    raise UserError(
+                        f"k8s.{k[:64]} is not a setting; k8s takes {', '.join(K8S_FIELDS)}",
+                        field=f"k8s.{k[:64]}",
+                    )
+        return {
+            "name": name,
+            "kind": kind,
+            "where": where,
+            "payload": payload,
+            "reward": _reward(body.get("reward")),
+            "meta": _meta(body.get("meta")),
+            "k8s": dict(k8s or {}),
+        }
+
+    def create(self, tenant: str, req: dict) -> tuple[dict, str]:
+        """Record the job, store payload version 1 and mint its key: (record, key)."""
+        now = round(time.time(), 3)
+        key = JOB_KEY_PREFIX + secrets.token_urlsafe(32)
+        rec = {
+            "job_id": "job-" + secrets.token_hex(8),
+            "tenant": tenant,
+            "name": req["name"],
+            "kind": req["kind"],
+            "where": req["where"],
+            "state": "submitted",
+            "created": now,
+            "updated": now,
+            "pid": None,
+            "host": None,
+            "message": None,
+            "meta": req["meta"],
+            "reward": req["reward"],
+            "control": None,
+            "runs": [],
+            "payload_versions": [],
+            "key_id": secrets.token_hex(8),
+            "key_digest": _sha(key),
+            "key_revoked": False,
+            "k8s": None,
+        }
+        with self._lock:
+            for other in self.jobs.values():
+                if (
+                    other["tenant"] == tenant
+                    and other["name"] == req["name"]
+                    and other["state"] not in TERMINAL_STATES
+                ):
+                    raise Conflict(
+                        f"job {req['name']!r} is {other['state']} ({other['job_id']}); stop it or pick "
+                        "another name",
+                        field="name",
+                    )
+            self.jobs[rec["job_id"]] = rec
+            try:
+                self._store_payload(rec, req["payload"], req["reward"], now)
+            except BaseException:
+                self.jobs.pop(rec["job_id"], None)
+                shutil.rmtree(self._dir(rec), ignore_errors=True)
+                raise
+            self._keys[rec["key_digest"]] = rec["job_id"]
+        return rec, key
+
+    def _store_payload(self, rec: dict, data: bytes, reward: str | None, now: float) -> int:
+        version = len(rec["payload_versions"]) + 1
+        _write_atomic(self._dir(rec) / f"payload-{version}.bin", data)
+        rec["payload_versions"].append(
+            {
+                "version": version,
+                "reward": reward,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data),
+                "created": now,
+            }
+        )
+        if reward is not None:
+            rec["reward"] = reward
+        rec["updated"] = now
+        self._save(rec)
+        return version
+
+    def set_k8s(self, rec: dict, info: dict) -> None:
+        with self._lock:
+            rec["k8s"] = dict(info)
+            self._save(rec)
+
+    def discard(self, rec: dict) -> None:
+        """Forget a job whose submission failed (its key with it)."""
+        with self._lock:
+            self.jobs.pop(rec["job_id"], None)
+            self._keys.pop(rec.get("key_digest") or "", None)
+            shutil.rmtree(self._dir(rec), ignore_errors=True)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def find(self, tenant: str, ref: str) -> dict:
+        """The tenant's job ``ref`` (a job id, else the newest job of that name); 404 otherwise."""
+        rec = self.jobs.get(ref)
+        if rec is not None and rec["tenant"] == tenant:
+            return rec
+        named = [r for r in list(self.jobs.values()) if r["tenant"] == tenant and r["name"] == ref]
+        if not named:
+            raise NotFound(f"unknown job {ref[:100]!r}", field="job_id")
+        return max(named, key=lambda r: r["created"])
+
+    def of_tenant(self, tenant: str) -> list[dict]:
+        return sorted(
+            (r for r in list(self.jobs.values()) if r["tenant"] == tenant), key=lambda r: r["created"]
+        )
+
+    def runs_of(self, rec: dict) -> list[str]:
+        """The job's runs: those recorded, and every live run labelled with the job (recorded now)."""
+        live = [
+            run_id
+            for run_id, run in list(self.runs.items())
+            if run.tenant == rec["tenant"] and (run.user_metadata or {}).get(JOB_META_KEY) == rec["job_id"]
+        ]
+        new = [r for r in live if r not in rec["runs"]]
+        if new:
+            with self._lock:
+                rec["runs"] = rec["runs"] + [r for r in new if r not in rec["runs"]]
+                self._save(rec)
+        return list(rec["runs"])
+
+    def entry(self, rec: dict, phase: str | None = None) -> dict:
+        """A job as the API shows it: never the key or its digest, no payload data."""
+        out = {
+            k: rec[k]
+            for k in (
+                "job_id",
+                "name",
+                "kind",
+                "where",
+                "state",
+                "created",
+                "updated",
+                "pid",
+                "host",
+                "message",
+                "meta",
+                "reward",
+                "control",
+                "key_id",
+            )
+        }
+        out["runs"] = self.runs_of(rec)
+        out["payload_versions"] = [dict(v) for v in rec["payload_versions"]]
+        k8s = rec.get("k8s")
+        out["k8s"] = (
+            None
+            if k8s is None
+            else {"namespace": k8s.get("namespace"), "job": k8s.get("job"), "phase": phase}
+        )
+        return out
+
+    # -- changes ----------------------------------------------------------------------------------
+    def report_state(self, tenant: str, ref: str, body: dict) -> dict:
+        """The job's worker (or the notebook) reports its state; a terminal one revokes the key."""
+        state = _choice(body, "state", REPORTED_STATES)
+        pid, host, message = body.get("pid"), body.get("host"), body.get("message")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
+            raise UserError(f"pid must be a positive integer; got {repr(pid)[:100]}", field="pid")
+        if host is not None and (not isinstance(host, str) or len(host) > MAX_HOST_CHARS):
+            raise UserError(f"host must be a string of at most {MAX_HOST_CHARS} characters", field="host")
+        if message is not None and (not isinstance(message, str) or len(message) > MAX_MESSAGE_CHARS):
+            raise UserError(
+                f"message must be a string of at most {MAX_MESSAGE_CHARS} characters", field="message"
+            )
+        with self._lock:
+            rec = self.find(tenant, ref)
+            if rec["state"] in TERMINAL_STATES:
+                raise Conflict(f"job {rec['name']} is already {rec['state']}", field="state")
+            rec["state"] = state
+            for k, v in (("pid", pid), ("host", host), ("message", message)):
+                if v is not None:
+                    rec[k] = v
+            rec["updated"] = round(time.time(), 3)
+            if state in TERMINAL_STATES:
+                self._revoke(rec)
+            self._save(rec)
+        return rec
+
+    def check_control(self, body: dict) -> dict:
+        action = _choice(body, "action", CONTROL_ACTIONS)
+        reason = body.get("reason")
+        if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
+            raise UserError(
+                f"reason must be a string of 1-{MAX_REASON_CHARS} characters; got {repr(reason)[:100]}",
+                field="reason",
+            )
+        return {"action": action, "reason": reason}
+
+    def set_control(self, rec: dict, control: dict) -> None:
+        with self._lock:
+            rec["control"] = {**control, "at": round(time.time(), 3)}
+            rec["updated"] = rec["control"]["at"]
+            self._save(rec)
+
+    def add_payload(self, tenant: str, ref: str, body: dict) -> int:
+        """A new payload version (a hot-swapped reward); the job's worker polls for it."""
+        data = decode_payload(
+            body.get("payload"), body.get("payload_sha256"), self.limits.max_job_payload_bytes
+        )
+        reward = _reward(body.get("reward"))
+        with self._lock:
+            rec = self.find(tenant, ref)
+            if rec["state"] in TERMINAL_STATES:
+                raise Conflict(
+                    f"job {rec['name']} is {rec['state']}; it takes no new payload", field="job_id"
+                )
+            if len(rec["payload_versions"]) >= MAX_PAYLOAD_VERSIONS:
+                raise Conflict(
+                    f"payload: job {rec['name']} already has {MAX_PAYLOAD_VERSIONS} payload versions, "
+                    "the most kept; submit a new job",
+                    field="payload",
+                )
+            return self._store_payload(rec, data, reward, round(time.time(), 3))
+
+    def payloads(self, tenant: str, ref: str, after: int) -> list[dict]:
+        """Payload versions newer than ``after``, each with its bytes as base64."""
+        rec = self.find(tenant, ref)
+        out = []
+        for v in list(rec["payload_versions"]):
+            if v["version"] > after:
+                data = (self._dir(rec) / f"payload-{v['version']}.bin").read_bytes()
+                out.append({**v, "payload": base64.b64encode(data).decode()})
+        return out
+
+    def delete(self, tenant: str, ref: str) -> dict:
+        """Forget the job and its payloads; its key is revoked (its runs stay)."""
+        with self._lock:
+            rec = self.find(tenant, ref)
+            self._revoke(rec)
+            self.jobs.pop(rec["job_id"], None)
+            shutil.rmtree(self._dir(rec), ignore_errors=True)
+        return rec
