@@ -695,3 +695,74 @@ def test_the_job_container_can_be_materialised_here(api, tmp_path):
     spec = json.loads(Path(env["OPENRL_JOB_SPEC"]).read_text())
     assert spec == {"job_id": JOB_ID, "name": "sql-rl", "kind": "run", "service_url": SERVICE_URL}
     assert env["OPENRL_JOB_SPEC"].startswith(str(tmp_path))
+
+
+# --- the jobs API with the real launcher ----------------------------------------------------------
+
+
+def job_body(job_name: str, **over) -> dict:
+    import hashlib
+
+    data = b"\x80\x05 opaque payload bytes"
+    out = {
+        "name": job_name,
+        "kind": "run",
+        "where": "k8s",
+        "payload": base64.b64encode(data).decode(),
+        "payload_sha256": hashlib.sha256(data).hexdigest(),
+        "meta": {"steps": 3},
+    }
+    return {**out, **over}
+
+
+def test_the_jobs_api_creates_the_kubernetes_job_with_a_working_job_key(server, api, monkeypatch):
+    """POST /openrl/v1/jobs where=k8s through the service with the real launcher: refusals name the
+    field, the Job and its Secret are created, the key in the Secret (never in the reply) is the
+    job's credential, the entry shows the Job's phase, DELETE deletes the Job and revokes the key;
+    a Kubernetes refusal leaves no job, no object."""
+    from tests.conftest import ALICE_KEY
+
+    monkeypatch.setattr(server.service, "kube", launcher(api), raising=False)
+    name = "kube-" + uuid4_hex()
+    with server.client(ALICE_KEY) as c:
+        r = c.post("/openrl/v1/jobs", json=job_body(name, k8s={"volumes": [{"hostPath": {"path": "/"}}]}))
+        assert r.status_code == 400 and r.json()["field"] == "k8s.volumes[0]", r.text
+        r = c.post("/openrl/v1/jobs", json=job_body(name, k8s={"image": "docker.io/evil:1"}))
+        assert r.status_code == 400 and IMAGE in r.json()["error"], r.text
+        assert api.objects() == {}
+
+        api.emu.refuse = {"secrets"}
+        r = c.post("/openrl/v1/jobs", json=job_body(name))
+        assert r.status_code == 502 and "Kubernetes" in r.json()["error"], r.text
+        assert api.objects() == {}
+        assert c.get(f"/openrl/v1/jobs/{name}").status_code == 404, "a failed submit leaves no job"
+        api.emu.refuse = set()
+
+        r = c.post("/openrl/v1/jobs", json=job_body(name, k8s={"volumes": ["scratch"], "cpu": "2"}))
+        assert r.status_code == 201, r.text
+        out = r.json()
+        assert "key" not in out
+        names = KubeLauncher.object_names(name, out["job_id"])
+        assert out["k8s"] == {"namespace": "openrl", **names}
+        job = api.objects("jobs")[names["job"]]
+        assert job["metadata"]["annotations"]["openrl.dev/tenant"] == "alice"
+        assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
+        set_status(api, names["job"], {"active": 1, "ready": 1})
+        token = base64.b64decode(api.objects("secrets")[names["secret"]]["data"]["token"]).decode()
+        assert token not in r.text
+        with server.client(token) as worker:
+            got = worker.get(f"/openrl/v1/jobs/{out['job_id']}")
+            assert got.status_code == 200, got.text
+            assert got.json()["k8s"] == {"namespace": "openrl", "job": names["job"], "phase": "running"}
+            assert worker.get("/openrl/v1/jobs").json()["jobs"][0]["job_id"] == out["job_id"]
+
+            assert c.delete(f"/openrl/v1/jobs/{out['job_id']}").status_code == 200
+            assert names["job"] not in api.objects("jobs")
+            assert api.calls()[-1] == ("batch", "jobs", "delete", {"propagationPolicy": "Background"})
+            assert worker.get(f"/openrl/v1/jobs/{out['job_id']}").status_code == 401
+
+
+def uuid4_hex() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:8]
