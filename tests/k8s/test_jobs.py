@@ -4,13 +4,17 @@ kmock (an in-process Kubernetes API on loopback, tests/k8s/kubeapi.py), and k8s/
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from openrl_service.errors import UserError
 from openrl_service.kube import (
@@ -23,7 +27,8 @@ from openrl_service.kube import (
     KubeSettings,
     parse_volumes,
 )
-from tests.k8s._k8s import K8S, SERVICE_NAMESPACE, env_of, of_kind, overlay
+from tests.conftest import ALICE_KEY
+from tests.k8s._k8s import K8S, ROOT, SERVICE_NAMESPACE, env_of, of_kind, overlay
 from tests.k8s.kubeapi import KubeAPI, pod_command_and_env
 from tests.k8s.netpol import Cluster, External, Pod, allowed
 
@@ -532,8 +537,6 @@ def test_example_volumes_are_valid_kubernetes_volumes():
 
 
 def test_kueue_example_names_the_namespace_and_a_cluster_queue():
-    import yaml
-
     docs = list(yaml.safe_load_all((K8S / "jobs" / "kueue-localqueue.yaml").read_text()))
     (lq,) = [d for d in docs if d["kind"] == "LocalQueue"]
     (cq,) = [d for d in docs if d["kind"] == "ClusterQueue"]
@@ -624,10 +627,6 @@ def test_bad_job_flags_are_refused_at_startup(tmp_path):
 
 
 def test_readme_sets_the_api_server_address_the_policy_uses():
-    import re
-
-    from tests.k8s._k8s import ROOT
-
     readme = (K8S / "README.md").read_text()
     m = re.search(r'sed -i "s#cidr: ([\d./]+)#cidr: \$APISERVER/32#" (\S+)', readme)
     assert m, "k8s/README.md does not show how to set the API server's address"
@@ -701,8 +700,6 @@ def test_the_job_container_can_be_materialised_here(api, tmp_path):
 
 
 def job_body(job_name: str, **over) -> dict:
-    import hashlib
-
     data = b"\x80\x05 opaque payload bytes"
     out = {
         "name": job_name,
@@ -720,10 +717,8 @@ def test_the_jobs_api_creates_the_kubernetes_job_with_a_working_job_key(server, 
     field, the Job and its Secret are created, the key in the Secret (never in the reply) is the
     job's credential, the entry shows the Job's phase, DELETE deletes the Job and revokes the key;
     a Kubernetes refusal leaves no job, no object."""
-    from tests.conftest import ALICE_KEY
-
     monkeypatch.setattr(server.service, "kube", launcher(api), raising=False)
-    name = "kube-" + uuid4_hex()
+    name = "kube-" + uuid.uuid4().hex[:8]
     with server.client(ALICE_KEY) as c:
         r = c.post("/openrl/v1/jobs", json=job_body(name, k8s={"volumes": [{"hostPath": {"path": "/"}}]}))
         assert r.status_code == 400 and r.json()["field"] == "k8s.volumes[0]", r.text
@@ -760,9 +755,3 @@ def test_the_jobs_api_creates_the_kubernetes_job_with_a_working_job_key(server, 
             assert names["job"] not in api.objects("jobs")
             assert api.calls()[-1] == ("batch", "jobs", "delete", {"propagationPolicy": "Background"})
             assert worker.get(f"/openrl/v1/jobs/{out['job_id']}").status_code == 401
-
-
-def uuid4_hex() -> str:
-    import uuid
-
-    return uuid.uuid4().hex[:8]
