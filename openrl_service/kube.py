@@ -309,6 +309,7 @@ class KubeLauncher:
             raise UserError(f"k8s must be an object with {', '.join(REQUEST_FIELDS)}", field="k8s")
         for key in request:
             if key not in REQUEST_FIELDS:
+                key = str(key)[:64]
                 raise UserError(
                     f"k8s.{key} is not accepted: a job chooses only {', '.join(REQUEST_FIELDS)} "
                     "(the pod template is fixed by the service)",
