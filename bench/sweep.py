@@ -94,14 +94,14 @@ def prompts(n: int) -> list[dict]:
 
 
 def busy_seconds(url: str) -> float:
+    """The engine's cumulative busy seconds (the ``openrl_engine_busy_seconds`` counter of /metrics)."""
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("openrl_engine_busy_seconds") and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    m = re.search(r"^openrl_engine_busy_seconds(?:_total)? ([0-9.eE+-]+)$", text, re.M)
+    if m is None:
+        raise SystemExit(f"{url}/metrics has no openrl_engine_busy_seconds counter")
+    return float(m.group(1))
 
 
 def cpu_now() -> tuple[float, float]:

@@ -15,6 +15,7 @@ import uvicorn
 
 from openrl_service import config as cfg
 from openrl_service.checks import number
+from openrl_service.kube import KubeSettings, load_api_client
 from openrl_service.lifecycle import Lifecycle
 from openrl_service.storage.lock import DataDirInUse, DataDirLock
 
@@ -44,6 +45,11 @@ def _serve(args: argparse.Namespace) -> int:
             hub_api_url=args.hub_api_url,
             hub_service_name=args.hub_service_name,
             hub_cache_ttl_s=args.hub_cache_ttl_s,
+            jobs_namespace=args.jobs_namespace,
+            job_images=args.job_image,
+            job_service_url=args.job_service_url,
+            job_queue=args.job_queue,
+            job_volumes_file=args.job_volumes_file,
             **{k: v for k, v in vars(args).items() if k == "sampler" or k.startswith("vllm_")},
         )
         if settings.sampler == "vllm":
@@ -84,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--hub-service-name (OPENRL_HUB_SERVICE_NAME) must be a hub service name; "
                 f"got {settings.hub_service_name!r}"
             )
+        if KubeSettings.from_settings(settings) is not None:  # bad job settings fail here, not at a submit
+            load_api_client()
         models = settings.model_entries()  # a bad --model/OPENRL_MODELS entry fails here, not later
     except (ValueError, OSError) as e:
         print(f"openrl-service: {e}", file=sys.stderr)
@@ -242,6 +250,30 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="seconds a hub token's answer is reused (default 60; OPENRL_HUB_CACHE_TTL_S)",
+    )
+    j = s.add_argument_group("Kubernetes jobs for detached runs (OPENRL_JOB*; see k8s/README.md)")
+    j.add_argument(
+        "--jobs-namespace",
+        default=None,
+        help="run detached runs as Jobs in this namespace, the service's own (OPENRL_JOBS_NAMESPACE)",
+    )
+    j.add_argument(
+        "--job-image",
+        action="append",
+        default=None,
+        help="an image jobs may run; repeat for several, the first is the default (OPENRL_JOB_IMAGES)",
+    )
+    j.add_argument(
+        "--job-service-url",
+        default=None,
+        help="how job pods reach this service (default http://openrl-service.NAMESPACE.svc.cluster.local:8000)",
+    )
+    j.add_argument("--job-queue", default=None, help="a Kueue LocalQueue for the jobs (OPENRL_JOB_QUEUE)")
+    j.add_argument(
+        "--job-volumes-file",
+        type=Path,
+        default=None,
+        help="YAML/JSON {name: {volume, mountPath, readOnly}}: the volumes a job may mount (OPENRL_JOB_VOLUMES_FILE)",
     )
     s.add_argument("--no-auth", action="store_true", help="no API keys (loopback hosts only)")
     s.add_argument(

@@ -109,6 +109,26 @@ class Settings:
     hub_service_name: str = "openrl"
     hub_cache_ttl_s: float = 60.0
     max_keys_per_user: int = 20
+    # Detached runs as Kubernetes Jobs (openrl_service/kube.py). OPENRL_JOBS_NAMESPACE /
+    # --jobs-namespace: the namespace the service runs in, where it creates the Jobs (unset: no k8s
+    # jobs); OPENRL_JOB_IMAGES / --job-image: the images a job may run, the first the default;
+    # OPENRL_JOB_SERVICE_URL / --job-service-url: how job pods reach this service (default
+    # http://openrl-service.<namespace>.svc.cluster.local:8000); OPENRL_JOB_QUEUE / --job-queue: a Kueue
+    # LocalQueue; OPENRL_JOB_VOLUMES_FILE / --job-volumes-file: the volumes a job may mount by name;
+    # OPENRL_JOB_MAX_CPU / OPENRL_JOB_MAX_MEMORY: the most a job may ask for; OPENRL_JOB_BACKOFF_LIMIT,
+    # OPENRL_JOB_TTL_S (ttlSecondsAfterFinished), OPENRL_JOB_ACTIVE_DEADLINE_S, and
+    # OPENRL_JOB_SERVICE_ACCOUNT (the pods' account: no RBAC, no token).
+    jobs_namespace: str | None = None
+    job_images: list[str] = field(default_factory=list)
+    job_service_url: str | None = None
+    job_queue: str | None = None
+    job_volumes_file: Path | None = None
+    job_max_cpu: str = "4"
+    job_max_memory: str = "16Gi"
+    job_backoff_limit: int = 2
+    job_ttl_s: int = 3600
+    job_active_deadline_s: int | None = None
+    job_service_account: str = "openrl-job"
     limits: Limits = field(default_factory=Limits)
 
     def model_entries(self) -> list[ModelEntry]:
@@ -197,6 +217,17 @@ _ENV_FIELDS = {
     "OPENRL_HUB_SERVICE_NAME": ("hub_service_name", str),
     "OPENRL_HUB_CACHE_TTL_S": ("hub_cache_ttl_s", float),
     "OPENRL_MAX_KEYS_PER_USER": ("max_keys_per_user", int),
+    "OPENRL_JOBS_NAMESPACE": ("jobs_namespace", str),
+    "OPENRL_JOB_IMAGES": ("job_images", lambda v: [i.strip() for i in v.split(",") if i.strip()]),
+    "OPENRL_JOB_SERVICE_URL": ("job_service_url", str),
+    "OPENRL_JOB_QUEUE": ("job_queue", str),
+    "OPENRL_JOB_VOLUMES_FILE": ("job_volumes_file", Path),
+    "OPENRL_JOB_MAX_CPU": ("job_max_cpu", str),
+    "OPENRL_JOB_MAX_MEMORY": ("job_max_memory", str),
+    "OPENRL_JOB_BACKOFF_LIMIT": ("job_backoff_limit", int),
+    "OPENRL_JOB_TTL_S": ("job_ttl_s", int),
+    "OPENRL_JOB_ACTIVE_DEADLINE_S": ("job_active_deadline_s", int),
+    "OPENRL_JOB_SERVICE_ACCOUNT": ("job_service_account", str),
 }
 _ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
 

@@ -20,7 +20,7 @@ COPY openrl_jupyter ./openrl_jupyter
 # (SKIP_JUPYTER_BUILDER: no Jupyter in this image, so the wheel is built without the lab extension and node.)
 # torch's CPU wheel first (the version constraints-cpu.txt pins), then the package with its service extra.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints-cpu.txt torch \
-    && pip install -c constraints-cpu.txt ".[service]" \
+    && pip install -c constraints-cpu.txt ".[service,k8s]" \
     && rm -rf /build
 
 WORKDIR /data

@@ -26,7 +26,7 @@ COPY pyproject.toml README.md ./
 COPY openrl_service ./openrl_service
 COPY openrl_jupyter ./openrl_jupyter
 # the service image has no Jupyter: the wheel is built without the lab extension (no node)
-RUN SKIP_JUPYTER_BUILDER=1 pip install ".[service,vllm]" && rm -rf /build
+RUN SKIP_JUPYTER_BUILDER=1 pip install ".[service,vllm,k8s]" && rm -rf /build
 
 WORKDIR /data
 USER 10001:10001

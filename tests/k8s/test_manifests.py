@@ -150,11 +150,13 @@ def test_every_container_has_resources_and_probes(name):
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_pods_run_as_non_root_with_a_read_only_root(name):
+    # Only where a Role is bound to the service's account (components/jobs) does it need its token.
+    bound = {s["name"] for b in of_kind(overlay(name), "RoleBinding") for s in b["subjects"]}
     for dep in deployments(name):
         pod = dep["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
-        assert pod["automountServiceAccountToken"] is False
+        assert pod["automountServiceAccountToken"] is (pod["serviceAccountName"] in bound)
         # Service links would inject OPENRL_SERVICE_PORT=tcp://... (and, for a Service named
         # "openrl", OPENRL_PORT=tcp://..., which the service reads as its port setting).
         assert pod["enableServiceLinks"] is False
