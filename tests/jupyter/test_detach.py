@@ -419,82 +419,69 @@ def test_a_sweep_in_the_kernel_labels_its_runs_with_its_name_too(session):
         assert session.client.get_run(run.run_id)["user_metadata"] == {"openrl.sweep": name}
 
 
-class PodLauncher:
-    """A stand-in for the service's KubeLauncher that does what the Job's pod would: runs the same
-    entrypoint (``python -m openrl_jupyter.jobs worker``) with the key from the "Secret" and the
-    spec from the "ConfigMap" (a file), in a process of its own."""
-
-    def __init__(self, url: str, folder: Path):
-        self.url, self.folder = url, folder
-        self.keys: list[str] = []
-        self.pods: list = []
-
-    def validate(self, request: dict) -> dict:
-        from openrl_service.errors import UserError
-
-        image = request.get("image", "openrl/job:1")
-        if image != "openrl/job:1":
-            raise UserError(f"k8s.image {image!r} is not allowed; allowed: openrl/job:1", field="k8s.image")
-        return {"image": image, "volumes": [], "cpu": "1", "memory": "2Gi"}
-
-    def submit(self, *, tenant, job_id, name, kind, key, request) -> dict:
-        import subprocess
-
-        spec = self.folder / f"{job_id}.json"
-        spec.write_text(json.dumps({"job_id": job_id, "name": name, "kind": kind, "service_url": self.url}))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENRL_")}
-        env.update(OPENRL_URL=self.url, OPENRL_TOKEN=key, OPENRL_JOB_SPEC=str(spec))
-        log = open(self.folder / f"{job_id}.log", "wb")  # noqa: SIM115 - the pod's stdout
-        self.pods.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "openrl_jupyter.jobs", "worker"],
-                env=env,
-                cwd=self.folder,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-        self.keys.append(key)
-        return {"namespace": "openrl", "job": f"openrl-{name}", "configmap": "c", "secret": "s"}
-
-    def status(self, job_name: str) -> dict:
-        return {"phase": "running", "active": 1, "succeeded": 0, "failed": 0}
-
-    def delete(self, job_name: str) -> None:
-        pass
-
-
-def test_k8s_detach_goes_through_the_service_and_the_pod_entrypoint_runs_with_its_job_key(
+def test_k8s_detach_creates_the_kubernetes_job_and_its_pod_command_runs_with_the_job_key(
     session, server, tmp_path, monkeypatch
 ):
-    pods = PodLauncher(server.url, tmp_path)
-    monkeypatch.setattr(server.service, "kube", pods, raising=False)
-    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
-    with pytest.raises(RequestError) as err:  # the service checks the request, not the notebook
-        session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s", k8s={"image": "evil/img"})
-    assert err.value.status == 400 and "k8s.image" in str(err.value) and not pods.pods
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=2,
-        batch=2,
-        group=2,
-        max_tokens=4,
-        name=unique("pod"),
-        detach="k8s",
-        k8s={"image": "openrl/job:1"},
-    )
-    assert job.where == "k8s" and job.process is None and job.log_path is None
-    assert "key" not in job.entry and job.entry["k8s"]["job"] == f"openrl-{job.name}"
-    (key,) = pods.keys
-    job.wait(180)
-    assert job.state == "finished", (tmp_path / f"{job.job_id}.log").read_text()
-    assert pods.pods[0].wait(30) == 0
+    """--detach k8s through the service and the real KubeLauncher (against kmock, an in-process
+    Kubernetes API); then the Job's container command is run here with the environment its pod
+    would get (the key from the Secret, spec.json from the ConfigMap): the run finishes, labelled
+    with its job, and the job's key stops working once the job has ended."""
+    import subprocess
+
+    from openrl_service.kube import KubeLauncher, KubeSettings
+    from tests.k8s.kubeapi import KubeAPI, pod_command_and_env
+
+    image = "ghcr.io/openrl-jupyter/openrl-notebook:0.1.0"
+    api = KubeAPI()
+    try:
+        settings = KubeSettings(namespace="openrl", images=[image], service_url=server.url)
+        monkeypatch.setattr(
+            server.service, "kube", KubeLauncher(settings, api_client=api.client), raising=False
+        )
+        fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+        with pytest.raises(RequestError) as err:  # the service checks the request, not the notebook
+            session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s", k8s={"image": "evil/img:1"})
+        assert err.value.status == 400 and "k8s.image" in str(err.value)
+        assert not api.objects("jobs")
+        job = session.train(
+            reward=fn,
+            prompts=PROMPTS,
+            steps=2,
+            batch=2,
+            group=2,
+            max_tokens=4,
+            name=unique("pod"),
+            detach="k8s",
+            k8s={"image": image, "cpu": "1", "memory": "2Gi"},
+        )
+        assert job.where == "k8s" and job.process is None and job.log_path is None
+        assert "key" not in job.entry
+        command, env = pod_command_and_env(api, job.entry["k8s"]["job"], tmp_path / "pod")
+    finally:
+        api.close()
+    assert command == ["python", "-m", "openrl_jupyter.jobs", "worker"]
+    assert env["OPENRL_TOKEN"].startswith("tml-job-") and env["OPENRL_URL"] == server.url
+    pod_env = {k: v for k, v in os.environ.items() if not k.startswith("OPENRL_")}  # PATH, PYTHONPATH
+    home = tmp_path / "home"
+    home.mkdir()
+    pod_env.update(env, HOME=str(home))
+    log = tmp_path / "pod.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, *command[1:]],
+            env=pod_env,
+            cwd=home,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    assert done.returncode == 0, log.read_text()
+    job.wait(30)
+    assert job.state == "finished" and job.entry["host"], job.entry
     (run_id,) = job.runs
     assert session.client.get_run(run_id)["user_metadata"] == {"openrl.job": job.job_id}
     assert [r["step"] for r in job.history] == [1, 2]
-    with Client(server.url, token=key, retries=0) as c:  # the job's end revoked its key
+    with Client(server.url, token=env["OPENRL_TOKEN"], retries=0) as c:  # the job's end revoked its key
         with pytest.raises(Exception) as revoked:
             c.get_job(job.job_id)
         assert getattr(revoked.value, "status", None) == 401
