@@ -255,6 +255,50 @@ def metrics(run_id: str) -> Call:
     return Call("GET", f"{API}/runs/{run_id}/metrics", field="metrics")
 
 
+# -- detached runs (jobs): a payload is opaque to the service, which never unpickles it ----------------
+def create_job(**fields: Any) -> Call:
+    """Submit a job (name, kind, where, payload, payload_sha256, reward, meta, k8s); its entry (with
+    the job key only for where="local")."""
+    return Call("POST", f"{API}/jobs", json=fields)
+
+
+def list_jobs() -> Call:
+    """This key's jobs (a job key sees only its own)."""
+    return Call("GET", f"{API}/jobs", field="jobs")
+
+
+def get_job(job: str) -> Call:
+    """One job's entry, by job id or (the newest job of that) name."""
+    return Call("GET", f"{API}/jobs/{job}")
+
+
+def job_state(job_id: str, state: str, **fields: Any) -> Call:
+    """Report a job's state (running, finished, failed, stopped) with pid, host, message."""
+    return Call("POST", f"{API}/jobs/{job_id}/state", json={"state": state, **fields})
+
+
+def job_control(job_id: str, action: str, reason: str | None = None) -> Call:
+    """Pause, resume or stop every run of a job; its entry."""
+    body = {"action": action, **({"reason": reason} if reason else {})}
+    return Call("POST", f"{API}/jobs/{job_id}/control", json=body)
+
+
+def add_payload(job_id: str, payload: str, payload_sha256: str, reward: str | None = None) -> Call:
+    """Send a job a new payload version (a new reward version: hot swap); ``{"version"}``."""
+    body = {"payload": payload, "payload_sha256": payload_sha256, "reward": reward}
+    return Call("POST", f"{API}/jobs/{job_id}/payloads", json=body)
+
+
+def payloads(job_id: str, after: int = 0) -> Call:
+    """A job's payload versions after ``after`` (each with its base64 ``payload``)."""
+    return Call("GET", f"{API}/jobs/{job_id}/payloads", params={"after": after}, field="payloads")
+
+
+def delete_job(job_id: str) -> Call:
+    """Revoke a job's key and delete its Kubernetes Job, if any (its runs stay)."""
+    return Call("DELETE", f"{API}/jobs/{job_id}")
+
+
 REQUESTS: dict[str, Callable[..., Call]] = {
     f.__name__: f
     for f in (
@@ -272,6 +316,14 @@ REQUESTS: dict[str, Callable[..., Call]] = {
         checkpoints,
         add_metrics,
         metrics,
+        create_job,
+        list_jobs,
+        get_job,
+        job_state,
+        job_control,
+        add_payload,
+        payloads,
+        delete_job,
     )
 }
 

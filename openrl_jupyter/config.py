@@ -112,6 +112,7 @@ def make_config(
     normalize_std: bool = False,
     seed: int | None = 0,
     overlap: int = 0,
+    user_metadata: Mapping[str, Any] | None = None,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     fixed: RewardVersion | None = None
@@ -143,6 +144,11 @@ def make_config(
         )
     if group < 2:
         raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
+    extra: dict = {}
+    if user_metadata:
+        if not isinstance(user_metadata, Mapping) or not all(isinstance(k, str) for k in user_metadata):
+            raise UsageError(f"user_metadata must be a dict with string keys; got {user_metadata!r}")
+        extra["user_metadata"] = dict(user_metadata)  # labels: "openrl.job", "openrl.sweep"...
     return TrainConfig(
         reward=reward,
         reward_fn=fixed,
@@ -160,6 +166,7 @@ def make_config(
         normalize_std=normalize_std,
         seed=seed,
         overlap=overlap,
+        extra=extra,
     )
 
 

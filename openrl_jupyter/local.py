@@ -7,7 +7,10 @@
 Used by ``connect(local=True)``, the demos, the benchmarks and the tests. The child runs with
 ``--exit-with-parent``: it watches a pipe on its stdin and stops when this process closes it, exits
 or dies, so no service outlives its owner. Its output goes to ``service.log`` in its data folder.
-No torch here (the notebook side imports this module).
+``start_service(detached=True)`` is the exception, for detached runs: no ``--exit-with-parent``, its
+own process session (a kernel's death or interrupt does not reach it), a persistent data folder,
+and a discovery file marked ``"detached": true`` by which ``find_detached()`` finds it again from
+the next kernel. No torch here (the notebook side imports this module).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,16 +46,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class _Running:
+    """A detached service found by its discovery file: the pid is all this process has of it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.stdin = None
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and _gone(self.pid):
+            self.returncode = 0
+        return self.returncode
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return self.returncode or 0
+
+
 @dataclass
 class LocalService:
     """An ``openrl-service`` child process on loopback."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | _Running
     url: str
     data_dir: str
     key: str | None = field(default=None, repr=False)  # None with --no-auth
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     discovery_path: str | None = None  # set by advertise(): removed again on stop()
+    detached: bool = False  # outlives this process (start_service(detached=True) or find_detached())
 
     @property
     def log_path(self) -> str:
@@ -69,8 +104,11 @@ class LocalService:
         """Stop gracefully (close the pipe it watches), kill after ``timeout_s``; remove a temporary
         data folder."""
         if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.process.stdin.close()  # the child's watcher stops it gracefully
+            if self.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.process.stdin.close()  # the child's watcher stops it gracefully
+            else:  # a detached service watches no pipe: SIGTERM stops it gracefully
+                self.process.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -108,7 +146,10 @@ def advertise(service: LocalService) -> str | None:
             with contextlib.suppress(OSError):
                 os.unlink(stale)
     path = os.path.join(folder, f"{DISCOVERY_PREFIX}{service.process.pid}.json")
-    body = json.dumps({"url": service.url, "token": service.key, "pid": service.process.pid})
+    info = {"url": service.url, "token": service.key, "pid": service.process.pid}
+    if service.detached:
+        info.update(detached=True, data_dir=service.data_dir)
+    body = json.dumps(info)
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -140,6 +181,63 @@ def discovered(folder: str | None = None) -> dict | None:
     return max(found, key=lambda t: t[0])[1] if found else None
 
 
+def find_detached(folder: str | None = None) -> LocalService | None:
+    """A running detached embedded service (``start_service(detached=True)``) of this user, found by
+    its discovery file; None when there is none."""
+    folder = folder or discovery_dir()
+    if folder is None:
+        return None
+    for path in sorted(glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")), reverse=True):
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or info.get("detached") is not True:
+            continue
+        pid = info.get("pid")
+        if isinstance(pid, int) and isinstance(info.get("url"), str) and _alive(pid):
+            return LocalService(
+                _Running(pid),
+                info["url"],
+                str(info.get("data_dir") or ""),
+                info.get("token"),
+                discovery_path=path,
+                detached=True,
+            )
+    return None
+
+
+def detached_data_dir() -> str:
+    """Where a detached embedded service keeps its data: ``$OPENRL_LOCAL_DATA_DIR``, else the
+    Jupyter data folder's ``openrl-local`` (it must outlive the kernel, unlike a temporary one)."""
+    if os.environ.get("OPENRL_LOCAL_DATA_DIR"):
+        return os.environ["OPENRL_LOCAL_DATA_DIR"]
+    try:
+        from jupyter_core.paths import jupyter_data_dir
+
+        return os.path.join(jupyter_data_dir(), "openrl-local")
+    except ImportError:
+        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", "local")
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts as exited; one still exiting does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is a running openrl service (a killed kernel leaves its file behind, and its
     pid may be reused later by an unrelated process: where /proc exists, its command line says)."""
@@ -165,6 +263,7 @@ def start_service(
     log_level: str = "warning",
     timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
+    detached: bool = False,
 ) -> LocalService:
     """Start a service and return it once ``/readyz`` answers ready.
 
@@ -172,10 +271,14 @@ def start_service(
     command line; without one it generates its own into its data folder (``service.key`` is read from
     there); ``auth=False`` serves without keys. ``data_dir``: a temporary folder by default (removed
     on ``stop``). ``args``: more ``serve`` flags (``--device``, ``--fusion``...); ``env``: more
-    environment. ``progress`` is told once if the start takes more than a second.
+    environment. ``progress`` is told once if the start takes more than a second. ``detached``:
+    outlive this process (see the module docstring); its data folder defaults to
+    ``detached_data_dir()``.
     """
     port = free_port()
     tmp = None
+    if data_dir is None and detached:
+        data_dir = detached_data_dir()
     if data_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
         data_dir = tmp.name
@@ -184,7 +287,9 @@ def start_service(
     child_env = {**os.environ, **(env or {})}
     if api_key is not None:
         child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
-    cmd = [sys.executable, "-m", "openrl_service.cli", "serve", "--exit-with-parent"]
+    cmd = [sys.executable, "-m", "openrl_service.cli", "serve"]
+    if not detached:
+        cmd.append("--exit-with-parent")
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir, "--log-level", log_level]
     if model not in (None, "tiny", "openrl/tiny"):
         cmd += ["--model", model]
@@ -192,10 +297,18 @@ def start_service(
         cmd.append("--no-auth")
     cmd += list(args)
     log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL if detached else subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=child_env,
+        start_new_session=detached,  # a detached one is outside the kernel's process group
+    )
     log.close()
-    service = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, api_key, tmp)
-    atexit.register(service.stop)
+    service = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, api_key, tmp, detached=detached)
+    if not detached:
+        atexit.register(service.stop)
     try:
         _wait_ready(service, model or "openrl/tiny", timeout_s, progress)
     except BaseException:

@@ -22,6 +22,7 @@ from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub
+from openrl_jupyter._exceptions import OpenRLError
 from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.session import UsageError
@@ -40,6 +41,42 @@ def _parser(prog: str, description: str) -> MagicArgumentParser:
     return MagicArgumentParser(prog=f"%openrl {prog}", description=description, add_help=True)
 
 
+def _detach_options(parser: MagicArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--detach",
+        nargs="?",
+        const="local",
+        default=None,
+        choices=("local", "k8s"),
+        help=f"run the {what} in a process that outlives this kernel: local (a process here, the "
+        "default) or k8s (a Kubernetes Job the service submits); returns its job",
+    )
+    parser.add_argument(
+        "--image", default=None, help="with --detach k8s: one of the service's allowed images"
+    )
+    parser.add_argument(
+        "--volume",
+        action="append",
+        default=None,
+        dest="volumes",
+        metavar="NAME",
+        help="with --detach k8s: a volume the service allows (repeatable)",
+    )
+    parser.add_argument("--cpu", default=None, help="with --detach k8s: CPU for the reward work, e.g. 2")
+    parser.add_argument("--memory", default=None, help="with --detach k8s: memory, e.g. 4Gi")
+
+
+def _detach_kwargs(a) -> dict:
+    """``detach=`` and ``k8s=`` for train/sweep from the parsed magic line."""
+    k8s = {"image": a.image, "volumes": a.volumes, "cpu": a.cpu, "memory": a.memory}
+    k8s = {k: v for k, v in k8s.items() if v}
+    if k8s and a.detach != "k8s":
+        raise UsageError(f"--{'/--'.join(k8s)} go with --detach k8s")
+    if a.detach is None:
+        return {}
+    return {"detach": a.detach, **({"k8s": k8s} if k8s else {})}
+
+
 def _parsers() -> dict[str, MagicArgumentParser]:
     p: dict[str, MagicArgumentParser] = {}
     c = p["connect"] = _parser("connect", "Connect to a service, or start an embedded one with --local.")
@@ -52,6 +89,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
         "with --local, the model to serve (openrl/tiny, HF dir, GGUF)",
     )
     c.add_argument("--name", default=None, help="session name (several sessions can be open)")
+    c.add_argument(
+        "--detached",
+        action="store_true",
+        help="with --local: a service that outlives this kernel (for --detach local runs); a later "
+        "kernel's %%openrl connect --local --detached finds it again",
+    )
     t = p["train"] = _parser(
         "train",
         "Start a background RL run (--prompts: a notebook variable or a .txt/.jsonl path); returns at once.",
@@ -77,6 +120,7 @@ def _parsers() -> dict[str, MagicArgumentParser]:
         help="1: sample step k+1 while step k is scored (one step off-policy, corrected by the ratio)",
     )
     t.add_argument("--name", default=None, help="run name (default: generated)")
+    _detach_options(t, "run")
     t.add_argument("--session", default=None)
     w = p["sweep"] = _parser(
         "sweep",
@@ -102,6 +146,7 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     w.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
     w.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
     w.add_argument("--name", default=None, help="sweep name (its runs are NAME-lr1e-4-r8-...)")
+    _detach_options(w, "sweep")
     w.add_argument("--session", default=None)
     for verb, desc in (
         ("pause", "Pause a run (it finishes its current step first)."),
@@ -109,7 +154,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
         ("stop", "Stop a run (it finishes its current step first)."),
     ):
         v = p[verb] = _parser(verb, desc)
-        v.add_argument("run", nargs="?", default=None, help="run name (default: the latest)")
+        v.add_argument(
+            "run",
+            nargs="?",
+            default=None,
+            help="run name, or a detached run's (default: the latest run of this kernel)",
+        )
         v.add_argument("--session", default=None)
         if verb != "resume":
             v.add_argument("--wait", action="store_true", help="return once no step is in flight")
@@ -119,7 +169,11 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
     for verb, desc in (
-        ("runs", "This session's runs, and the other runs the service has for this key."),
+        (
+            "runs",
+            "This session's runs, the detached runs (where they run: local pid, k8s) and the other "
+            "runs the service has for this key.",
+        ),
         ("dashboard", "The service-wide dashboard: every run of this key plus device utilisation."),
         ("sessions", "The open connections."),
     ):
@@ -141,6 +195,13 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     )
     k.add_argument("--name", default=None, help="a label for the new key")
     k.add_argument("--session", default=None)
+    at = p["attach"] = _parser(
+        "attach",
+        "A detached run (by its name, or a sweep's job), or any run of this key: its whole history "
+        "from the service and a live dashboard.",
+    )
+    at.add_argument("name", help="the detached run's (job's) name, as %%openrl runs lists it")
+    at.add_argument("--session", default=None)
     d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
     d.add_argument("name", nargs="?", default=None)
     p["help"] = _parser("help", "This text.")
@@ -238,6 +299,7 @@ class OpenRLMagics(Magics):
             "stop": self._stop,
             "save": self._save,
             "runs": self._runs,
+            "attach": self._attach,
             "status": self._status,
             "dashboard": self._dashboard,
             "sessions": self._sessions,
@@ -279,6 +341,8 @@ class OpenRLMagics(Magics):
                 raise UsageError(
                     f"c.OpenRLMagics.token_file: cannot read {self.token_file!r} ({e.strerror})"
                 ) from None
+        if a.detached and not a.local:
+            raise UsageError("--detached goes with --local: %openrl connect --local --detached")
         if not (a.url or a.local or os.environ.get("OPENRL_URL") or self.url):
             raise UsageError(
                 "no openrl service to connect to: %openrl connect URL (key in $OPENRL_TOKEN), set "
@@ -292,8 +356,11 @@ class OpenRLMagics(Magics):
             model=a.model,
             config={"url": self.url} if self.url else None,
             progress=lambda msg: print(msg, flush=True),
+            detached=a.detached,
         )
         kind = "an embedded service" if session.local else "the service"
+        if session.local is not None and session.local.detached:
+            kind = f"a detached embedded service (pid {session.local.process.pid}, it outlives this kernel)"
         who = " as your JupyterHub user" if session.credential == "hub" else ""
         print(
             f"openrl: session {session.name!r} connected to {kind} at {session.url}{who} "
@@ -324,6 +391,7 @@ class OpenRLMagics(Magics):
             normalize_std=a.normalize_std,
             seed=a.seed,
             overlap=a.overlap,
+            **_detach_kwargs(a),
         )
 
     def _sweep(self, a):
@@ -361,6 +429,7 @@ class OpenRLMagics(Magics):
             metric=a.metric,
             name=a.name,
             **options,
+            **_detach_kwargs(a),
         )
 
     def _resolve_prompts(self, src: str):
@@ -375,17 +444,39 @@ class OpenRLMagics(Magics):
             return src
         raise UsageError(f"--prompts {src!r}: give a notebook variable name or a .txt/.jsonl path")
 
+    def _job(self, a):
+        """The detached job ``a.run`` names, when no run of this kernel has that name."""
+        session = self._session(a.session)
+        if a.run is not None and a.run not in session.runs and a.run in session.detached:
+            return session.detached[a.run]
+        return None
+
     def _pause(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.pause()
+            print(f"openrl: asked detached {job.kind} {job.name!r} to pause after its current step")
+            return
         run = self._session(a.session).get_run(a.run)
         run.pause(wait=a.wait)
         print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")
 
     def _resume(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.resume()
+            print(f"openrl: asked detached {job.kind} {job.name!r} to resume")
+            return
         run = self._session(a.session).get_run(a.run)
         run.resume()
         print(f"openrl: run {run.name!r} is {run.state} from step {run.step}/{run.total_steps}")
 
     def _stop(self, a):
+        job = self._job(a)
+        if job is not None:
+            job.stop(wait=a.wait)
+            print(f"openrl: detached {job.kind} {job.name!r} is {job.entry.get('state')}")
+            return
         run = self._session(a.session).get_run(a.run)
         run.stop(wait=a.wait)
         print(f"openrl: run {run.name!r} is {run.state} at step {run.step}/{run.total_steps}")
@@ -407,18 +498,51 @@ class OpenRLMagics(Magics):
                 [
                     run.name,
                     run.run_id or "-",
+                    "kernel",
                     str(run.state),
                     f"{run.step}/{run.total_steps}",
                     f"{run.reward_name} v{run.reward_version or '-'}",
                     f"{mean:.3f}" if mean is not None else "-",
                 ]
             )
-        for r in session.client.list_runs():
+        service_runs = {r["run_id"]: r for r in session.client.list_runs()}
+        try:
+            jobs = session.jobs()
+        except OpenRLError:  # a service without the jobs API: its runs are listed below all the same
+            jobs = []
+        for job in jobs:
+            run_ids = list(job.get("runs") or [])
+            mine.update(run_ids)
+            runs = [service_runs[r] for r in run_ids if r in service_runs]
+            # steps done: the rows the job's runs stored (a step with nothing to train stores one too)
+            step = sum(int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in runs)
+            total = sum(int(r.get("steps") or 0) for r in runs) or (job.get("meta") or {}).get("steps", "?")
+            mean = next((r["last_reward"] for r in runs[::-1] if r.get("last_reward") is not None), None)
+            where = job.get("where", "?") + (f" pid {job['pid']}" if job.get("pid") else "")
+            kind = "" if job.get("kind") == "run" else f" ({len(run_ids)} runs)"
+            rows.append(
+                [
+                    job.get("name", "?") + kind,
+                    ", ".join(run_ids) or "-",
+                    where,
+                    str(job.get("state")),
+                    f"{step}/{total}",
+                    (job.get("meta") or {}).get("reward", "-"),
+                    f"{mean:.3f}" if isinstance(mean, (int, float)) else "-",
+                ]
+            )
+        for r in service_runs.values():
             if r["run_id"] not in mine:
-                rows.append([r["name"], r["run_id"], "on service", str(r["step"]), "-", "-"])
+                rows.append([r["name"], r["run_id"], "service", "on service", str(r["step"]), "-", "-"])
         return Table(
-            ["name", "run_id", "state", "step", "reward", "reward mean"], rows, f"runs on {session.url}"
+            ["name", "run_id", "where", "state", "step", "reward", "reward mean"],
+            rows,
+            f"runs on {session.url}",
         )
+
+    def _attach(self, a):
+        session = self._session(a.session)
+        return session.attach(a.name)
 
     def _status(self, a):
         session = self._session(a.session)
@@ -557,9 +681,36 @@ class OpenRLMagics(Magics):
             if live
             else ""
         )
+        sent, refused = self._send_to_jobs(name, v)
+        if sent:
+            note += "; sent to detached " + ", ".join(f"{j} (its payload v{n})" for j, n in sent)
+            note += ", which pick" + ("s" if len(sent) == 1 else "") + " it up at the next step"
         print(
             f"openrl: reward {name} v{v.version} registered ({form}{', async' if v.is_async else ''}){note}"
         )
+        if refused:
+            raise UsageError(
+                f"reward {name} v{v.version} is registered here but was NOT sent to "
+                + "; ".join(f"detached {j}: {why}" for j, why in refused)
+            )
+
+    def _send_to_jobs(self, name: str, v) -> tuple[list, list]:
+        """Send a new version of reward ``name`` to the active detached jobs of the open sessions
+        that use it (hot swap); (sent [(job, payload version)], refused [(job, why)])."""
+        from openrl_jupyter.jobs import TERMINAL
+
+        sent, refused = [], []
+        for s in sessions.sessions().values():
+            for job in list(s.detached.values()):
+                if name not in job.reward_names or job.entry.get("state") in TERMINAL:
+                    continue
+                try:
+                    if job.refresh().get("state") in TERMINAL:
+                        continue
+                    sent.append((job.name, job.send_reward(v)))
+                except (UsageError, OpenRLError) as exc:
+                    refused.append((job.name, str(exc)))
+        return sent, refused
 
 
 def _when(created) -> str:

@@ -99,7 +99,7 @@ class RunState(str, enum.Enum):
 ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
 
 
-REPORTED = (
+REPORTED = (  # stored with the run on the service: what an attached view (another kernel) draws
     "reward_mean",
     "reward_std",
     "reward_min",
@@ -107,6 +107,17 @@ REPORTED = (
     "reward_name",
     "reward_version",
     "failed",
+    "n",
+    "trained",
+    "loss",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "kl",
+    "clip_fraction",
+    "grad_norm",
+    "tokens",
+    "elapsed_s",
 )
 
 
@@ -739,7 +750,7 @@ class Run:
 
     async def _report(self, client, row: dict) -> None:
         """Store the step's reward statistics with the run on the service."""
-        reported = {k: v for k, v in row.items() if k in REPORTED}
+        reported = {k: v for k, v in row.items() if k in REPORTED and v is not None}
         try:
             await client.add_metrics(self.run_id, row["step"], **reported)
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics

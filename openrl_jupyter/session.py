@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from openrl_jupyter._exceptions import OpenRLError
 from openrl_jupyter.client import AsyncClient, Client
 from openrl_jupyter.hub import hub_token, keep_alive
-from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, start_service
+from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, find_detached, start_service
 
 if TYPE_CHECKING:
     from openrl_jupyter.feed import EventFeed
+    from openrl_jupyter.jobs import Attached, Job
     from openrl_jupyter.run import Run
     from openrl_jupyter.sweep import Sweep
 
@@ -60,13 +61,20 @@ class Session:
     _feed: EventFeed | None = field(default=None, repr=False)
     served: dict[str, dict] = field(default_factory=dict, repr=False)
     credential: str = "none"  # where the key came from: argument, OPENRL_TOKEN, config, hub, local, none
+    # put in the user_metadata of every run this session creates ({"openrl.job": id} in a job's worker)
+    labels: dict = field(default_factory=dict, repr=False)
+    detached: dict[str, Job] = field(default_factory=dict, repr=False)  # this kernel's jobs by name
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
         return f"<openrl Session {self.name!r} {kind} {self.url} model={self.model!r}>"
 
-    def train(self, *, reward: Any, prompts: Any, **options: Any) -> Run:
+    def train(self, *, reward: Any, prompts: Any, detach: str | None = None, **options: Any) -> Run | Job:
         """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
+
+        ``detach="local"`` (a process of its own that outlives this kernel) or ``"k8s"`` (a
+        Kubernetes Job the service submits): the run goes on after the notebook closes; returns a
+        :class:`~openrl_jupyter.jobs.Job` (see ``openrl_jupyter.jobs``).
 
         ``reward``: a registered reward's name (its newest version applies at each step), or a
         function, which is pinned to this run alone (it is not registered under its name).
@@ -78,6 +86,12 @@ class Session:
         from openrl_jupyter.config import make_config
         from openrl_jupyter.run import Run
 
+        if detach is not None:
+            from openrl_jupyter.jobs import submit
+
+            return submit(self, "run", detach, reward=reward, prompts=prompts, options=options)
+        if self.labels or options.get("user_metadata"):
+            options["user_metadata"] = {**self.labels, **(options.get("user_metadata") or {})}
         model = self.model
         if options.get("model") is not None and self.model is not None:
             model = served_name(options["model"], self.served or {self.model: self.defaults})
@@ -102,15 +116,36 @@ class Session:
             run._log(note)
         return run
 
-    def sweep(self, *, prompts: Any, grid: Any, reward: Any = None, **options: Any) -> Sweep:
+    def sweep(
+        self, *, prompts: Any, grid: Any, reward: Any = None, detach: str | bool | None = None, **options: Any
+    ) -> Sweep | Job:
         """Start one run per point of ``grid`` at once, with successive halving; returns the
         :class:`~openrl_jupyter.sweep.Sweep` (see ``openrl_jupyter.sweep``).
 
         Options: steps, budget, rungs, keep, metric, mode, name, save_best, and any ``train``
-        option shared by every run (group, batch, max_tokens, ...)."""
+        option shared by every run (group, batch, max_tokens, ...). ``detach="local"`` (or True)
+        / ``"k8s"``: the sweep runs in a job that outlives this kernel; returns its Job."""
         from openrl_jupyter.sweep import Sweep
 
+        if detach:
+            from openrl_jupyter.jobs import submit
+
+            where = "local" if detach is True else detach
+            options.update(grid=grid)
+            return submit(self, "sweep", where, reward=reward, prompts=prompts, options=options)
         return Sweep(self, reward=reward, prompts=prompts, grid=grid, **options).start()
+
+    # -- detached runs (jobs) -------------------------------------------------------------------------
+    def attach(self, name: str) -> Attached:
+        """A detached run (or sweep) by job name (or any run of this key by run name): its whole
+        history from the service and a dashboard that follows it while it runs."""
+        from openrl_jupyter.jobs import attach
+
+        return attach(self, name)
+
+    def jobs(self) -> list[dict]:
+        """This key's detached runs and sweeps (the service's job entries), newest last."""
+        return list(self.client.list_jobs() or [])
 
     # -- Tinker keys minted for the hub user ----------------------------------------------------------
     def mint_key(self, name: str | None = None, *, export: bool = True) -> MintedKey:
@@ -184,8 +219,10 @@ class Session:
                 get_runner().submit(self._aclient.aclose()).result(5)
             self._aclient = None
         self.client.close()
-        if self.local is not None:
-            self.local.stop()
+        for job in self.detached.values():
+            job.close()
+        if self.local is not None and not self.local.detached:
+            self.local.stop()  # a detached embedded service goes on (its jobs need it)
 
 
 _sessions: dict[str, Session] = {}
@@ -238,15 +275,25 @@ def start_local(
     data_dir: str | None = None,
     progress: Callable[[str], None] | None = None,
     timeout_s: float = READY_TIMEOUT_S,
+    detached: bool = False,
 ) -> tuple[LocalService, str]:
-    """Start an embedded service; returns it and its fresh key once it answers /readyz."""
+    """Start an embedded service; returns it and its fresh key once it answers /readyz.
+
+    ``detached``: one that outlives this process (for detached runs), found again by the next
+    kernel through its discovery file (then reused, not started twice)."""
+    if detached:
+        found = find_detached()
+        if found is not None:
+            return found, Secret(found.key)
     if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
         raise UsageError(
             "connect(local=True) needs the service installed in this environment: "
             "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
         )
     key = Secret("tml-" + secrets.token_urlsafe(24))
-    local = start_service(model=model, data_dir=data_dir, api_key=key, timeout_s=timeout_s, progress=progress)
+    local = start_service(
+        model=model, data_dir=data_dir, api_key=key, timeout_s=timeout_s, progress=progress, detached=detached
+    )
     advertise(local)  # the Jupyter server's OpenRL panel finds it there (removed when it stops)
     return local, key
 
@@ -260,11 +307,15 @@ def connect(
     model: str | None = None,
     config: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
+    detached: bool = False,
 ) -> Session:
     """Connect to a service (or start an embedded one with ``local=True``) and remember it by name.
 
     ``model``: the base model this session's runs use, one the service serves (default: its first);
-    with ``local=True``, the model the embedded service serves (default openrl/tiny)."""
+    with ``local=True``, the model the embedded service serves (default openrl/tiny).
+    ``local=True, detached=True``: an embedded service that outlives this kernel (a persistent data
+    folder, its own process session), so detached local runs can use it; a later kernel's
+    ``connect(local=True, detached=True)`` finds the running one again."""
     name = name or DEFAULT_NAME
     config = config or {}
     credential = "none"
@@ -275,10 +326,12 @@ def connect(
             f"session {name!r} has active runs ({busy}); stop them (run.stop()) or connect with another name"
         )
     local_service = None
+    if detached and not local:
+        raise UsageError("detached=True is for an embedded service: connect(local=True, detached=True)")
     if local:
         if url:
             raise UsageError("give either a URL or local=True, not both")
-        local_service, token = start_local(model or "openrl/tiny", progress=progress)
+        local_service, token = start_local(model or "openrl/tiny", progress=progress, detached=detached)
         url = local_service.url
         credential = "local"
     else:
@@ -313,7 +366,7 @@ def connect(
                 )
     except OpenRLError:
         client.close()
-        if local_service is not None:
+        if local_service is not None and not local_service.detached:
             local_service.stop()
         raise
     old = _sessions.pop(name, None)

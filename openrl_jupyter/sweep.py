@@ -10,7 +10,9 @@
 reaches it is held (paused between steps) until every live run has reached it, so they are compared
 at the same step; they are ranked by the mean of ``metric`` over the history rows since the previous
 rung, the better ``keep`` share (rounded up, at least one) resumes and the others are stopped, with
-``stop_reason`` "stopped by the sweep at rung k (…)". A run that pauses on an error, or that the user
+``stop_reason`` "stopped by the sweep at rung k (…)". Every run is created with
+``user_metadata {"openrl.sweep": <sweep name>}`` (the lab panel groups by it); ``detach=`` on
+``session.sweep`` runs the whole sweep in a job that outlives the kernel (``openrl_jupyter.jobs``). A run that pauses on an error, or that the user
 pauses, does not hold the others up: it is ranked on the rows it has. ``budget`` caps the steps of all
 runs together: once spent, every live run is stopped. When every run is done, the best surviving run
 (by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
@@ -258,8 +260,14 @@ class Sweep:
                 opts.update(point)
                 reward = opts.pop("reward", self._reward)
                 run_name = f"{self.name}-{point_label(point)}"
+                labels = {**(opts.pop("user_metadata", None) or {}), "openrl.sweep": self.name}
                 run = self.session.train(
-                    reward=reward, prompts=self._prompts, steps=self.steps, name=run_name, **opts
+                    reward=reward,
+                    prompts=self._prompts,
+                    steps=self.steps,
+                    name=run_name,
+                    user_metadata=labels,  # the lab panel groups a sweep's runs by this
+                    **opts,
                 )
                 with self._lock:
                     self.runs.append(run)

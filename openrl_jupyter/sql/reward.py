@@ -153,8 +153,8 @@ def execution_match(
 def sql_reward(prompt: str, completion: str, **info: Any) -> float:
     """A per-sample reward in the notebook's shape: ``info`` carries the example's fields.
 
-    The database is ``info["db_path"]`` when given, else rebuilt from ``info["db_id"]`` and
-    ``info["seed"]`` (default 0). The sqlite error of a failed query is printed, so it lands in the
+    The database is ``info["db_path"]`` when given and there, else rebuilt from ``info["db_id"]``
+    and ``info["seed"]`` (default 0): a detached run gets it back from the seed, not the kernel's file. The sqlite error of a failed query is printed, so it lands in the
     run's log.
     """
     from openrl_jupyter.sql.data import database_path
@@ -162,7 +162,9 @@ def sql_reward(prompt: str, completion: str, **info: Any) -> float:
     for key in ("sql", "db_id"):
         if key not in info and not (key == "db_id" and "db_path" in info):
             raise KeyError(f"sql_reward needs info[{key!r}] (the example's fields)")
-    db = info.get("db_path") or database_path(info["db_id"], int(info.get("seed", 0)))
+    db = info.get("db_path")
+    if not db or ("db_id" in info and not os.path.exists(db)):  # e.g. a kernel's path, in a job
+        db = database_path(info["db_id"], int(info.get("seed", 0)))
     result = execution_match(
         extract_sql(completion),
         info["sql"],

@@ -1,0 +1,497 @@
+"""Runs that outlive the notebook (``--detach``): a real service, real kernels, real worker processes.
+
+The detached local run is started from a kernel, the kernel is killed with SIGKILL, the run goes on
+in its worker and finishes; a new kernel attaches to it and sees its whole history. A payload that
+cannot travel is refused at submit time with what could not travel, and nothing starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import openrl_jupyter.session as sessions
+from openrl_jupyter import jobs
+from openrl_jupyter._exceptions import RequestError
+from openrl_jupyter.client import Client
+from openrl_jupyter.session import UsageError
+from tests._support.kernel import Kernel, of_type
+from tests.conftest import ALICE_KEY
+
+PROMPTS = ["Say hi:", "Name a colour:", "Count to three:"]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(poll)
+
+
+def dynamic(source: str, **globals_) -> dict:
+    """Functions defined as a notebook defines them: in a module nobody can import (so they travel
+    by value, as ``__main__``'s do)."""
+    ns = {"__name__": "openrl_test_notebook", **globals_}
+    exec(textwrap.dedent(source), ns)  # noqa: S102 - the test's own code
+    return ns
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def jobs_dir(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    monkeypatch.setenv("OPENRL_JOBS_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def session(server, jobs_dir):
+    s = sessions.connect(server.url, token=ALICE_KEY, name=unique("detach"))
+    yield s
+    sessions.disconnect(s.name)
+
+
+# -- payloads: what travels, and the proof -------------------------------------------------------------
+def test_a_user_module_of_the_notebook_folder_travels_by_value(tmp_path, monkeypatch):
+    folder = tmp_path / "notebook"
+    folder.mkdir()
+    (folder / "scoring_here.py").write_text("def score(c):\n    return len(c) / 10\n")
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    import scoring_here  # noqa: F401 - what a notebook cell does
+
+    try:
+        assert "scoring_here" in jobs.user_modules()
+        assert "openrl_jupyter" not in jobs.user_modules() and "httpx" not in jobs.user_modules()
+        ns = dynamic(
+            """
+            import scoring_here
+            def reward(prompt, completion, **info):
+                return scoring_here.score(completion)
+            """
+        )
+        body = {
+            "rewards": [jobs.reward_entry(ns["reward"])],
+            "probe": {"prompt": "p", "info": {}, "completion": "ok"},
+        }
+        report = jobs.prove(jobs.dumps(body, "test"), body, "test")
+        # the clean python (another folder, no sys.path of ours) ran the module's code: by value
+        assert report[0]["there"] == {"name": "reward", "ok": True, "value": "0.2"}
+        assert report[0]["here"]["value"] == "0.2"
+    finally:
+        sys.modules.pop("scoring_here", None)
+
+
+def test_payloads_that_cannot_travel_are_refused_at_submit_and_nothing_starts(
+    session, server, jobs_dir, tmp_path, monkeypatch
+):
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "only_here.py").write_text("def score(c):\n    return 1.0\n")
+    (folder / "data.txt").write_text("abc")
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    lock = threading.Lock()
+    cases = {
+        # a lock cannot be pickled at all
+        "a lock": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    with lock:
+                        return 1.0
+                """,
+                lock=lock,
+            )["reward"],
+            "cannot pickle '_thread.lock' object",
+        ),
+        # imported inside the function: importable from this folder only, not in the job
+        "an import": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    import only_here
+                    return only_here.score(completion)
+                """
+            )["reward"],
+            "ModuleNotFoundError: No module named 'only_here'",
+        ),
+        # a relative path: the job does not run in the notebook's folder
+        "a file": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    with open("data.txt") as f:
+                        return len(f.read()) / 3
+                """
+            )["reward"],
+            "FileNotFoundError",
+        ),
+    }
+    for what, (fn, expected) in cases.items():
+        name = unique("refused")
+        with pytest.raises(UsageError) as err:
+            session.train(reward=fn, prompts=PROMPTS, steps=2, name=name, detach="local")
+        message = str(err.value)
+        assert expected in message, (what, message)
+        assert "Nothing was submitted" in message or "cannot be sent" in message, message
+        assert name not in session.detached
+        names = {j["name"] for j in session.jobs()}
+        assert name not in names, f"{what}: a job was submitted"
+    assert list(jobs_dir.iterdir()) == [], "a worker was started"
+    sys.modules.pop("only_here", None)
+
+
+def test_detach_from_an_embedded_service_is_refused_unless_it_is_detached_too(
+    tmp_path, monkeypatch, jobs_dir
+):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("OPENRL_LOCAL_DATA_DIR", str(tmp_path / "local-data"))
+    plain = sessions.connect(local=True, name=unique("plain"))
+    try:
+        with pytest.raises(
+            UsageError, match=r"stops with this\s+kernel.*connect\(local=True, detached=True\)"
+        ):
+            plain.train(reward=lambda p, c, **i: 1.0, prompts=PROMPTS, steps=2, detach="local")
+    finally:
+        sessions.disconnect(plain.name)
+    detached = sessions.connect(local=True, detached=True, name=unique("det"))
+    pid = detached.local.process.pid
+    try:
+        assert os.getsid(pid) != os.getsid(0), "the detached service is in the kernel's session"
+        sessions.disconnect(detached.name)
+        assert alive(pid), "disconnecting stopped the detached service"
+        again = sessions.connect(local=True, detached=True, name=unique("again"))
+        assert again.url == detached.url and again.local.process.pid == pid  # found, not started twice
+        sessions.disconnect(again.name)
+    finally:
+        from openrl_jupyter.local import find_detached
+
+        found = find_detached()
+        if found is not None:
+            found.stop()
+    assert not alive(pid)
+
+
+def test_k8s_detach_on_a_service_without_jobs_configured_is_a_clear_409(session):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return 1.0\n")["reward"]
+    with pytest.raises(RequestError) as err:
+        session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s")
+    assert err.value.status == 409
+    assert "k8s" in str(err.value) and "--jobs-namespace" in str(err.value)
+
+
+# -- detached local runs ----------------------------------------------------------------------------------
+def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_dir):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=500,
+        batch=2,
+        group=4,
+        max_tokens=4,
+        name=unique("ctl"),
+        detach="local",
+    )
+    assert job.where == "local" and job.process is not None and os.getsid(job.process.pid) != os.getsid(0)
+    client = session.client
+
+    def done_steps() -> int:  # the rows the run stored: one per step (trained or not)
+        return client.get_run(run_id)["metrics_count"]
+
+    run_id = wait_for(lambda: job.runs and job.runs[0], 120, "the run")
+    wait_for(lambda: done_steps() >= 1, 120, "the first step")
+    assert client.get_run(run_id).get("user_metadata", {}).get("openrl.job") == job.job_id
+    job.pause()
+    wait_for(lambda: client.get_run(run_id).get("state") == "paused", 60, "the run to pause")
+    held = done_steps()
+    time.sleep(2)
+    assert done_steps() == held, "a paused detached run went on stepping"
+    job.resume()
+    wait_for(lambda: done_steps() > held, 60, "a step after resume")
+    job.stop(wait=True, timeout=120)
+    assert job.state == "stopped"
+    assert job.process.wait(30) == 0
+    assert "stopped" in job.logs()
+    assert done_steps() < 500
+
+
+CELL_REWARD_V1 = """%%openrl reward gated
+import os, time
+def reward(prompt, completion, **info):
+    # in the job (not in the submit-time proof), step 1 waits here until the test opens the gate
+    while "OPENRL_JOB_ID" in os.environ and not os.path.exists(GATE):
+        time.sleep(0.05)
+    return scoring.score(completion)
+"""
+CELL_REWARD_V2 = """%%openrl reward gated
+def reward(prompt, completion, **info):
+    return 1.0 - scoring.score(completion)
+"""
+
+
+def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_whole_history(
+    server, tmp_path, jobs_dir
+):
+    notebook = tmp_path / "notebook"
+    notebook.mkdir()
+    (notebook / "scoring.py").write_text(
+        "def score(c):\n    return sum(ch.isalpha() for ch in c) / max(1, len(c))\n"
+    )
+    gate = tmp_path / "gate"
+    name = unique("outlive")
+    env = {"OPENRL_URL": server.url, "OPENRL_TOKEN": ALICE_KEY, "OPENRL_JOBS_DIR": str(jobs_dir)}
+    steps = 5
+    with Kernel(env=env, cwd=notebook) as k:
+        k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        k.execute(
+            f"import scoring\nGATE = {str(gate)!r}\nP = {PROMPTS!r}"
+        )  # a module of the notebook's folder
+        assert "reward gated v1 registered" in k.execute(CELL_REWARD_V1).stdout
+        k.execute(
+            f"job = %openrl train --reward gated --prompts P --steps {steps} --batch 2 --group 4 "
+            f"--max-tokens 6 --name {name} --detach local",
+            timeout=120,
+        )
+        worker = int(k.execute("print(job.process.pid)").stdout)
+        # the worker has its payloads and created its run: step 1 now waits at the gate
+        k.execute("import time\nwhile not job.runs:\n    time.sleep(0.2)", timeout=120)
+        # the reward is redefined while step 1 waits at the gate: the job gets v2 from step 2 on
+        out = k.execute(CELL_REWARD_V2, timeout=120).stdout
+        assert "reward gated v2 registered" in out and f"sent to detached {name} (its payload v2)" in out
+        kernel_pid = k.km.provisioner.process.pid
+        os.kill(kernel_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(kernel_pid), 10, "the kernel to die")
+        assert alive(worker), "the worker died with the kernel"
+
+    # a new kernel attaches while the job runs (its step 1 still waits at the gate)
+    with Kernel(env=env) as k2:
+        k2.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        out = k2.execute(
+            f"view = %openrl attach {name}\n"
+            "import time\n"
+            "deadline = time.monotonic() + 30\n"  # the worker reports "running" once its run exists
+            "while view.state != 'running' and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            "    view.refresh()\n"
+            "print(view.state, view.step)",
+            timeout=60,
+        ).stdout
+        assert out.split() == ["running", "0"], out
+        listing = k2.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
+        row = next(line for line in listing.splitlines() if line.startswith(name))
+        assert f"local pid {worker}" in row and "running" in row and f"0/{steps}" in row, listing
+        shown = k2.execute("view", timeout=60)
+        assert shown.comm_opens, "displaying the attached run opened no dashboard"
+        # the magics control a detached run by name: pause after step 1, then resume
+        out = k2.execute(f"%openrl pause {name}", timeout=60).stdout
+        assert f"asked detached run {name!r} to pause" in out
+        gate.write_text("open")
+        out = k2.execute(
+            "deadline = time.monotonic() + 60\n"
+            "while view.state != 'paused' and time.monotonic() < deadline:\n"
+            "    time.sleep(0.1)\n"
+            "    view.refresh()\n"
+            "time.sleep(1.5)\n"
+            "view.refresh()\n"
+            "print(view.state, view.step)",
+            timeout=90,
+        ).stdout
+        assert out.split() == ["paused", "1"], out
+        assert f"asked detached run {name!r} to resume" in k2.execute(f"%openrl resume {name}").stdout
+
+        def finished(msgs) -> bool:
+            return any(f"{steps}/{steps}" in json.dumps(m["content"]) for m in of_type(msgs, "comm_msg"))
+
+        updates = k2.drain(240, until=finished)
+        assert finished(updates), "the attached dashboard never showed the last step"
+        assert len(of_type(updates, "comm_msg")) >= 3, "expected several live updates while no cell ran"
+
+        out = k2.execute(
+            "view.wait(120)\n"
+            "print([r['step'] for r in view.history])\n"
+            "print([r['reward_version'] for r in view.history])\n"
+            "print(view.state, view.step, view.total_steps)",
+            timeout=180,
+        ).stdout.splitlines()
+        assert out[0] == str(list(range(1, steps + 1))), out  # every step, from the service
+        assert out[1] == str([1] + [2] * (steps - 1)), out  # hot swap from the next step on
+        assert out[2] == f"finished {steps} {steps}"
+        with Client(server.url, token=ALICE_KEY) as c:
+            entry = c.get_job(name)
+        assert entry["state"] == "finished" and entry["where"] == "local" and entry["pid"] == worker
+        wait_for(lambda: not alive(worker), 30, "the worker to exit")
+
+    # and any later kernel sees the whole history too
+    with Kernel(env=env) as k3:
+        k3.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=60)
+        out = k3.execute(
+            f"view = %openrl attach {name}\nprint([r['step'] for r in view.history], view.state)", timeout=60
+        ).stdout
+        assert out.strip() == f"{list(range(1, steps + 1))} finished"
+        shown = k3.execute("view", timeout=60)
+        assert f"step {steps}/{steps}" in shown.outputs[-1]["text/plain"]
+        listing = k3.execute("table = %openrl runs\nprint(repr(table))", timeout=60).stdout
+        row = next(line for line in listing.splitlines() if line.startswith(name))
+        assert f"local pid {worker}" in row and "finished" in row and f"{steps}/{steps}" in row
+
+
+def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_its_runs(session, jobs_dir):
+    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter.sql.reward import sql_reward
+
+    examples = sql_data.generate(0, per_template=1).train[:2]
+    prompts = [{"prompt": sql_data.render_prompt(e), **e} for e in examples]
+    assert all("db_path" not in p for p in prompts)  # the job rebuilds the databases from db_id + seed
+    name = unique("dsweep")
+    job = session.sweep(
+        reward=sql_reward,  # a function of an installed package: it travels by reference
+        prompts=prompts,
+        grid={"lr": [1e-4, 3e-4]},
+        steps=2,
+        rungs=0,
+        batch=2,
+        group=2,
+        max_tokens=8,
+        name=name,
+        detach="local",
+    )
+    assert job.kind == "sweep" and job.where == "local"
+    job.wait(240)
+    assert job.state == "finished", job.logs()
+    client = session.client
+    runs = [client.get_run(rid) for rid in job.runs]
+    assert sorted(r["name"] for r in runs) == [f"{name}-lr1e-4", f"{name}-lr3e-4"]
+    for r in runs:
+        assert r["user_metadata"] == {"openrl.job": job.job_id, "openrl.sweep": name}
+    rows = job.history
+    assert sorted((r["run"], r["step"]) for r in rows) == sorted((r["name"], s) for r in runs for s in (1, 2))
+    assert all(r["failed"] == 0 and r["reward_name"] == "sql_reward" for r in rows), rows
+    assert "best" in job.entry["message"]
+
+
+def test_a_sweep_in_the_kernel_labels_its_runs_with_its_name_too(session):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    name = unique("lsweep")
+    sweep = session.sweep(
+        reward=fn,
+        prompts=PROMPTS,
+        grid={"seed": [1, 2]},
+        steps=1,
+        rungs=0,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=name,
+        save_best=False,
+    )
+    sweep.wait(120)
+    for run in sweep.runs:
+        assert session.client.get_run(run.run_id)["user_metadata"] == {"openrl.sweep": name}
+
+
+def test_k8s_detach_creates_the_kubernetes_job_and_its_pod_command_runs_with_the_job_key(
+    session, server, tmp_path, monkeypatch
+):
+    """--detach k8s through the service and the real KubeLauncher (against kmock, an in-process
+    Kubernetes API); then the Job's container command is run here with the environment its pod
+    would get (the key from the Secret, spec.json from the ConfigMap): the run finishes, labelled
+    with its job, and the job's key stops working once the job has ended."""
+    import subprocess
+
+    from openrl_service.kube import KubeLauncher, KubeSettings
+    from tests.k8s.kubeapi import KubeAPI, pod_command_and_env
+
+    image = "ghcr.io/openrl-jupyter/openrl-notebook:0.1.0"
+    api = KubeAPI()
+    try:
+        settings = KubeSettings(namespace="openrl", images=[image], service_url=server.url)
+        monkeypatch.setattr(
+            server.service, "kube", KubeLauncher(settings, api_client=api.client), raising=False
+        )
+        fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+        with pytest.raises(RequestError) as err:  # the service checks the request, not the notebook
+            session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s", k8s={"image": "evil/img:1"})
+        assert err.value.status == 400 and "k8s.image" in str(err.value)
+        assert not api.objects("jobs")
+        job = session.train(
+            reward=fn,
+            prompts=PROMPTS,
+            steps=2,
+            batch=2,
+            group=2,
+            max_tokens=4,
+            name=unique("pod"),
+            detach="k8s",
+            k8s={"image": image, "cpu": "1", "memory": "2Gi"},
+        )
+        assert job.where == "k8s" and job.process is None and job.log_path is None
+        assert "key" not in job.entry
+        command, env = pod_command_and_env(api, job.entry["k8s"]["job"], tmp_path / "pod")
+    finally:
+        api.close()
+    assert command == ["python", "-m", "openrl_jupyter.jobs", "worker"]
+    assert env["OPENRL_TOKEN"].startswith("tml-job-") and env["OPENRL_URL"] == server.url
+    pod_env = {k: v for k, v in os.environ.items() if not k.startswith("OPENRL_")}  # PATH, PYTHONPATH
+    home = tmp_path / "home"
+    home.mkdir()
+    pod_env.update(env, HOME=str(home))
+    log = tmp_path / "pod.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, *command[1:]],
+            env=pod_env,
+            cwd=home,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=300,
+        )
+    assert done.returncode == 0, log.read_text()
+    job.wait(30)
+    assert job.state == "finished" and job.entry["host"], job.entry
+    (run_id,) = job.runs
+    assert session.client.get_run(run_id)["user_metadata"] == {"openrl.job": job.job_id}
+    assert [r["step"] for r in job.history] == [1, 2]
+    with Client(server.url, token=env["OPENRL_TOKEN"], retries=0) as c:  # the job's end revoked its key
+        with pytest.raises(Exception) as revoked:
+            c.get_job(job.job_id)
+        assert getattr(revoked.value, "status", None) == 401
+
+
+def test_the_sql_reward_rebuilds_a_database_the_job_does_not_have_from_its_seed(tmp_path):
+    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter.sql.reward import sql_reward
+
+    example = sql_data.generate(0, per_template=1).train[0]
+    kernel_only = tmp_path / "not-in-the-job" / "db.sqlite"  # a path of the notebook's machine
+    assert sql_reward("q", example["sql"], **{**example, "db_path": str(kernel_only)}) == 1.0
+    assert sql_reward("q", "SELECT 1", **{**example, "db_path": str(kernel_only)}) == 0.0
