@@ -454,3 +454,60 @@ def test_notebook7_shell_opens_the_panel_from_the_command_palette(browser, tmp_p
     finally:
         context.close()
         nb.stop()
+
+
+def test_a_sweeps_runs_sit_under_the_sweep_and_stop_together(server, panel_lab, panel_page):
+    """A sweep started with session.sweep (here in the test's own process, as the same user): the panel
+    shows its runs under one sweep header with their count, and "Stop sweep" stops every one of them —
+    in the process that runs them (run.state "stopped", the panel's reason), and the sweep ends."""
+    from openrl_jupyter import session as sess
+
+    page, capture = panel_page
+    s = sess.connect(server.url, token=ALICE_KEY, name="panel-sweep")
+    try:
+        sweep = s.sweep(
+            reward=lambda prompt, completion, **info: (
+                sum(c.isalpha() for c in completion) / max(1, len(completion))
+            ),
+            prompts=["Name a colour:", "Say hello:"],
+            grid={"lr": [1e-4, 3e-4]},
+            steps=5000,
+            group=2,
+            batch=1,
+            max_tokens=4,
+            rungs=0,
+            save_best=False,
+            name="panel-sweep",
+        )
+        if page.locator(PANEL).count() == 0:  # run alone: open Lab and the panel
+            page.goto(f"{panel_lab.url}/lab?token={panel_lab.token}", wait_until="domcontentloaded")
+            page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL[1:]}"]').click()
+        group = page.locator(f'{PANEL} li.jp-OpenRL-sweep[data-sweep="panel-sweep"]')
+        group.wait_for(timeout=30_000)
+        rows = group.locator("li.jp-OpenRL-run")
+        poll("both runs of the sweep under its header", lambda: rows.count() == 2, page, panel_lab)
+        ids = {rows.nth(i).get_attribute("data-run-id") for i in range(2)}
+        assert ids == {r.run_id for r in sweep.runs}, (ids, [r.run_id for r in sweep.runs])
+        header = group.locator(".jp-OpenRL-sweep-count")
+        poll(
+            "the header counting 2 of 2 running",
+            lambda: "2 of 2 running" in header.inner_text(),
+            page,
+            panel_lab,
+        )
+        screenshot(page, "panel-sweep")
+        group.locator(".jp-OpenRL-sweep-stop").click()
+        sweep.wait(timeout=60)
+        for run in sweep.runs:
+            assert str(run.state) == "stopped", (run.name, run.state)
+            assert "stopped from the panel" in (run.stop_reason or ""), run.stop_reason
+        poll(
+            "the header counting 0 of 2 running",
+            lambda: "0 of 2 running" in header.inner_text(),
+            page,
+            panel_lab,
+        )
+        assert group.locator(".jp-OpenRL-sweep-stop").is_disabled()
+        assert not capture.page_errors, capture.page_errors
+    finally:
+        sess.disconnect("panel-sweep")
