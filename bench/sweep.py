@@ -207,6 +207,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--repeat", type=int, default=1, help="measure each mode this many times (best kept)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="lr-rank", help="which 6-point grid")
+    ap.add_argument(
+        "--fusion", choices=["on", "off"], default=None, help="the service's OPENRL_FUSION (default: its own)"
+    )
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sweep.json"))
     args = ap.parse_args()
@@ -214,9 +217,11 @@ def main() -> int:
     GRID = GRIDS[args.grid]
     if args.short:
         args.steps, args.group, args.batch, args.max_tokens = 2, 2, 2, 8
-    env = {"OPENRL_TORCH_THREADS": str(args.torch_threads)} if args.torch_threads else None
+    env = {"OPENRL_TORCH_THREADS": str(args.torch_threads)} if args.torch_threads else {}
+    if args.fusion:
+        env["OPENRL_FUSION"] = args.fusion
     key = "tml-bench-" + os.urandom(8).hex()
-    svc = start_service(model="openrl/tiny", api_key=key, env=env)
+    svc = start_service(model="openrl/tiny", api_key=key, env=env or None)
     session = None
     results: list[dict] = []
     try:
@@ -247,7 +252,7 @@ def main() -> int:
     print()
     print(
         f"{len(points())} runs (grid {args.grid}: {GRID}) x {args.steps} steps, group {args.group} x batch {args.batch}, "
-        f"{args.max_tokens} tokens, tiny model, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+        f"{args.max_tokens} tokens, tiny model, fusion {args.fusion or 'default'}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
     )
     print(
         f"{'mode':<12}{'wall s':>9}{'steps/s':>9}{'duty':>7}{'sample s':>10}{'score s':>9}{'train s':>9}{'other CPU s':>13}"
