@@ -199,7 +199,8 @@ class Jobs:
         self.jobs: dict[str, dict] = {}  # job id → record (what job.json holds)
         self._keys: dict[str, str] = {}  # SHA-256 of a live key → job id
         self._revoked: dict[str, str] = {}  # SHA-256 of a revoked key → job id (a 401 names the job)
-        self._archived: dict[str, str] = {}  # run id → job id: runs kept after their session ended
+        # run id → (job id, its entry): runs kept after their session ended (rows stay on disk)
+        self._archived: dict[str, tuple[str, dict]] = {}
         self.seen: dict[str, float] = {}  # job id → when its key last made a request (in memory)
         self.started = time.time()  # a restart counts as a request: the workers had no service to reach
         self.kube_status = None  # callable(job name) → launcher status (set by the jobs router)
@@ -221,8 +222,14 @@ class Jobs:
                 log.warning("skipping an unreadable job record %s", path)
                 continue
             self.jobs[job_id] = rec
-            for kept in path.parent.glob("runs/*.json"):
-                self._archived[kept.stem] = job_id
+            for kept in path.parent.glob("runs/*.entry.json"):
+                try:
+                    self._archived[kept.name.removesuffix(".entry.json")] = (
+                        job_id,
+                        json.loads(kept.read_text()),
+                    )
+                except (OSError, ValueError):
+                    log.warning("skipping an unreadable kept run %s", kept)
             if rec.get("key_digest"):
                 (self._revoked if rec.get("key_revoked") else self._keys)[rec["key_digest"]] = job_id
 
@@ -580,7 +587,7 @@ class Jobs:
             self._revoke(rec)
             self.jobs.pop(rec["job_id"], None)
             self.seen.pop(rec["job_id"], None)
-            for run_id in [r for r, j in self._archived.items() if j == rec["job_id"]]:
+            for run_id in [r for r, (j, _) in self._archived.items() if j == rec["job_id"]]:
                 del self._archived[run_id]
             shutil.rmtree(self._dir(rec), ignore_errors=True)
         return rec
@@ -635,24 +642,35 @@ class Jobs:
             rec = self.jobs.get(job_id)
             if rec is None or rec["tenant"] != tenant:
                 return
-            data = json.dumps({"entry": entry, "metrics": metrics}, default=str).encode()
-            _write_atomic(self._dir(rec) / "runs" / f"{run_id}.json", data)
-            self._archived[run_id] = job_id
+            folder = self._dir(rec) / "runs"
+            _write_atomic(folder / f"{run_id}.metrics.json", json.dumps(metrics, default=str).encode())
+            entry = json.loads(json.dumps(entry, default=str))
+            _write_atomic(folder / f"{run_id}.entry.json", json.dumps(entry).encode())  # last: the index
+            self._archived[run_id] = (job_id, entry)
             if run_id not in rec["runs"]:
                 rec["runs"] = rec["runs"] + [run_id]
                 self._save(rec)
 
     def archived(self, tenant: str, run_id: str) -> dict | None:
-        """A kept run of ``tenant``: {entry, metrics}, else None."""
-        rec = self.jobs.get(self._archived.get(run_id) or "")
+        """A kept run of ``tenant``: its entry (kept in memory), else None."""
+        job_id, entry = self._archived.get(run_id) or ("", None)
+        rec = self.jobs.get(job_id)
+        return dict(entry) if rec is not None and rec["tenant"] == tenant else None
+
+    def archived_metrics(self, tenant: str, run_id: str) -> list[dict]:
+        """A kept run's metric rows (read from the job's folder)."""
+        job_id, _ = self._archived.get(run_id) or ("", None)
+        rec = self.jobs.get(job_id)
         if rec is None or rec["tenant"] != tenant:
-            return None
+            return []
         try:
-            return json.loads((self._dir(rec) / "runs" / f"{run_id}.json").read_text())
+            return json.loads((self._dir(rec) / "runs" / f"{run_id}.metrics.json").read_text())
         except (OSError, ValueError):
-            return None
+            return []
 
     def archived_of(self, tenant: str) -> list[str]:
         return [
-            r for r, j in list(self._archived.items()) if (self.jobs.get(j) or {}).get("tenant") == tenant
+            r
+            for r, (j, _) in list(self._archived.items())
+            if (self.jobs.get(j) or {}).get("tenant") == tenant
         ]

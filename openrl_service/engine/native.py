@@ -473,11 +473,11 @@ class NativeRuns:
             for run_id in jobs.archived_of(tenant) if jobs is not None else []:
                 kept = None if run_id in self.svc.runs else jobs.archived(tenant, run_id)
                 if kept is not None:
-                    out.append(kept["entry"])
+                    out.append(kept)
         return out
 
     def _kept(self, tenant: str, run_id: str) -> dict | None:
-        """A job's ended run, kept after its session (engine/jobs.py): {entry, metrics}."""
+        """A job's ended run's entry, kept after its session (engine/jobs.py)."""
         jobs = getattr(self.svc, "jobs", None)
         return jobs.archived(tenant, run_id) if jobs is not None and run_id not in self.svc.runs else None
 
@@ -491,7 +491,7 @@ class NativeRuns:
         if run is None or run.tenant != tenant:
             kept = self._kept(tenant, run_id)
             if kept is not None:
-                return kept["entry"]
+                return kept
             raise NotFound(f"unknown run {run_id!r}", field="run_id")
         return self.describe_sdk(run)
 
@@ -499,8 +499,8 @@ class NativeRuns:
         """The run's metric rows (a job's ended run: the rows kept with it; a Tinker-SDK run: none)."""
         entry = self.entry(tenant, run_id)
         if entry.get("ended"):
-            kept = self._kept(tenant, run_id)
-            return kept["metrics"] if kept is not None else []
+            jobs = getattr(self.svc, "jobs", None)
+            return jobs.archived_metrics(tenant, run_id) if jobs is not None else []
         if entry["kind"] == "sdk":
             return []
         return self.get(tenant, run_id).metrics
