@@ -596,7 +596,8 @@ class Jobs:
     def reconcile(self, rec: dict, phase: str | None = None, reason: str | None = None, now=None) -> bool:
         """Fail a job whose worker is gone without reporting, revoking its key: its Kubernetes Job
         ended or vanished (``phase`` failed/succeeded/missing), or no request from its key for
-        OPENRL_JOB_LOST_AFTER_S while running (a local one: also while still submitted)."""
+        OPENRL_JOB_LOST_AFTER_S while running (a local one: also while still submitted) unless its
+        Kubernetes Job is pending (a retry pod waiting for a node or for Kueue)."""
         if rec["state"] in TERMINAL_STATES:
             return False
         now = time.time() if now is None else now
@@ -604,6 +605,8 @@ class Jobs:
         if phase in ("failed", "succeeded", "missing"):
             what = "is gone" if phase == "missing" else phase
             message = f"its Kubernetes Job {what}" + (f": {reason}" if reason else "")
+        elif phase == "pending":  # Kubernetes says a pod is to come (a retry queued in Kueue): wait
+            return False
         elif rec["state"] == "running" or (rec["state"] == "submitted" and rec["where"] == "local"):
             last = max(self.seen.get(rec["job_id"], 0.0), self.started, rec["created"])
             if now - last <= limit:

@@ -446,6 +446,27 @@ def test_a_k8s_job_whose_kubernetes_job_ended_without_a_report_fails(server, ali
             alice.delete(f"{V1}/jobs/{j['job_id']}")
 
 
+def test_a_k8s_job_waits_while_its_kubernetes_job_is_pending(server, alice, monkeypatch):
+    """A preempted pod's retry may wait in Kueue longer than OPENRL_JOB_LOST_AFTER_S: while Kubernetes
+    says pending, the silent job is not failed; once Kubernetes says running and nothing asks, it is."""
+    kube = FakeKube()
+    monkeypatch.setattr(server.service, "kube", kube, raising=False)
+    monkeypatch.setattr(server.service.limits, "job_lost_after_s", 1)
+    job = submit(alice, unique("queued"), where="k8s")
+    try:
+        with keyed(server.url, kube.submitted[0]["key"]) as jk:
+            assert jk.post(f"{V1}/jobs/{job['job_id']}/state", json={"state": "running"}).status_code == 200
+        time.sleep(1.5)
+        kube.phase = "pending"
+        server.service.jobs.sweep(time.time())
+        assert server.service.jobs.jobs[job["job_id"]]["state"] == "running"
+        kube.phase = "running"
+        server.service.jobs.sweep(time.time())
+        assert server.service.jobs.jobs[job["job_id"]]["state"] == "failed"
+    finally:
+        alice.delete(f"{V1}/jobs/{job['job_id']}")
+
+
 def test_jobs_payloads_and_keys_survive_a_restart(tmp_path, tiny_model_dir):
     data = tmp_path / "data"
     live = start_server(data, tiny_model_dir)
