@@ -645,8 +645,10 @@ def test_a_job_whose_worker_stopped_reporting_fails_and_its_key_is_revoked(serve
                     == 200
                 )
                 time.sleep(0.2)
+            ak.get(f"{V1}/jobs/{alive_job['job_id']}/payloads", params={"after": 1})
             jobs.sweep(time.time())  # the housekeeping round
             assert jobs.jobs[dead["job_id"]]["state"] == "failed"
+            assert jobs.jobs[alive_job["job_id"]]["state"] == "running"
             entry = alice.get(f"{V1}/jobs/{dead['job_id']}").json()
             assert entry["state"] == "failed"
             assert entry["message"].startswith("its worker stopped reporting (no request for 2 s")
