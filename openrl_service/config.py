@@ -36,6 +36,12 @@ class Limits:
     max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
     max_metric_rows: int = 100_000  # OPENRL_MAX_METRIC_ROWS: a native run keeps its newest rows, drops older
     max_job_payload_bytes: int = 8 * 1024 * 1024  # OPENRL_MAX_JOB_PAYLOAD_BYTES: a detached job's payload
+    max_jobs_per_tenant: int = 100  # OPENRL_MAX_JOBS_PER_TENANT: jobs kept (any state) until deleted
+    # OPENRL_MAX_JOB_PAYLOAD_TOTAL_BYTES: every payload version of a tenant's kept jobs, together
+    max_job_payload_total_bytes: int = 256 * 1024 * 1024
+    # OPENRL_JOB_LOST_AFTER_S: a running job with no request from its key for this long (and a local
+    # job still submitted after it) is failed and its key revoked (its worker died without reporting)
+    job_lost_after_s: int = 300
     # Queue limits (backpressure). Per lane: one training run, or one sampler. Sampling over a limit is
     # refused with 429 + Retry-After; training is queued and reported as try_again/paused_capacity.
     max_queued_per_run: int = 64  # OPENRL_MAX_QUEUED_PER_RUN: queued requests per run or sampler

@@ -51,6 +51,8 @@ DEFAULT_MEMORY = "2Gi"
 RESERVED_VOLUMES = ("job-spec", "tmp")
 REQUEST_FIELDS = ("image", "volumes", "cpu", "memory")
 REQUEST_TIMEOUT_S = (5, 30)  # connect, read: one call to the API server
+# the worker's exit code after it reported its job failed (openrl_jupyter.jobs): do not retry
+WORKER_REPORTED_FAILED = 3
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -449,6 +451,22 @@ class KubeLauncher:
         job_labels = dict(labels)
         spec: dict[str, Any] = {
             "backoffLimit": s.backoff_limit,
+            # The worker exits WORKER_REPORTED_FAILED after it reported the job failed (its key is
+            # revoked): a retry could not authenticate, so that fails the Job at once. A pod evicted
+            # or preempted (node drain, Kueue, spot) is retried without counting against backoffLimit.
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": "worker",
+                            "operator": "In",
+                            "values": [WORKER_REPORTED_FAILED],
+                        },
+                    },
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                ]
+            },
             "ttlSecondsAfterFinished": s.ttl_s,
             "template": {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}, "spec": pod},
         }

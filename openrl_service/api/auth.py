@@ -202,7 +202,7 @@ class AuthMiddleware:
         if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
             via = "none"
             key = credential(headers)
-            # A job's key (engine/jobs.py), also on a service without auth: its scope still holds.
+            # A job's key (engine/jobs.py): its scope holds (the jobs API itself needs auth on).
             job = None
             if self.jobs is not None and key and key.startswith(JOB_KEY_PREFIX):
                 job = self.jobs.access(key, scope.get("method", "GET"), path)
@@ -211,6 +211,7 @@ class AuthMiddleware:
             if job is not None:
                 tenant, via = job.tenant, "job"
                 scope.setdefault("state", {})["job_id"] = job.job_id
+                scope["state"]["job_revoked"] = job.revoked  # only a repeat of its terminal report
             elif self.settings.auth_enabled:
                 tenant, via = self.keys.tenant(key), "api_key"
                 if tenant is None and self.minted is not None:

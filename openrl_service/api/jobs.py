@@ -21,11 +21,11 @@ import logging
 import time
 
 import anyio
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
-from openrl_service.engine.jobs import Jobs
+from openrl_service.engine.jobs import TERMINAL_STATES, Jobs
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
 log = logging.getLogger("openrl_service")
@@ -33,9 +33,21 @@ PHASE_TTL_S = 5.0
 
 
 def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
+    def with_keys() -> None:
+        """Without keys every caller is the same tenant: anyone on the machine could send a running
+        worker code (a payload it unpickles) or read its payloads. Jobs need a keyed service."""
+        if not svc.settings.auth_enabled:
+            raise Conflict(
+                "the jobs API is off on a service started with --no-auth: without keys any local user "
+                "could send code to a running worker (a payload it unpickles) or read its payloads; "
+                "start the service with an API key (the default) to detach runs",
+                field="--no-auth",
+            )
+
     r = APIRouter(
         prefix="/openrl/v1",
         tags=["jobs"],
+        dependencies=[Depends(with_keys)],
         route_class=BackpressureRoute,  # POSTs that journal run control are synced before the reply
         generate_unique_id_function=S.operation_ids("jobs"),
     )
@@ -48,29 +60,47 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
     def job_of(request: Request) -> str | None:
         return getattr(request.state, "job_id", None)
 
-    phases: dict[str, tuple[float, str]] = {}  # Kubernetes Job name → (when asked, phase)
+    phases: dict[str, tuple[float, str, str | None]] = {}  # Job name → (when asked, phase, reason)
 
-    async def phase_of(job_name: str) -> str:
-        """The Kubernetes Job's phase, asked at most every PHASE_TTL_S (a worker polls its entry)."""
+    def kube_status(job_name: str) -> dict:
+        kube = launcher()
+        return kube.status(job_name) if kube is not None else {}
+
+    jobs.kube_status = kube_status  # the housekeeping round reconciles Kubernetes jobs too
+    svc.jobs = jobs  # NativeRuns: a job's recorded control and its runs kept after their session
+    if jobs.sweep not in svc.sweepers:
+        svc.sweepers.append(jobs.sweep)
+
+    async def phase_of(job_name: str) -> tuple[str, str | None]:
+        """The Kubernetes Job's phase (and why), asked at most every PHASE_TTL_S (a worker polls
+        its entry)."""
         kube = launcher()
         if kube is None:
-            return "unknown"
+            return "unknown", None
         hit = phases.get(job_name)
         if hit is not None and time.monotonic() - hit[0] < PHASE_TTL_S:
-            return hit[1]
+            return hit[1], hit[2]
         try:
-            phase = (await anyio.to_thread.run_sync(kube.status, job_name)).get("phase", "unknown")
+            st = await anyio.to_thread.run_sync(kube.status, job_name)
         except Exception:  # noqa: BLE001 - an unreachable API server leaves the phase unknown
             log.warning("Kubernetes status of job %s failed", job_name, exc_info=True)
-            return "unknown"
+            return "unknown", None
         if len(phases) > 10_000:
             phases.clear()
-        phases[job_name] = (time.monotonic(), phase)
-        return phase
+        phases[job_name] = (time.monotonic(), st.get("phase", "unknown"), st.get("reason"))
+        return phases[job_name][1], phases[job_name][2]
 
     async def entry(rec: dict) -> dict:
+        """The job's entry; one not over is reconciled first (its worker gone without reporting).
+        A job that is over does not ask Kubernetes."""
         k8s = rec.get("k8s")
-        phase = await phase_of(k8s["job"]) if k8s is not None and k8s.get("job") else None
+        phase = reason = None
+        if rec["state"] not in TERMINAL_STATES:
+            if k8s is not None and k8s.get("job"):
+                phase, reason = await phase_of(k8s["job"])
+            await anyio.to_thread.run_sync(jobs.reconcile, rec, phase, reason)  # writes job.json
+        elif k8s is not None and k8s.get("job") and k8s["job"] in phases:
+            phase = phases[k8s["job"]][1]
         return jobs.entry(rec, phase)
 
     @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=S.SUBMIT_JOB_LINKS)
@@ -133,7 +163,8 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
     async def job_state(job_id: str, request: Request):
         """The job reports its state (pid, host, message); finished, failed or stopped revokes its key."""
         body = await read_json(request, max_body)
-        rec = await anyio.to_thread.run_sync(jobs.report_state, tenant(request), job_id, body)
+        revoked = bool(getattr(request.state, "job_revoked", False))  # its own key, after its end
+        rec = await anyio.to_thread.run_sync(jobs.report_state, tenant(request), job_id, body, revoked)
         return json_response(await entry(rec))
 
     @r.post("/jobs/{job_id}/control", openapi_extra=S.body(S.JOB_CONTROL))
@@ -151,20 +182,23 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
             )
         native = svc.native_runs
         sent = {k: v for k, v in control.items() if v is not None}
+        # Recorded first: a run created from now on obeys it at creation (NativeRuns.create reads it);
+        # one created before is in runs_of below.
+        await anyio.to_thread.run_sync(jobs.set_control, rec, control)
         for run_id in jobs.runs_of(rec):
             try:
                 native.control(who, run_id, sent)
             except (NotFound, Conflict):  # gone, or already done in its worker: nothing to control
                 continue
-        await anyio.to_thread.run_sync(jobs.set_control, rec, control)
         return json_response(await entry(rec))
 
     @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=S.body(S.add_job_payload(lim)))
     async def add_payload(job_id: str, request: Request):
         """A new payload version (a hot-swapped reward); the job's worker picks it up at its next step."""
         body = await read_json(request, max_body)
-        version = await anyio.to_thread.run_sync(jobs.add_payload, tenant(request), job_id, body)
-        return json_response({"version": version}, status=201)
+        version, created = await anyio.to_thread.run_sync(jobs.add_payload, tenant(request), job_id, body)
+        # the same bytes as the newest version (a retried POST): that version, not a duplicate
+        return json_response({"version": version}, status=201 if created else 200)
 
     @r.get("/jobs/{job_id}/payloads")
     async def payloads(job_id: str, request: Request, after: int = Query(0, ge=0, le=2**31)):

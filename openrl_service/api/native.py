@@ -175,10 +175,9 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
     @r.get("/runs/{run_id}/metrics")
     async def get_metrics(run_id: str, request: Request):
-        """Every metrics row stored for the run (none for a Tinker-SDK run: its client keeps them)."""
-        if native.entry(tenant(request), run_id)["kind"] == "sdk":
-            return json_response({"metrics": []})
-        return json_response({"metrics": native.get(tenant(request), run_id).metrics})
+        """Every metrics row stored for the run (none for a Tinker-SDK run: its client keeps them; a
+        job's ended run: the rows kept with it)."""
+        return json_response({"metrics": native.metrics(tenant(request), run_id)})
 
     @r.get("/events")
     async def events(request: Request):

@@ -37,6 +37,7 @@ from openrl_service.api.http import (
 )
 from openrl_service.api.schemas import body
 from openrl_service.checks import integer
+from openrl_service.engine.jobs import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
 from openrl_service.training.trainer import adam_params
@@ -87,7 +88,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             svc.create_session,
             tenant(request),
             tags=body.get("tags"),
-            user_metadata=body.get("user_metadata"),
+            user_metadata=unlabelled(body.get("user_metadata")),
             display_name=body.get("display_name"),
             project_id=body.get("project_id"),
         )
@@ -153,7 +154,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             base_model=body.get("base_model"),
             spec=spec,
             seed=seed,
-            user_metadata=body.get("user_metadata"),
+            user_metadata=unlabelled(body.get("user_metadata")),
             idem=idem(request),
         )
         return json_response(rec.reply())
@@ -267,7 +268,7 @@ def build_router(svc: TrainingService) -> APIRouter:
                 path=field(body, "path", str),
                 optimizer=optimizer,
                 base_model=body.get("base_model"),
-                user_metadata=body.get("user_metadata"),
+                user_metadata=unlabelled(body.get("user_metadata")),
                 idem=idem(request),
             )
         else:
@@ -407,6 +408,12 @@ def build_router(svc: TrainingService) -> APIRouter:
         return health(svc)
 
     return r
+
+
+def unlabelled(meta: Any) -> Any:
+    """``user_metadata`` as sent, refused (403) if it claims a job's label (only a job's key gets it)."""
+    check_unlabelled(meta)
+    return meta
 
 
 def coming_up(request: Request) -> bool:

@@ -131,6 +131,9 @@ class Durability:
         self.journal = Journal(s.data_dir / "journal") if self.enabled else None
         self.interval_s = s.snapshot_interval_s
         self.pending: OrderedDict[str, tuple] = OrderedDict()  # accepted, not yet done, in order
+        # sessions whose "finish" replayed before the notebook-API intent that creates them (intents
+        # replay as tasks): that intent must not bring the session (and its runs) back
+        self.finished_unseen: set[str] = set()
         self._plock = threading.Lock()
         # The notebook API's state, captured and restored by the layer that owns it.
         self.loop_state: list[tuple[str, Callable[[], Any], Callable[[Any], None]]] = []
@@ -548,6 +551,8 @@ class Durability:
                 sess = svc.sessions.get(session_id)
                 if sess is not None and not sess.finished:
                     svc.finish_session(tenant, session_id, reason)
+                elif sess is None:
+                    self.finished_unseen.add(session_id)
             elif kind == "sampler":
                 svc.create_sampler(record[1], **record[2])
             elif kind == "call":

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from openrl_service.config import Limits, tenant_folder
-from openrl_service.errors import Conflict, NotFound, PayloadTooLarge, UserError
+from openrl_service.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized, UserError
 
 log = logging.getLogger("openrl_service")
 
@@ -67,6 +67,7 @@ class JobAccess:
     tenant: str
     job_id: str
     name: str
+    revoked: bool = False  # a revoked key repeating its job's terminal state report (a retry): only that
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,19 @@ def decode_payload(value: Any, sha: Any, limit: int, field: str = "payload") -> 
     return data
 
 
+def check_unlabelled(meta: Any, field: str = "user_metadata") -> None:
+    """``user_metadata`` keys starting "openrl.job" are the service's label of a job's runs: only a
+    job's own key gets them (403 otherwise; "openrl.sweep" and every other key stay free)."""
+    if isinstance(meta, dict):
+        for k in meta:
+            if isinstance(k, str) and k.startswith(JOB_META_KEY):
+                raise Forbidden(
+                    f'{field}["{k[:64]}"] is reserved: the service labels a job\'s runs with their job '
+                    "(only that job's key creates them)",
+                    field=f"{field}.{JOB_META_KEY}",
+                )
+
+
 def _reward(value: Any) -> str | None:
     if value is None:
         return None
@@ -149,7 +163,10 @@ def _meta(value: Any) -> dict:
         raise UserError(f"meta: at most {MAX_META_VALUES} values; got {len(value)}", field="meta")
     for k, v in value.items():
         if len(k) > MAX_META_KEY_CHARS:
-            raise UserError(f"meta: a name has at most {MAX_META_KEY_CHARS} characters", field="meta")
+            raise UserError(
+                f"meta: the name {k[:32]!r}… has {len(k)} characters; at most {MAX_META_KEY_CHARS}",
+                field="meta",
+            )
         if isinstance(v, str):
             if len(v) > MAX_META_STR_CHARS:
                 raise UserError(
@@ -182,6 +199,11 @@ class Jobs:
         self.jobs: dict[str, dict] = {}  # job id → record (what job.json holds)
         self._keys: dict[str, str] = {}  # SHA-256 of a live key → job id
         self._revoked: dict[str, str] = {}  # SHA-256 of a revoked key → job id (a 401 names the job)
+        # run id → (job id, its entry): runs kept after their session ended (rows stay on disk)
+        self._archived: dict[str, tuple[str, dict]] = {}
+        self.seen: dict[str, float] = {}  # job id → when its key last made a request (in memory)
+        self.started = time.time()  # a restart counts as a request: the workers had no service to reach
+        self.kube_status = None  # callable(job name) → launcher status (set by the jobs router)
         self._load()
 
     # -- disk -------------------------------------------------------------------------------------
@@ -200,6 +222,14 @@ class Jobs:
                 log.warning("skipping an unreadable job record %s", path)
                 continue
             self.jobs[job_id] = rec
+            for kept in path.parent.glob("runs/*.entry.json"):
+                try:
+                    self._archived[kept.name.removesuffix(".entry.json")] = (
+                        job_id,
+                        json.loads(kept.read_text()),
+                    )
+                except (OSError, ValueError):
+                    log.warning("skipping an unreadable kept run %s", kept)
             if rec.get("key_digest"):
                 (self._revoked if rec.get("key_revoked") else self._keys)[rec["key_digest"]] = job_id
 
@@ -208,16 +238,19 @@ class Jobs:
         """What a ``tml-job-`` key may do here: its job (allowed), a refusal, or None (unknown key)."""
         digest = _sha(key)
         job_id = self._keys.get(digest)
-        if job_id is None:
-            gone = self._revoked.get(digest)
+        rec = self.jobs.get(job_id) if job_id is not None else None
+        if rec is None:
+            gone = self._revoked.get(digest) or job_id
             if gone is None:
                 return None
             rec = self.jobs.get(gone)
+            if rec is not None and method == "POST" and path == f"{V1}/jobs/{gone}/state":
+                return JobAccess(rec["tenant"], gone, rec["name"], revoked=True)  # a retried report
             why = f"its job is {rec['state']}" if rec is not None else "its job was deleted"
             name = rec["name"] if rec is not None else gone
             return JobRefusal(401, f"this key of job {name} ({gone}) was revoked: {why}")
-        rec = self.jobs[job_id]
         acc = JobAccess(rec["tenant"], job_id, rec["name"])
+        self.seen[job_id] = time.time()
         if not self.allows(acc, method, path):
             return JobRefusal(
                 403,
@@ -316,6 +349,15 @@ class Jobs:
             "k8s": None,
         }
         with self._lock:
+            mine = [r for r in self.jobs.values() if r["tenant"] == tenant]
+            most = self.limits.max_jobs_per_tenant
+            if len(mine) >= most:
+                raise Conflict(
+                    f"this tenant keeps {len(mine)} jobs, the most (OPENRL_MAX_JOBS_PER_TENANT={most}); "
+                    "delete old jobs (job.delete() / DELETE /openrl/v1/jobs/{id}) to submit more",
+                    field="name",
+                )
+            self._check_total(tenant, len(req["payload"]))
             for other in self.jobs.values():
                 if (
                     other["tenant"] == tenant
@@ -323,8 +365,8 @@ class Jobs:
                     and other["state"] not in TERMINAL_STATES
                 ):
                     raise Conflict(
-                        f"job {req['name']!r} is {other['state']} ({other['job_id']}); stop it or pick "
-                        "another name",
+                        f"job {req['name']!r} is {other['state']} ({other['job_id']}); stop it, delete it "
+                        f"(job.delete() / DELETE /openrl/v1/jobs/{other['job_id']}) or pick another name",
                         field="name",
                     )
             self.jobs[rec["job_id"]] = rec
@@ -336,6 +378,19 @@ class Jobs:
                 raise
             self._keys[rec["key_digest"]] = rec["job_id"]
         return rec, key
+
+    def _check_total(self, tenant: str, adding: int) -> None:
+        """The tenant's payload bytes (every version of every kept job) stay within their budget."""
+        most = self.limits.max_job_payload_total_bytes
+        total = adding + sum(
+            v["bytes"] for r in self.jobs.values() if r["tenant"] == tenant for v in r["payload_versions"]
+        )
+        if total > most:
+            raise PayloadTooLarge(
+                f"payload: this tenant's job payloads would take {total} bytes; at most {most} "
+                f"(OPENRL_MAX_JOB_PAYLOAD_TOTAL_BYTES={most}); delete old jobs to free some",
+                field="payload",
+            )
 
     def _store_payload(self, rec: dict, data: bytes, reward: str | None, now: float) -> int:
         version = len(rec["payload_versions"]) + 1
@@ -358,7 +413,8 @@ class Jobs:
     def set_k8s(self, rec: dict, info: dict) -> None:
         with self._lock:
             rec["k8s"] = dict(info)
-            self._save(rec)
+            if rec["job_id"] in self.jobs:  # not one deleted meanwhile (no job.json resurrected)
+                self._save(rec)
 
     def discard(self, rec: dict) -> None:
         """Forget a job whose submission failed (its key with it)."""
@@ -394,7 +450,8 @@ class Jobs:
         if new:
             with self._lock:
                 rec["runs"] = rec["runs"] + [r for r in new if r not in rec["runs"]]
-                self._save(rec)
+                if rec["job_id"] in self.jobs:
+                    self._save(rec)
         return list(rec["runs"])
 
     def entry(self, rec: dict, phase: str | None = None) -> dict:
@@ -429,12 +486,16 @@ class Jobs:
         return out
 
     # -- changes ----------------------------------------------------------------------------------
-    def report_state(self, tenant: str, ref: str, body: dict) -> dict:
-        """The job's worker (or the notebook) reports its state; a terminal one revokes the key."""
+    def report_state(self, tenant: str, ref: str, body: dict, revoked_key: bool = False) -> dict:
+        """The job's worker (or the notebook) reports its state; a terminal one revokes the key. A
+        repeat of the job's terminal state (a retried report) answers the job unchanged; with
+        ``revoked_key`` (the job's own key, revoked by that state) nothing else is allowed."""
         state = _choice(body, "state", REPORTED_STATES)
         pid, host, message = body.get("pid"), body.get("host"), body.get("message")
         if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
-            raise UserError(f"pid must be a positive integer; got {repr(pid)[:100]}", field="pid")
+            raise UserError(
+                f"pid must be a positive integer below 2**31 ({2**31}); got {repr(pid)[:100]}", field="pid"
+            )
         if host is not None and (not isinstance(host, str) or len(host) > MAX_HOST_CHARS):
             raise UserError(f"host must be a string of at most {MAX_HOST_CHARS} characters", field="host")
         if message is not None and (not isinstance(message, str) or len(message) > MAX_MESSAGE_CHARS):
@@ -443,6 +504,13 @@ class Jobs:
             )
         with self._lock:
             rec = self.find(tenant, ref)
+            if rec["state"] in TERMINAL_STATES and state == rec["state"]:
+                return rec  # a retried report of the same end: answered, nothing changes
+            if revoked_key:
+                why = f"its job is {rec['state']}" if rec["state"] in TERMINAL_STATES else "its job was reset"
+                raise Unauthorized(
+                    f"this key of job {rec['name']} ({rec['job_id']}) was revoked: {why}", field="X-API-Key"
+                )
             if rec["state"] in TERMINAL_STATES:
                 raise Conflict(f"job {rec['name']} is already {rec['state']}", field="state")
             rec["state"] = state
@@ -469,10 +537,17 @@ class Jobs:
         with self._lock:
             rec["control"] = {**control, "at": round(time.time(), 3)}
             rec["updated"] = rec["control"]["at"]
-            self._save(rec)
+            if rec["job_id"] in self.jobs:  # not one deleted meanwhile (no job.json resurrected)
+                self._save(rec)
 
-    def add_payload(self, tenant: str, ref: str, body: dict) -> int:
-        """A new payload version (a hot-swapped reward); the job's worker polls for it."""
+    def control_of(self, tenant: str, job_id: str) -> dict | None:
+        """The job's recorded control (a run created after it obeys it too), if any."""
+        rec = self.jobs.get(job_id)
+        return rec.get("control") if rec is not None and rec["tenant"] == tenant else None
+
+    def add_payload(self, tenant: str, ref: str, body: dict) -> tuple[int, bool]:
+        """A new payload version (a hot-swapped reward); the job's worker polls for it. Returns
+        (version, created): the newest version again when its bytes are the same (a retried POST)."""
         data = decode_payload(
             body.get("payload"), body.get("payload_sha256"), self.limits.max_job_payload_bytes
         )
@@ -483,13 +558,17 @@ class Jobs:
                 raise Conflict(
                     f"job {rec['name']} is {rec['state']}; it takes no new payload", field="job_id"
                 )
+            newest = rec["payload_versions"][-1] if rec["payload_versions"] else None
+            if newest is not None and newest["sha256"] == hashlib.sha256(data).hexdigest():
+                return newest["version"], False
             if len(rec["payload_versions"]) >= MAX_PAYLOAD_VERSIONS:
                 raise Conflict(
                     f"payload: job {rec['name']} already has {MAX_PAYLOAD_VERSIONS} payload versions, "
                     "the most kept; submit a new job",
                     field="payload",
                 )
-            return self._store_payload(rec, data, reward, round(time.time(), 3))
+            self._check_total(rec["tenant"], len(data))
+            return self._store_payload(rec, data, reward, round(time.time(), 3)), True
 
     def payloads(self, tenant: str, ref: str, after: int) -> list[dict]:
         """Payload versions newer than ``after``, each with its bytes as base64."""
@@ -507,5 +586,94 @@ class Jobs:
             rec = self.find(tenant, ref)
             self._revoke(rec)
             self.jobs.pop(rec["job_id"], None)
+            self.seen.pop(rec["job_id"], None)
+            for run_id in [r for r, (j, _) in self._archived.items() if j == rec["job_id"]]:
+                del self._archived[run_id]
             shutil.rmtree(self._dir(rec), ignore_errors=True)
         return rec
+
+    # -- lost workers -----------------------------------------------------------------------------
+    def reconcile(self, rec: dict, phase: str | None = None, reason: str | None = None, now=None) -> bool:
+        """Fail a job whose worker is gone without reporting, revoking its key: its Kubernetes Job
+        ended or vanished (``phase`` failed/succeeded/missing), or no request from its key for
+        OPENRL_JOB_LOST_AFTER_S while running (a local one: also while still submitted) unless its
+        Kubernetes Job is pending (a retry pod waiting for a node or for Kueue)."""
+        if rec["state"] in TERMINAL_STATES:
+            return False
+        now = time.time() if now is None else now
+        limit = self.limits.job_lost_after_s
+        if phase in ("failed", "succeeded", "missing"):
+            what = "is gone" if phase == "missing" else phase
+            message = f"its Kubernetes Job {what}" + (f": {reason}" if reason else "")
+        elif phase == "pending":  # Kubernetes says a pod is to come (a retry queued in Kueue): wait
+            return False
+        elif rec["state"] == "running" or (rec["state"] == "submitted" and rec["where"] == "local"):
+            last = max(self.seen.get(rec["job_id"], 0.0), self.started, rec["created"])
+            if now - last <= limit:
+                return False
+            message = f"its worker stopped reporting (no request for {limit} s; OPENRL_JOB_LOST_AFTER_S)"
+        else:
+            return False
+        with self._lock:
+            if rec["state"] in TERMINAL_STATES or rec["job_id"] not in self.jobs:
+                return False
+            log.warning("job %s (%s) failed: %s", rec["name"], rec["job_id"], message)
+            rec["state"], rec["message"] = "failed", message[:MAX_MESSAGE_CHARS]
+            rec["updated"] = round(now, 3)
+            self._revoke(rec)
+            self._save(rec)
+        return True
+
+    def sweep(self, now: float) -> None:
+        """The housekeeping round: reconcile every job not yet over (a Kubernetes Job's status asked)."""
+        for rec in [r for r in list(self.jobs.values()) if r["state"] not in TERMINAL_STATES]:
+            phase = reason = None
+            k8s = rec.get("k8s") or {}
+            if k8s.get("job") and self.kube_status is not None:
+                try:
+                    st = self.kube_status(k8s["job"]) or {}
+                    phase, reason = st.get("phase"), st.get("reason")
+                except Exception:  # noqa: BLE001 - an unreachable API server: ask again next round
+                    log.warning("Kubernetes status of job %s failed", k8s["job"], exc_info=True)
+            self.reconcile(rec, phase, reason, now)
+
+    # -- runs kept after their session ------------------------------------------------------------
+    def archive_run(self, tenant: str, job_id: str, run_id: str, entry: dict, metrics: list) -> None:
+        """Keep a job's run (its entry and metric rows) in the job's folder when its session ends,
+        readable until the job is deleted."""
+        with self._lock:
+            rec = self.jobs.get(job_id)
+            if rec is None or rec["tenant"] != tenant:
+                return
+            folder = self._dir(rec) / "runs"
+            _write_atomic(folder / f"{run_id}.metrics.json", json.dumps(metrics, default=str).encode())
+            entry = json.loads(json.dumps(entry, default=str))
+            _write_atomic(folder / f"{run_id}.entry.json", json.dumps(entry).encode())  # last: the index
+            self._archived[run_id] = (job_id, entry)
+            if run_id not in rec["runs"]:
+                rec["runs"] = rec["runs"] + [run_id]
+                self._save(rec)
+
+    def archived(self, tenant: str, run_id: str) -> dict | None:
+        """A kept run of ``tenant``: its entry (kept in memory), else None."""
+        job_id, entry = self._archived.get(run_id) or ("", None)
+        rec = self.jobs.get(job_id)
+        return dict(entry) if rec is not None and rec["tenant"] == tenant else None
+
+    def archived_metrics(self, tenant: str, run_id: str) -> list[dict]:
+        """A kept run's metric rows (read from the job's folder)."""
+        job_id, _ = self._archived.get(run_id) or ("", None)
+        rec = self.jobs.get(job_id)
+        if rec is None or rec["tenant"] != tenant:
+            return []
+        try:
+            return json.loads((self._dir(rec) / "runs" / f"{run_id}.metrics.json").read_text())
+        except (OSError, ValueError):
+            return []
+
+    def archived_of(self, tenant: str) -> list[str]:
+        return [
+            r
+            for r, (j, _) in list(self._archived.items())
+            if (self.jobs.get(j) or {}).get("tenant") == tenant
+        ]

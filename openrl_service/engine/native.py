@@ -25,7 +25,9 @@ the Tinker API's guarantees hold for it too. What this layer adds:
 
 A run lives as long as its session: ``heartbeat`` keeps it alive while the notebook is idle; when
 the client deletes it or the idle reaper finishes it (no heartbeat or request for
-OPENRL_SESSION_IDLE_TIMEOUT_S), this layer forgets it with its metric rows and stored samples.
+OPENRL_SESSION_IDLE_TIMEOUT_S), this layer forgets it with its metric rows and stored samples. A
+detached job's run (labelled ``openrl.job``) is kept instead: its entry and metric rows go to the job's
+folder (engine/jobs.py) and stay readable, listed as ended, until the job is deleted.
 
 Sampling and training of one run share its lane, so a sample always sees the weights of every
 train step submitted before it; ``snapshot`` in replies is the run's optimizer-step count.
@@ -51,7 +53,7 @@ import orjson
 
 from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.checks import integer, number
-from openrl_service.engine.jobs import JOB_META_KEY
+from openrl_service.engine.jobs import JOB_META_KEY, check_unlabelled
 from openrl_service.engine.registry import new_session_id
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.errors import ApiError, Conflict, Forbidden, NotFound, UserError
@@ -319,6 +321,13 @@ class NativeRuns:
     async def _do_create(self, inputs: dict) -> dict:
         tenant = inputs["tenant"]
         sess = self.svc.sessions.get(inputs["session_id"])
+        if (
+            sess is None
+            and self.svc.durability.replaying
+            and inputs["session_id"] in self.svc.durability.finished_unseen
+        ):
+            # deleted or reaped before the restart (its "finish" record replayed first): stays gone
+            raise NotFound(f"run {inputs['name']!r} ended before the restart", field="run_id")
         if sess is None:
 
             def new_session():
@@ -349,6 +358,7 @@ class NativeRuns:
             if nr is None:
                 nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
                 nr.planned = inputs.get("steps")
+        self._obey_job(tenant, run_id, inputs["user_metadata"])
         try:
             await self._result(rec)
         except ApiError:
@@ -357,6 +367,18 @@ class NativeRuns:
             raise
         self.events.publish(tenant, {"event": "created", "run_id": run_id, "name": inputs["name"]})
         return self.describe(nr)
+
+    def _obey_job(self, tenant: str, run_id: str, meta: dict | None) -> None:
+        """A job's run created after a pause or stop of the job gets it at creation (its worker's Run
+        obeys at its first step). The job records its control before fanning it out to the runs it
+        has, so a run is either among those or finds the record here."""
+        job_id = (meta or {}).get(JOB_META_KEY)
+        jobs = getattr(self.svc, "jobs", None)
+        if job_id is None or jobs is None:  # a replayed creation too: the job record is on disk
+            return
+        control = jobs.control_of(tenant, job_id)
+        if control is not None and control.get("action") in ("pause", "stop"):
+            self.control(tenant, run_id, {"action": control["action"], "reason": control.get("reason")})
 
     def describe(self, nr: NativeRunState) -> dict:
         run = nr.run
@@ -434,7 +456,8 @@ class NativeRuns:
         return None
 
     def list(self, tenant: str, include_all: bool = False) -> list[dict]:
-        """The tenant's notebook runs; with ``include_all`` its Tinker-SDK training runs too."""
+        """The tenant's notebook runs; with ``include_all`` its Tinker-SDK training runs too, and the
+        ended runs its jobs keep."""
         out = [
             self.describe(nr)
             for nr in list(self.runs.values())
@@ -446,17 +469,41 @@ class NativeRuns:
                 for run in list(self.svc.runs.values())
                 if run.tenant == tenant and run.run_id not in self.runs
             ]
+            jobs = getattr(self.svc, "jobs", None)
+            for run_id in jobs.archived_of(tenant) if jobs is not None else []:
+                kept = None if run_id in self.svc.runs else jobs.archived(tenant, run_id)
+                if kept is not None:
+                    out.append(kept)
         return out
 
+    def _kept(self, tenant: str, run_id: str) -> dict | None:
+        """A job's ended run's entry, kept after its session (engine/jobs.py)."""
+        jobs = getattr(self.svc, "jobs", None)
+        return jobs.archived(tenant, run_id) if jobs is not None and run_id not in self.svc.runs else None
+
     def entry(self, tenant: str, run_id: str) -> dict:
-        """One run of ``tenant`` as the runs list shows it, notebook or Tinker SDK (else 404)."""
+        """One run of ``tenant`` as the runs list shows it, notebook or Tinker SDK, or a job's ended
+        run (else 404)."""
         nr = self.runs.get(run_id)
-        if nr is not None:
+        if nr is not None and run_id in self.svc.runs:
             return self.describe(self.get(tenant, run_id))
         run = self.svc.runs.get(run_id)
         if run is None or run.tenant != tenant:
+            kept = self._kept(tenant, run_id)
+            if kept is not None:
+                return kept
             raise NotFound(f"unknown run {run_id!r}", field="run_id")
         return self.describe_sdk(run)
+
+    def metrics(self, tenant: str, run_id: str) -> list[dict]:
+        """The run's metric rows (a job's ended run: the rows kept with it; a Tinker-SDK run: none)."""
+        entry = self.entry(tenant, run_id)
+        if entry.get("ended"):
+            jobs = getattr(self.svc, "jobs", None)
+            return jobs.archived_metrics(tenant, run_id) if jobs is not None else []
+        if entry["kind"] == "sdk":
+            return []
+        return self.get(tenant, run_id).metrics
 
     def heartbeat(self, tenant: str, run_id: str, body: dict | None = None) -> NativeRunState:
         """Keep the run's session alive (a paused notebook is not an abandoned one). ``body``'s
@@ -573,8 +620,28 @@ class NativeRuns:
 
     def _session_finished(self, tenant: str, session_id: str, run_ids: list[str]) -> None:
         """Forget the runs of a finished session (deleted, or reaped when idle), their metric rows
-        and their stored samples."""
+        and their stored samples; a job's run is kept first (its entry and rows, in the job's folder)."""
         gone = set(run_ids)
+        jobs = getattr(self.svc, "jobs", None)
+        for r in run_ids:
+            nr = self.runs.get(r)
+            job_id = (nr.run.user_metadata or {}).get(JOB_META_KEY) if nr is not None else None
+            if job_id is None or jobs is None:
+                continue
+            try:
+                entry = self.describe(nr)
+                entry.update(
+                    ended=True,
+                    ended_at=round(time.time(), 3),
+                    orphaned=False,
+                    share=0.0,
+                    state=nr.kernel_state if nr.kernel_state in KERNEL_DONE else "ended",
+                )
+                with nr.lock:
+                    rows = list(nr.metrics)
+                jobs.archive_run(tenant, job_id, r, entry, rows)
+            except Exception:  # noqa: BLE001 - a full disk must not keep the session from finishing
+                log.exception("keeping run %s of job %s failed", r, job_id)
         with self._lock:
             for r in run_ids:
                 self.controls.pop(r, None)
@@ -937,6 +1004,7 @@ def _job_label(meta: dict, job: str | None) -> dict:
     """A run created by a job's key carries ``user_metadata["openrl.job"] = job``; another job's
     label is refused (403)."""
     if job is None:
+        check_unlabelled(meta)
         return meta
     claimed = meta.get(JOB_META_KEY, job)
     if claimed != job:

@@ -106,6 +106,12 @@ def test_submit_creates_exactly_the_job_its_configmap_and_secret(api):
 
     spec = job["spec"]
     assert spec["backoffLimit"] == 2 and spec["ttlSecondsAfterFinished"] == 3600
+    # exit code 3 = the worker reported its job failed (its key is revoked): fail the Job, no retry;
+    # an evicted or preempted pod is retried without using up backoffLimit
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"containerName": "worker", "operator": "In", "values": [3]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
     assert "activeDeadlineSeconds" not in spec
     tmpl = spec["template"]
     assert (
