@@ -112,6 +112,7 @@ def make_config(
     normalize_std: bool = False,
     seed: int | None = 0,
     overlap: int = 0,
+    load_from: str | None = None,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     fixed: RewardVersion | None = None
@@ -143,6 +144,8 @@ def make_config(
         )
     if group < 2:
         raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
+    if load_from is not None and not (isinstance(load_from, str) and load_from.startswith("tinker://")):
+        raise UsageError(f"load_from must be a tinker:// checkpoint path; got {load_from!r}")
     return TrainConfig(
         reward=reward,
         reward_fn=fixed,
@@ -160,6 +163,7 @@ def make_config(
         normalize_std=normalize_std,
         seed=seed,
         overlap=overlap,
+        extra={"load_from": load_from} if load_from is not None else {},
     )
 
 
