@@ -8,7 +8,7 @@ against it (nbclient, a fresh kernel) with the sizes given here, writes the exec
 
     recipe-sql: held-out execution match baseline A -> after SFT B -> after RL C (N questions, X min)
 
-    python examples/recipe_sql.py --sft-steps 40 --rl-steps 16 --out build/recipe-sql
+    python examples/recipe_sql.py --sft-steps 30 --rl-steps 20 --out build/recipe-sql
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from notebook_demo import execute  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--eval-n", type=int, default=96, help="held-out questions scored after each phase")
-    p.add_argument("--sft-steps", type=int, default=40)
+    p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=1e-3)
-    p.add_argument("--rl-steps", type=int, default=16)
+    p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--rl-group", type=int, default=8)
-    p.add_argument("--rl-batch", type=int, default=4)
-    p.add_argument("--rl-lr", type=float, default=2e-4)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rl-batch", type=int, default=2)
+    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--max-tokens", type=int, default=56)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=("auto", "vllm", "torch"), default="auto")
