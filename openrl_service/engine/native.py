@@ -300,7 +300,7 @@ class NativeRuns:
         planned = body.get("steps")
         planned = integer(planned, "steps", 1) if planned is not None else None
         load_from = body.get("load_from")
-        if load_from is not None and not isinstance(load_from, str):
+        if load_from is not None and not (isinstance(load_from, str) and load_from):
             raise UserError(
                 f"load_from must be a tinker:// checkpoint path (a string); got {load_from!r}",
                 field="load_from",

@@ -70,6 +70,8 @@ def test_bad_load_from_is_refused_naming_the_field(server, alice, trained):
     before = {r["run_id"] for r in alice.get(f"{V1}/runs", params={"include": "all"}).json()["runs"]}
     for body in (
         {"load_from": 3},
+        {"load_from": ""},
+        {"load_from": "not a path"},
         {"load_from": "tinker://nope/weights/missing"},
         {"load_from": path, "rank": 4},  # the checkpoint has rank 8
     ):
