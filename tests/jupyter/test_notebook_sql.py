@@ -79,3 +79,17 @@ def test_sql_recipe_notebook_runs_every_phase_on_the_tiny_model(tmp_path):
         "a key leaked into the executed notebook"
     )
     nbformat.validate(nb)
+
+
+def test_load_from_must_be_a_tinker_path_and_reaches_create_run():
+    from openrl_jupyter import UsageError
+    from openrl_jupyter.config import make_config
+
+    prompts = [{"prompt": "q", "sql": "SELECT 1", "db_id": "shop"}]
+    with pytest.raises(UsageError, match="load_from must be a tinker:// checkpoint path"):
+        make_config({}, reward=lambda p, c, **i: 0.0, prompts=prompts, load_from="/tmp/sft")
+    config = make_config(
+        {}, reward=lambda p, c, **i: 0.0, prompts=prompts, load_from="tinker://r/weights/sft"
+    )
+    assert config.extra == {"load_from": "tinker://r/weights/sft"}  # Run._create sends it with create_run
+    assert make_config({}, reward=lambda p, c, **i: 0.0, prompts=prompts).extra == {}
