@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--rl-group", type=int, default=8)
     p.add_argument("--rl-batch", type=int, default=2)
-    p.add_argument("--rl-lr", type=float, default=5e-4)
+    p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--max-tokens", type=int, default=56)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
