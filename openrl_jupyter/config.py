@@ -113,6 +113,7 @@ def make_config(
     seed: int | None = 0,
     overlap: int = 0,
     user_metadata: Mapping[str, Any] | None = None,
+    load_from: str | None = None,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     fixed: RewardVersion | None = None
@@ -149,6 +150,10 @@ def make_config(
         if not isinstance(user_metadata, Mapping) or not all(isinstance(k, str) for k in user_metadata):
             raise UsageError(f"user_metadata must be a dict with string keys; got {user_metadata!r}")
         extra["user_metadata"] = dict(user_metadata)  # labels: "openrl.job", "openrl.sweep"...
+    if load_from is not None:
+        if not (isinstance(load_from, str) and load_from.startswith("tinker://")):
+            raise UsageError(f"load_from must be a tinker:// checkpoint path; got {load_from!r}")
+        extra["load_from"] = load_from
     return TrainConfig(
         reward=reward,
         reward_fn=fixed,

@@ -113,6 +113,12 @@ def _parsers() -> dict[str, MagicArgumentParser]:
     t.add_argument("--normalize-std", action="store_true", dest="normalize_std", help="divide by group std")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
+        "--load-from",
+        default=None,
+        dest="load_from",
+        help="a tinker:// checkpoint whose LoRA weights the run starts from (e.g. an SFT run's save_state)",
+    )
+    t.add_argument(
         "--overlap",
         type=int,
         default=0,
@@ -391,6 +397,7 @@ class OpenRLMagics(Magics):
             normalize_std=a.normalize_std,
             seed=a.seed,
             overlap=a.overlap,
+            load_from=a.load_from,
             **_detach_kwargs(a),
         )
 

@@ -80,8 +80,9 @@ class Session:
         function, which is pinned to this run alone (it is not registered under its name).
 
         Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
-        normalize_std, seed, overlap (1: sample step k+1 while step k is scored); unset ones come
-        from the model's capability entry.
+        normalize_std, seed, overlap (1: sample step k+1 while step k is scored), load_from (a
+        tinker:// checkpoint whose LoRA weights the run starts from); unset ones come from the
+        model's capability entry.
         """
         from openrl_jupyter.config import make_config
         from openrl_jupyter.run import Run

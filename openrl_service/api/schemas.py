@@ -375,6 +375,10 @@ def create_run(lim: Limits) -> dict:
             "name": {"type": "string", "minLength": 1, "maxLength": 128},
             "base_model": STR,
             "user_metadata": METADATA,
+            "load_from": {
+                "type": "string",
+                "description": "a tinker:// checkpoint to start from (weights only)",
+            },
             **lora_fields(lim),
         },
         **SOME_LAYERS,

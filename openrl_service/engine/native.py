@@ -305,6 +305,12 @@ class NativeRuns:
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         planned = body.get("steps")
         planned = integer(planned, "steps", 1) if planned is not None else None
+        load_from = body.get("load_from")
+        if load_from is not None and not (isinstance(load_from, str) and load_from):
+            raise UserError(
+                f"load_from must be a tinker:// checkpoint path (a string); got {load_from!r}",
+                field="load_from",
+            )
         inputs = {
             "tenant": tenant,
             "name": name,
@@ -316,6 +322,8 @@ class NativeRuns:
             "session_id": new_session_id(),
             "idem": idem,
         }
+        if load_from is not None:  # absent in intents journaled before this field existed
+            inputs["load_from"] = load_from
         return await self._intent("create", inputs)
 
     async def _do_create(self, inputs: dict) -> dict:
@@ -361,9 +369,23 @@ class NativeRuns:
         self._obey_job(tenant, run_id, inputs["user_metadata"])
         try:
             await self._result(rec)
-        except ApiError:
+            if inputs.get("load_from"):
+                # start from a saved checkpoint's LoRA weights (a fresh optimizer): its base model,
+                # rank and layers must be this run's (load_state checks them, naming the field)
+                nr.bump(1)
+                loaded = self.svc.load_state(tenant, run_id, 1, inputs["load_from"], False, None)
+                await self._result(loaded)
+        except ApiError as e:
             with self._lock:
                 self.runs.pop(run_id, None)
+            if inputs.get("load_from") and run_id in self.svc.runs:  # created, then the load was refused
+                finish = functools.partial(self.svc.finish_session, tenant, sess.session_id)
+                if self.svc.durability.replaying:
+                    finish()
+                else:
+                    await anyio.to_thread.run_sync(finish)
+            if e.field == "path":
+                e.field = "load_from"
             raise
         self.events.publish(tenant, {"event": "created", "run_id": run_id, "name": inputs["name"]})
         return self.describe(nr)
