@@ -38,7 +38,18 @@ job and payloads, reports ``running`` (pid, host), runs the Run (or Sweep) to it
 steps fetches new payload versions: a new version of a named reward (``%%openrl reward NAME`` again
 in the notebook) applies from the next step (hot swap). Pause, resume and stop arrive as run control
 (``POST /jobs/{id}/control`` sets it on every run of the job). It reports finished / stopped / failed
-with a message and exits 0 / 0 / 1.
+with a message and exits 0 / 0 / 3 (3: reported failed, a retry cannot help; Kubernetes fails the
+Job on it). A stop or pause recorded on the job before its runs existed applies to them when they
+start. A run paused on an error shows in the job's message ("paused on error: ...", still running;
+``Job.wait`` raises JobPaused); after ``OPENRL_JOB_PAUSED_ERROR_S`` (default 600) the job fails. When
+the job is deleted or its key revoked, the worker stops its runs and exits 3. On SIGTERM it stops its
+runs and reports the job stopped only when the job's control is stop; otherwise (preemption, a node
+drain) it reports nothing and exits 143, so a retried pod can go on with the same key. A payload
+version that cannot be loaded is skipped and named in the job's message. The payload's python
+(major.minor) and cloudpickle versions must be the worker's; otherwise it fails naming both.
+
+The kernel that started a local worker polls it (``job.state``, ``job.wait``): a worker that exited
+without reporting is reported failed, with its exit code or signal and its log.
 
 This module imports without torch.
 """

@@ -191,6 +191,10 @@ def test_detach_from_an_embedded_service_is_refused_unless_it_is_detached_too(
         assert alive(pid), "disconnecting stopped the detached service"
         again = sessions.connect(local=True, detached=True, name=unique("again"))
         assert again.url == detached.url and again.local.process.pid == pid  # found, not started twice
+        with pytest.raises(
+            UsageError, match=rf"already running \(pid {pid}, .*serves 'openrl/tiny', not 'other/model'"
+        ):
+            sessions.connect(local=True, detached=True, model="other/model", name=unique("other"))
         sessions.disconnect(again.name)
     finally:
         from openrl_jupyter.local import find_detached
@@ -327,6 +331,29 @@ def test_a_worker_that_dies_without_reporting_is_reported_failed_by_its_kernel(s
         assert c.get_job(job.name)["state"] == "failed"
 
 
+def test_a_sigterm_without_a_stop_reports_nothing_so_a_retry_can_take_over(session, jobs_dir):
+    """Kubernetes preemption or a node drain sends SIGTERM: the job must stay open (its key valid)
+    for the retry pod; here the kernel that started the worker reports it failed once it sees it gone."""
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=500,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("term"),
+        detach="local",
+    )
+    wait_for(lambda: job.runs, 120, "the run")
+    job.process.send_signal(signal.SIGTERM)
+    assert job.process.wait(60) == jobs.EXIT_TERMINATED, job.logs()
+    with Client(session.url, token=ALICE_KEY) as c:
+        assert c.get_job(job.job_id)["state"] == "running"  # not stopped: the key still works
+    with pytest.warns(UserWarning, match="exited with code 143"):
+        assert job.state == "failed"
+
+
 def test_the_worker_skips_a_payload_version_it_cannot_load_and_keeps_the_notebooks_numbering(monkeypatch):
     import base64
 
@@ -367,6 +394,16 @@ def test_the_worker_refuses_a_payload_of_another_python_or_cloudpickle():
     )
 
 
+def test_the_volume_flag_is_named_as_typed():
+    from types import SimpleNamespace
+
+    from openrl_jupyter.magics import _detach_kwargs
+
+    a = SimpleNamespace(image=None, volumes=["data"], cpu=None, memory=None, detach="local")
+    with pytest.raises(UsageError, match=r"^--volume go with --detach k8s"):
+        _detach_kwargs(a)
+
+
 def test_the_jobs_posts_that_must_not_be_resent_are_not_and_names_are_quoted():
     from openrl_jupyter import client
 
@@ -375,6 +412,25 @@ def test_the_jobs_posts_that_must_not_be_resent_are_not_and_names_are_quoted():
     assert not client.job_state("j", "failed").resend
     assert not client.add_payload("j", "p", "s").resend
     assert client.job_control("j", "stop").resend and client.get_run("r").resend
+
+    import httpx
+
+    from openrl_jupyter._exceptions import ServiceUnavailable
+
+    sent = []
+
+    def lost(request):  # the request went out; its reply never came back
+        sent.append(request.url.path)
+        raise httpx.ReadError("connection reset", request=request)
+
+    with Client("http://svc", token="t", transport=httpx.MockTransport(lost), backoff_s=0) as c:
+        with pytest.raises(ServiceUnavailable):
+            c.create_job(name="x")
+        assert sent == ["/openrl/v1/jobs"]  # once: a re-send could submit it twice
+        sent.clear()
+        with pytest.raises(ServiceUnavailable):
+            c.job_control("j", "stop")
+        assert len(sent) == 1 + c.retries  # an idempotent control is re-sent as before
 
 
 CELL_REWARD_V1 = """%%openrl reward gated
