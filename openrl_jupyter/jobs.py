@@ -745,6 +745,7 @@ class Attached:
         self._closed = threading.Event()
         self._dashboard = None
         self._state = "?"
+        self._gone: str | None = None  # the service no longer has the run (reaped or deleted): why
         self.refresh()
 
     # what a Run offers the dashboard
@@ -777,15 +778,25 @@ class Attached:
         """The run is over and, for a job's run, the job has reported its end too."""
         if self.job is not None:
             return self.job.entry.get("state") in TERMINAL
-        return self._state in TERMINAL
+        return self._state in TERMINAL or self._gone is not None
 
     def refresh(self) -> list[dict]:
         """Fetch the rows and state from the service; the new rows."""
         client = self.session.client
-        rows = list(client.metrics(self.run_id) or [])
+        try:
+            rows = list(client.metrics(self.run_id) or [])
+        except NotFoundError:  # the service forgot the run: keep what this view has, say so
+            with self._lock:
+                rows = list(self._rows)
+            gone = f"the service no longer has run {self.run_id} (this view keeps its {len(rows)} steps)"
+            if not self._gone:
+                self._gone = gone
+                self._emit({"kind": "log", "step": self.step, "text": f"attach: {gone}"})
         with contextlib.suppress(NotFoundError):
             self._run = client.get_run(self.run_id)
         state = str(self._run.get("state") or "?")
+        if self._gone and state not in TERMINAL and self.job is None:
+            state = "gone"
         if self.job is not None:
             with contextlib.suppress(OpenRLError):
                 self.job.refresh()
@@ -793,6 +804,13 @@ class Attached:
             if job_state in TERMINAL and state not in TERMINAL:
                 state = job_state
             self.last_error = self.job.entry.get("message") or self.last_error
+        if self._gone:
+            job_says = (
+                f"; the job: {self.job.entry.get('message')}"
+                if self.job and self.job.entry.get("message")
+                else ""
+            )
+            self.last_error = f"{self._gone}{job_says}"
         with self._lock:
             seen = {r["step"] for r in self._rows}
             new = [r for r in rows if r["step"] not in seen]

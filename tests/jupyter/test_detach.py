@@ -352,6 +352,14 @@ def test_a_sigterm_without_a_stop_reports_nothing_so_a_retry_can_take_over(sessi
         assert c.get_job(job.job_id)["state"] == "running"  # not stopped: the key still works
     with pytest.warns(UserWarning, match="exited with code 143"):
         assert job.state == "failed"
+    # the service forgets the run (reaped, or deleted): attaching says so, never a raw 404
+    view = session.attach(job.name)
+    (run_id,) = job.runs
+    session.client.delete_run(run_id)
+    view.refresh()
+    assert view.done and "no longer has run" in view.last_error
+    with pytest.raises(UsageError, match="no longer has that run's history"):
+        session.attach(job.name)
 
 
 def test_the_worker_skips_a_payload_version_it_cannot_load_and_keeps_the_notebooks_numbering(monkeypatch):
@@ -584,6 +592,15 @@ def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_
     rows = job.history
     assert sorted((r["run"], r["step"]) for r in rows) == sorted((r["name"], s) for r in runs for s in (1, 2))
     assert all(r["failed"] == 0 and r["reward_name"] == "sql_reward" for r in rows), rows
+    from types import SimpleNamespace
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from openrl_jupyter.magics import OpenRLMagics
+
+    table = OpenRLMagics(shell=InteractiveShell.instance())._runs(SimpleNamespace(session=session.name))
+    row = next(line for line in repr(table).splitlines() if line.startswith(name))
+    assert "2/2 per run" in row and "halved" not in row, row  # per run, not 4/4 summed over runs
     message = job.entry["message"]
     assert message.startswith(f"best {name}-lr"), message
     assert "saved tinker://" in message and f"{name}-best" in message, message
