@@ -616,8 +616,9 @@ class Job:
         return self
 
     def delete(self) -> None:
-        """Revoke the job's key and delete its Kubernetes Job (a local worker then fails its next
-        request and ends); its runs stay on the service."""
+        """Revoke the job's key and delete its Kubernetes Job; this kernel's own local worker is sent
+        SIGTERM (another kernel's finds its key revoked at its next poll and exits). Its runs stay on
+        the service."""
         self.session.client.delete_job(self.job_id)
         self.session.detached.pop(self.name, None)
         p = self.process
@@ -1126,7 +1127,7 @@ class _Worker:
             # a stop or pause recorded before the runs existed applies to them now
             action = self.control()
             if action == "stop":
-                self.terminated = self.terminated or "stopped before its first step"
+                self.terminated = self.terminated or "the job was stopped before its runs existed"
                 self.target.stop()
             elif action == "pause":
                 for r in runs:
