@@ -562,10 +562,16 @@ class Job:
         """The metric rows the service stores, one per step; for a sweep each row names its ``run``."""
         client = self.session.client
         runs = self.runs
-        if self.kind == "run":  # its newest run (a retried Kubernetes pod creates another)
-            return list(client.metrics(runs[-1])) if runs else []
-        names = {r["run_id"]: r["name"] for r in client.list_runs() if r.get("run_id") in runs}
-        return [{"run": names.get(rid, rid), **row} for rid in runs for row in client.metrics(rid)]
+        try:
+            if self.kind == "run":  # its newest run (a retried Kubernetes pod creates another)
+                return list(client.metrics(runs[-1])) if runs else []
+            names = {r["run_id"]: r["name"] for r in client.list_runs() if r.get("run_id") in runs}
+            return [{"run": names.get(rid, rid), **row} for rid in runs for row in client.metrics(rid)]
+        except NotFoundError as exc:
+            raise UsageError(
+                f"job {self.name!r} ({self.entry.get('state')}: {self.entry.get('message') or 'no message'}) "
+                f"lists runs the service no longer has the history of ({exc})"
+            ) from None
 
     def logs(self, n: int = 4000) -> str:
         """The last ``n`` characters of a local job's output."""

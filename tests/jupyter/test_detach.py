@@ -261,11 +261,31 @@ def test_a_stop_sent_right_after_submit_stops_the_job_before_it_trains(session, 
         name=unique("early"),
         detach="local",
     )
+    paused = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=6,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("held"),
+        detach="local",
+    )
     job.stop()  # before the worker has even fetched its payload: the service records it on the job
+    paused.pause()  # the same for a pause: its run starts paused
     job.wait(120)
     assert job.state == "stopped", (job.entry, job.logs())
     assert job.process.wait(30) == 0
     assert all(session.client.get_run(rid)["metrics_count"] < 6 for rid in job.runs), job.logs()
+    run_id = wait_for(lambda: paused.runs and paused.runs[0], 120, "the paused job's run")
+    wait_for(lambda: session.client.get_run(run_id)["state"] == "paused", 60, "its run to be paused")
+    held = session.client.get_run(run_id)["metrics_count"]
+    time.sleep(1.5)
+    # paused at once: at most the step already under way when the worker read the job's control
+    # (none once the service applies a recorded pause to the run it creates)
+    assert held <= 1 and session.client.get_run(run_id)["metrics_count"] == held, paused.logs()
+    paused.stop(wait=True, timeout=120)
+    assert paused.state == "stopped" and paused.process.wait(30) == 0
 
 
 def test_a_job_whose_run_stays_paused_on_an_error_fails_and_its_worker_exits(session, jobs_dir, monkeypatch):
