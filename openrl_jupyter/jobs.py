@@ -1088,8 +1088,10 @@ class _Worker:
             with contextlib.suppress(OpenRLError):
                 self.report("running", text)
         limit = paused_error_limit_s()
-        if now - self._paused_since >= limit:
-            return f"{text} (paused for {limit:g} s, OPENRL_JOB_PAUSED_ERROR_S)"
+        if now - self._paused_since >= limit:  # the limit first: a long error is cut at 2000 chars
+            return (
+                f"paused on error for {limit:g} s (OPENRL_JOB_PAUSED_ERROR_S): {run.name}: {run.last_error}"
+            )
         return None
 
     def run(self) -> int:
