@@ -76,6 +76,10 @@ def jobs_dir(tmp_path, monkeypatch) -> Path:
 def session(server, jobs_dir):
     s = sessions.connect(server.url, token=ALICE_KEY, name=unique("detach"))
     yield s
+    for job in list(s.detached.values()):  # a failed test leaves no worker behind
+        if job.process is not None and job.process.poll() is None:
+            job.process.kill()
+            job.process.wait(10)
     sessions.disconnect(s.name)
 
 
