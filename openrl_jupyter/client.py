@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -170,6 +171,17 @@ class Call:
     # Sent as X-Idempotency-Key with a POST: one per logical call, the same on each of its retries,
     # so the service does the work once however often the request arrives.
     key: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    # False: never re-sent after a connection error that may have reached the service (the jobs
+    # API's POSTs are not idempotent: a re-send could duplicate a payload version or fail with 409/401);
+    # a connection that was never made is still retried
+    resend: bool = True
+
+
+def _attempt(client: _Base, call: Call, attempt: int, exc: Exception | None) -> int:
+    """The attempt number that decides a retry: past the limit for a call that must not be re-sent."""
+    if call.resend or exc is None or isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return attempt
+    return client.retries
 
 
 def ready() -> Call:
@@ -259,7 +271,7 @@ def metrics(run_id: str) -> Call:
 def create_job(**fields: Any) -> Call:
     """Submit a job (name, kind, where, payload, payload_sha256, reward, meta, k8s); its entry (with
     the job key only for where="local")."""
-    return Call("POST", f"{API}/jobs", json=fields)
+    return Call("POST", f"{API}/jobs", json=fields, resend=False)
 
 
 def list_jobs() -> Call:
@@ -269,12 +281,12 @@ def list_jobs() -> Call:
 
 def get_job(job: str) -> Call:
     """One job's entry, by job id or (the newest job of that) name."""
-    return Call("GET", f"{API}/jobs/{job}")
+    return Call("GET", f"{API}/jobs/{quote(job, safe='')}")
 
 
 def job_state(job_id: str, state: str, **fields: Any) -> Call:
     """Report a job's state (running, finished, failed, stopped) with pid, host, message."""
-    return Call("POST", f"{API}/jobs/{job_id}/state", json={"state": state, **fields})
+    return Call("POST", f"{API}/jobs/{job_id}/state", json={"state": state, **fields}, resend=False)
 
 
 def job_control(job_id: str, action: str, reason: str | None = None) -> Call:
@@ -286,7 +298,7 @@ def job_control(job_id: str, action: str, reason: str | None = None) -> Call:
 def add_payload(job_id: str, payload: str, payload_sha256: str, reward: str | None = None) -> Call:
     """Send a job a new payload version (a new reward version: hot swap); ``{"version"}``."""
     body = {"payload": payload, "payload_sha256": payload_sha256, "reward": reward}
-    return Call("POST", f"{API}/jobs/{job_id}/payloads", json=body)
+    return Call("POST", f"{API}/jobs/{job_id}/payloads", json=body, resend=False)
 
 
 def payloads(job_id: str, after: int = 0) -> Call:
@@ -372,7 +384,9 @@ class Client(_Base):
                 )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
+            delay = self._next_attempt(
+                call.method, call.path, _attempt(self, call, attempt, exc), response, exc
+            )
             if delay is None:
                 return self._result(call, response)
             time.sleep(delay)
@@ -427,7 +441,9 @@ class AsyncClient(_Base):
                 )
             except httpx.TransportError as e:
                 exc = e
-            delay = self._next_attempt(call.method, call.path, attempt, response, exc)
+            delay = self._next_attempt(
+                call.method, call.path, _attempt(self, call, attempt, exc), response, exc
+            )
             if delay is None:
                 return self._result(call, response)
             await asyncio.sleep(delay)

@@ -38,7 +38,18 @@ job and payloads, reports ``running`` (pid, host), runs the Run (or Sweep) to it
 steps fetches new payload versions: a new version of a named reward (``%%openrl reward NAME`` again
 in the notebook) applies from the next step (hot swap). Pause, resume and stop arrive as run control
 (``POST /jobs/{id}/control`` sets it on every run of the job). It reports finished / stopped / failed
-with a message and exits 0 / 0 / 1.
+with a message and exits 0 / 0 / 3 (3: reported failed, a retry cannot help; Kubernetes fails the
+Job on it). A stop or pause recorded on the job before its runs existed applies to them when they
+start. A run paused on an error shows in the job's message ("paused on error: ...", still running;
+``Job.wait`` raises JobPaused); after ``OPENRL_JOB_PAUSED_ERROR_S`` (default 600) the job fails. When
+the job is deleted or its key revoked, the worker stops its runs and exits 3. On SIGTERM it stops its
+runs and reports the job stopped only when the job's control is stop; otherwise (preemption, a node
+drain) it reports nothing and exits 143, so a retried pod can go on with the same key. A payload
+version that cannot be loaded is skipped and named in the job's message. The payload's python
+(major.minor) and cloudpickle versions must be the worker's; otherwise it fails naming both.
+
+The kernel that started a local worker polls it (``job.state``, ``job.wait``): a worker that exited
+without reporting is reported failed, with its exit code or signal and its log.
 
 This module imports without torch.
 """
@@ -66,7 +77,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import NotFoundError, OpenRLError
+from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
 from openrl_jupyter.session import UsageError
 
@@ -80,7 +91,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 DUMMY_COMPLETION = "ok"  # what the proof scores: a short completion any reward must take
 PROOF_TIMEOUT_S = 120.0
 WORKER_POLL_S = 1.0  # the worker asks for new payload versions this often
-ATTACH_POLL_S = 1.0  # an attached view asks the service for new rows this often
+ATTACH_POLL_S = 1.0
+DELETE_WAIT_S = 15.0  # Job.delete waits this long for its own local worker to end after SIGTERM  # an attached view asks the service for new rows this often
 K8S_KEYS = ("image", "volumes", "cpu", "memory")
 # never by value: these are installed wherever a job runs (and are the code that runs it)
 ALWAYS_BY_REFERENCE = {"openrl_jupyter", "openrl_service", "cloudpickle", "tests"}
@@ -443,7 +455,21 @@ def submit(session: Session, kind: str, where: Any, *, reward: Any, prompts: Any
     }
     if where == "k8s":
         fields["k8s"] = k8s
-    entry = session.client.create_job(**fields)
+    try:
+        entry = session.client.create_job(**fields)
+    except RequestError as exc:
+        if exc.status != 409 or where == "k8s" and "--jobs-namespace" in str(exc):
+            raise
+        try:
+            there = session.client.get_job(name)
+        except OpenRLError:
+            raise exc from None
+        raise UsageError(
+            f"a job named {name!r} is already on the service: {there.get('state')}, job id "
+            f"{there.get('job_id')}, pid {there.get('pid') or 'none yet'}. If it is one you submitted "
+            "(a reply lost on the way back included), attach to it (session.attach(name)), or end "
+            "it with stop() or delete() (%openrl runs lists it); else pick another name"
+        ) from None
     key = entry.pop("key", None)
     job = Job(session, entry, probe=probe, reward_names=named)
     session.detached[name] = job
@@ -459,6 +485,17 @@ class JobTimeout(OpenRLError, TimeoutError):
 
 class JobFailed(OpenRLError):
     """``Job.wait`` on a job that failed (its message says why; ``job.logs()`` for a local one)."""
+
+
+class JobPaused(OpenRLError):
+    """``Job.wait`` on a job whose run paused on an error (the job's message is the error)."""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 class Job:
@@ -479,9 +516,32 @@ class Job:
 
     # -- reading ------------------------------------------------------------------------------------
     def refresh(self) -> dict:
-        """The service's entry for the job now (also kept as ``entry``)."""
+        """The service's entry for the job now (also kept as ``entry``); a local worker of this
+        kernel that exited without reporting is reported failed here (with this key)."""
         self.entry = self.session.client.get_job(self.job_id)
+        self._reconcile()
         return self.entry
+
+    def _reconcile(self) -> None:
+        """Poll this kernel's own worker (reaping it); exited while the job is not over → failed."""
+        p = self.process
+        if p is None:
+            return
+        code = p.poll()
+        if code is None or self.entry.get("state") in TERMINAL:
+            return
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        message = f"its worker (pid {p.pid}) {how} without reporting the job's end"
+        if self.log_path:
+            message += f"; its log: {self.log_path}"
+        try:
+            self.entry = self.session.client.job_state(self.job_id, "failed", message=message)
+        except OpenRLError:  # it reported meanwhile (or the job is gone): the service's word
+            self.entry = self.session.client.get_job(self.job_id)
+            return
+        import warnings
+
+        warnings.warn(f"job {self.name!r}: {message}; reported it failed", stacklevel=3)
 
     @property
     def state(self) -> str:
@@ -502,10 +562,16 @@ class Job:
         """The metric rows the service stores, one per step; for a sweep each row names its ``run``."""
         client = self.session.client
         runs = self.runs
-        if self.kind == "run":
-            return list(client.metrics(runs[0])) if runs else []
-        names = {r["run_id"]: r["name"] for r in client.list_runs() if r.get("run_id") in runs}
-        return [{"run": names.get(rid, rid), **row} for rid in runs for row in client.metrics(rid)]
+        try:
+            if self.kind == "run":  # its newest run (a retried Kubernetes pod creates another)
+                return list(client.metrics(runs[-1])) if runs else []
+            names = {r["run_id"]: r["name"] for r in client.list_runs() if r.get("run_id") in runs}
+            return [{"run": names.get(rid, rid), **row} for rid in runs for row in client.metrics(rid)]
+        except NotFoundError as exc:
+            raise UsageError(
+                f"job {self.name!r} ({self.entry.get('state')}: {self.entry.get('message') or 'no message'}) "
+                f"lists runs the service no longer has the history of ({exc})"
+            ) from None
 
     def logs(self, n: int = 4000) -> str:
         """The last ``n`` characters of a local job's output."""
@@ -544,16 +610,34 @@ class Job:
             if deadline is not None and time.monotonic() > deadline:
                 raise JobTimeout(f"job {self.name!r} is still {self.entry.get('state')} after {timeout} s")
             time.sleep(poll_s)
+            if str(self.entry.get("message") or "").startswith("paused on error"):
+                where = f" (log: {self.log_path})" if self.log_path else ""
+                raise JobPaused(
+                    f"job {self.name!r} is {self.entry['message']}{where}: fix it, then job.resume() "
+                    "(or job.stop()); it fails by itself after OPENRL_JOB_PAUSED_ERROR_S"
+                )
         if self.entry.get("state") == "failed":
             where = f" (log: {self.log_path})" if self.log_path else ""
             raise JobFailed(f"job {self.name!r} failed: {self.entry.get('message')}{where}")
         return self
 
     def delete(self) -> None:
-        """Revoke the job's key and delete its Kubernetes Job (a local worker then fails its next
-        request and ends); its runs stay on the service."""
+        """Revoke the job's key and delete its Kubernetes Job; this kernel's own local worker is sent
+        SIGTERM (another kernel's finds its key revoked at its next poll and exits). Its runs stay on
+        the service."""
         self.session.client.delete_job(self.job_id)
         self.session.detached.pop(self.name, None)
+        p = self.process
+        if p is not None and p.poll() is None:  # this kernel's own worker: end it now
+            with contextlib.suppress(OSError):
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(DELETE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(5)
 
     def send_reward(self, version: RewardVersion) -> int:
         """Send a new version of a named reward to the job (proved first); its payload version."""
@@ -608,6 +692,8 @@ class Job:
             OPENRL_JOBS_DIR=folder,
             PYTHONUNBUFFERED="1",
         )
+        if os.environ.get("OPENRL_JOB_PAUSED_ERROR_S"):
+            env["OPENRL_JOB_PAUSED_ERROR_S"] = os.environ["OPENRL_JOB_PAUSED_ERROR_S"]
         try:
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
@@ -666,6 +752,7 @@ class Attached:
         self._closed = threading.Event()
         self._dashboard = None
         self._state = "?"
+        self._gone: str | None = None  # the service no longer has the run (reaped or deleted): why
         self.refresh()
 
     # what a Run offers the dashboard
@@ -698,15 +785,25 @@ class Attached:
         """The run is over and, for a job's run, the job has reported its end too."""
         if self.job is not None:
             return self.job.entry.get("state") in TERMINAL
-        return self._state in TERMINAL
+        return self._state in TERMINAL or self._gone is not None
 
     def refresh(self) -> list[dict]:
         """Fetch the rows and state from the service; the new rows."""
         client = self.session.client
-        rows = list(client.metrics(self.run_id) or [])
+        try:
+            rows = list(client.metrics(self.run_id) or [])
+        except NotFoundError:  # the service forgot the run: keep what this view has, say so
+            with self._lock:
+                rows = list(self._rows)
+            gone = f"the service no longer has run {self.run_id} (this view keeps its {len(rows)} steps)"
+            if not self._gone:
+                self._gone = gone
+                self._emit({"kind": "log", "step": self.step, "text": f"attach: {gone}"})
         with contextlib.suppress(NotFoundError):
             self._run = client.get_run(self.run_id)
         state = str(self._run.get("state") or "?")
+        if self._gone and state not in TERMINAL and self.job is None:
+            state = "gone"
         if self.job is not None:
             with contextlib.suppress(OpenRLError):
                 self.job.refresh()
@@ -714,6 +811,13 @@ class Attached:
             if job_state in TERMINAL and state not in TERMINAL:
                 state = job_state
             self.last_error = self.job.entry.get("message") or self.last_error
+        if self._gone:
+            job_says = (
+                f"; the job: {self.job.entry.get('message')}"
+                if self.job and self.job.entry.get("message")
+                else ""
+            )
+            self.last_error = f"{self._gone}{job_says}"
         with self._lock:
             seen = {r["step"] for r in self._rows}
             new = [r for r in rows if r["step"] not in seen]
@@ -834,11 +938,21 @@ def attach(session: Session, name: str) -> Attached | Job:
             return job
         if not entry.get("runs"):
             raise UsageError(f"job {name!r} is {entry.get('state')} and has no run yet; attach again shortly")
-        return Attached(session, client.get_run(entry["runs"][0]), job)
+        run_id = entry["runs"][-1]  # the newest: a retried Kubernetes pod creates another run
+        try:
+            return Attached(session, client.get_run(run_id), job)
+        except NotFoundError:
+            raise UsageError(
+                f"job {name!r} ({entry.get('state')}: {entry.get('message') or 'no message'}) lists run "
+                f"{run_id}, but the service no longer has that run's history"
+            ) from None
     runs = [r for r in client.list_runs() if r.get("name") == name]
     if not runs:
         raise UsageError(f"no detached job or run named {name!r} on {session.url} (see %openrl runs)")
-    return Attached(session, runs[-1])
+    try:
+        return Attached(session, runs[-1])
+    except NotFoundError:
+        raise UsageError(f"run {name!r} ended and the service no longer has its history") from None
 
 
 # -- the worker ---------------------------------------------------------------------------------------
@@ -859,6 +973,23 @@ class _NoFeed:
         pass
 
 
+EXIT_FAILED = 3  # reported failed: a retry cannot help (Kubernetes: podFailurePolicy FailJob)
+EXIT_TERMINATED = 143  # SIGTERM without a stop (preemption, node drain): a retry pod takes over
+
+
+def paused_error_limit_s() -> float:
+    """How long a job's run may stay paused on an error before the job fails
+    (``OPENRL_JOB_PAUSED_ERROR_S``, default 600)."""
+    try:
+        return float(os.environ.get("OPENRL_JOB_PAUSED_ERROR_S", "600"))
+    except ValueError:
+        return 600.0
+
+
+class _JobGone(Exception):
+    """The job was deleted or its key revoked: nothing can be reported any more."""
+
+
 class _Worker:
     def __init__(self, url: str, token: str, job_id: str):
         from openrl_jupyter.client import Client
@@ -868,55 +999,121 @@ class _Worker:
         self.seen = 0
         self.target: Any = None
         self.terminated: str | None = None
-        self._lock = threading.Lock()
+        self.gone: str | None = None
+        self._poke = threading.Event()  # set after each step (the runner thread does nothing more)
+        self._paused_since: float | None = None
+        self._paused_reported: str | None = None
+
+    def _job_call(self, fn: Callable[[], Any]) -> Any:
+        """A request about the job itself: 401/404 mean the job was deleted or its key revoked."""
+        from openrl_jupyter._exceptions import AuthenticationError
+
+        try:
+            return fn()
+        except (AuthenticationError, NotFoundError) as exc:
+            self.gone = str(exc)
+            raise _JobGone(str(exc)) from None
+
+    def report(self, state: str, message: str | None = None, **fields: Any) -> None:
+        if message is not None:
+            fields["message"] = message[:2000]
+        self._job_call(lambda: self.client.job_state(self.job_id, state, **fields))
 
     def poll(self) -> None:
-        """Fetch and apply the payload versions sent since the last poll."""
-        with self._lock:
-            try:
-                self.apply(self.client.payloads(self.job_id, after=self.seen))
-            except OpenRLError as exc:
-                _log(f"could not fetch new payloads: {exc}")
-            except Exception as exc:  # noqa: BLE001 - a bad new version must not end the run
-                _log(f"could not load a new payload: {type(exc).__name__}: {exc}")
+        """Fetch and apply the payload versions sent since the last poll (the main loop's thread)."""
+        try:
+            versions = self._job_call(lambda: self.client.payloads(self.job_id, after=self.seen))
+        except OpenRLError as exc:
+            _log(f"could not fetch new payloads: {exc}")
+            return
+        self.apply(versions)
 
     def _on_event(self, event: dict) -> None:
-        # on the runner thread, after a step and before the next one starts: a new reward version
-        # sent meanwhile applies from that next step
+        # on the runner thread: only a flag, the main loop polls (a slow service stalls no run)
         if event.get("kind") == "step":
-            self.poll()
+            self._poke.set()
 
-    def apply(self, versions: list[dict]) -> dict | None:
-        """Register the rewards of new payload versions; the first job payload's body, if among them."""
+    def apply(self, versions: list[dict], strict: bool = False) -> dict | None:
+        """Register the rewards of new payload versions; the first job payload's body, if among them.
+        A version that cannot be loaded is skipped (reported in the job's message) unless ``strict``."""
         first = None
         for entry in sorted(versions, key=lambda e: e["version"]):
-            body = decode(entry)
-            self.seen = max(self.seen, int(entry["version"]))
+            number = int(entry["version"])
+            self.seen = max(self.seen, number)  # a version that fails is not tried again
+            try:
+                body = decode(entry)
+            except Exception as exc:  # noqa: BLE001 - a bad new version must not end the run
+                if strict:
+                    raise
+                text = f"payload v{number} could not be loaded: {type(exc).__name__}: {exc}"
+                _log(text)
+                with contextlib.suppress(OpenRLError):
+                    self.report("running", text)
+                continue
             if body.get("type") == "job":
                 first = body
             for r in body.get("rewards") or []:
                 if r.get("pinned"):
                     continue
-                v = registry.register(r["name"], r["fn"], per_group=r["per_group"])
+                v = registry.register(r["name"], r["fn"], per_group=r["per_group"], version=r.get("version"))
                 if body.get("type") == "reward":
-                    _log(
-                        f"payload v{entry['version']}: reward {r['name']} v{v.version} applies from the next step"
-                    )
+                    _log(f"payload v{number}: reward {r['name']} v{v.version} applies from the next step")
         return first
+
+    def control(self) -> str | None:
+        """The job's recorded control action (stop, pause, resume), from its entry."""
+        job = self._job_call(lambda: self.client.get_job(self.job_id))
+        return (job.get("control") or {}).get("action")
+
+    def _runs(self) -> list:
+        if self.target is None:
+            return []
+        return [self.target] if not hasattr(self.target, "runs") else list(self.target.runs)
+
+    def _check_paused_on_error(self) -> str | None:
+        """Report a run paused on an error in the job's message; its failure message once it stayed
+        paused ``OPENRL_JOB_PAUSED_ERROR_S``."""
+        paused = [r for r in self._runs() if r._paused_on_error and not r.done]
+        if not paused:
+            self._paused_since = self._paused_reported = None
+            return None
+        run = paused[0]
+        text = f"paused on error: {run.name}: {run.last_error}"
+        now = time.monotonic()
+        if self._paused_since is None:
+            self._paused_since = now
+        if self._paused_reported != text:
+            self._paused_reported = text
+            _log(text)
+            with contextlib.suppress(OpenRLError):
+                self.report("running", text)
+        limit = paused_error_limit_s()
+        if now - self._paused_since >= limit:  # the limit first: a long error is cut at 2000 chars
+            return (
+                f"paused on error for {limit:g} s (OPENRL_JOB_PAUSED_ERROR_S): {run.name}: {run.last_error}"
+            )
+        return None
 
     def run(self) -> int:
         from openrl_jupyter.run import RunState
         from openrl_jupyter.session import connect
 
-        job = self.client.get_job(self.job_id)
+        job = self._job_call(lambda: self.client.get_job(self.job_id))
         _log(f"job {job['name']} ({self.job_id}, {job.get('kind')}) on {self.url}, pid {os.getpid()}")
-        body = self.apply(self.client.payloads(self.job_id, after=0))
+        meta = job.get("meta") or {}
+        check_versions(meta)
+        body = self.apply(self._job_call(lambda: self.client.payloads(self.job_id, after=0)), strict=True)
         if body is None:
             raise OpenRLError("the job has no job payload (version 1)")
+        if (job.get("control") or {}).get("action") == "stop":  # stopped before it started
+            message = "stopped before it started"
+            _log(message)
+            self.report("stopped", message)
+            return 0
         session = connect(self.url, token=self.token, name=f"job-{self.job_id}")
         session.labels = {"openrl.job": self.job_id}
         session._feed = _NoFeed()  # a job key may not read the event stream; nobody watches here
-        self.client.job_state(self.job_id, "running", pid=os.getpid(), host=socket.gethostname())
+        self.report("running", pid=os.getpid(), host=socket.gethostname())
         options = dict(body["options"])
         rewards = body["rewards"]
         if body["kind"] == "run":
@@ -929,19 +1126,48 @@ class _Worker:
             if reward is None and "reward" not in grid and rewards:
                 reward = rewards[0]["fn"]
             self.target = session.sweep(reward=reward, prompts=body["prompts"], grid=grid, **options)
-        runs = [self.target] if body["kind"] == "run" else self.target.runs
+        runs = self._runs()
         _log(f"started {', '.join(f'{r.name} ({r.run_id})' for r in runs)}")
         for r in runs:
             r.subscribe(self._on_event)
-        while not self.target.done:
-            if self.terminated:
+        failure: str | None = None
+        try:
+            # a stop or pause recorded before the runs existed applies to them now
+            action = self.control()
+            if action == "stop":
+                self.terminated = self.terminated or "the job was stopped before its runs existed"
                 self.target.stop()
-            time.sleep(WORKER_POLL_S)
-            self.poll()  # also while a step takes long, or the run is paused
+            elif action == "pause":
+                for r in runs:
+                    r.pause()
+            handled_term = False
+            while not self.target.done:
+                if self.terminated and not handled_term:
+                    handled_term = True
+                    self._terminate()
+                self._poke.wait(WORKER_POLL_S)
+                self._poke.clear()
+                self.poll()  # also while a step takes long, or the run is paused
+                failure = failure or self._check_paused_on_error()
+                if failure:
+                    self.target.stop()
+        except _JobGone:
+            _log(f"the job is gone ({self.gone}): stopping its runs and exiting")
+            self.target.stop()
+            with contextlib.suppress(Exception):
+                self.target.wait(30)
+            _close(session)
+            return EXIT_FAILED
+        if self.terminated and self.terminated.startswith("the worker got") and not self._stop_wanted:
+            _log(f"{self.terminated}, and the job was not stopped: reporting nothing (a retry takes over)")
+            _close(session)
+            return EXIT_TERMINATED
         for r in runs:  # the runs' final state reaches the service before the job's key is revoked
             with contextlib.suppress(Exception):
                 r._runner.submit(r._report_state()).result(10)
-        if body["kind"] == "run":
+        if failure:
+            state, message = "failed", failure
+        elif body["kind"] == "run":
             run = self.target
             if run.state == RunState.FINISHED:
                 state, message = "finished", f"finished {run.step}/{run.total_steps} steps"
@@ -963,9 +1189,52 @@ class _Worker:
         if self.terminated and state == "stopped":
             message = f"{message} ({self.terminated})"
         _log(f"{state}: {message}")
-        self.client.job_state(self.job_id, state, message=message[:2000])
+        try:
+            self.report(state, message)
+        except _JobGone:
+            pass
+        _close(session)
+        return EXIT_FAILED if state == "failed" else 0
+
+    _stop_wanted = False
+
+    def _terminate(self) -> None:
+        """After SIGTERM: stop the runs; the job ends "stopped" only when its control says stop
+        (else it was preempted or drained, and a retry pod must still be able to use the key)."""
+        with contextlib.suppress(OpenRLError):
+            self._stop_wanted = self.control() == "stop"
+        self.target.stop()
+
+
+def _close(session: Any) -> None:
+    """Close the worker's session; a run that ended paused on an error must not turn a reported end
+    into a second (failed) report."""
+    try:
         session.close()
-        return 1 if state == "failed" else 0
+    except Exception as exc:  # noqa: BLE001 - the job's end is already decided
+        _log(f"closing the session: {type(exc).__name__}: {exc}")
+
+
+def check_versions(meta: dict) -> None:
+    """The payload was pickled by the python (major.minor) and cloudpickle of ``meta``: refuse to
+    unpickle it with others, naming both."""
+    import cloudpickle
+
+    here_py = ".".join(map(str, sys.version_info[:2]))
+    there_py = ".".join(str(meta.get("python") or "").split(".")[:2])
+    problems = []
+    if there_py and there_py != here_py:
+        problems.append(f"python {there_py} (the notebook) vs {here_py} (this worker)")
+    there_cp = meta.get("cloudpickle")
+    if there_cp and str(there_cp) != cloudpickle.__version__:
+        problems.append(f"cloudpickle {there_cp} (the notebook) vs {cloudpickle.__version__} (this worker)")
+    if problems:
+        raise OpenRLError(
+            "the job's payload cannot be loaded here: it was pickled with "
+            + "; ".join(problems)
+            + ". Use a worker image with the notebook's versions (k8s image), or submit from a "
+            "kernel with this worker's versions"
+        )
 
 
 def worker() -> int:
@@ -987,19 +1256,24 @@ def worker() -> int:
     w = _Worker(url, token, job_id)
 
     def terminate(signum, _frame) -> None:
+        # only flags: the main loop asks the job's control and stops the runs
         w.terminated = f"the worker got {signal.Signals(signum).name}"
-        if w.target is not None:
-            w.target.stop()
+        w._poke.set()
 
     signal.signal(signal.SIGTERM, terminate)
     try:
         return w.run()
+    except _JobGone:
+        _log(f"the job is gone ({w.gone}): exiting")
+        return EXIT_FAILED
     except BaseException as exc:  # noqa: BLE001 - whatever ends the job is reported as its failure
         detail = f"{type(exc).__name__}: {exc}"
         _log(f"failed: {detail}\n{traceback.format_exc()}")
-        with contextlib.suppress(Exception):
+        try:
             w.client.job_state(job_id, "failed", message=detail[:2000])
-        return 1
+        except Exception:  # noqa: BLE001 - not reported: a retry may
+            return 1
+        return EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

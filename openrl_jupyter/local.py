@@ -187,7 +187,15 @@ def find_detached(folder: str | None = None) -> LocalService | None:
     folder = folder or discovery_dir()
     if folder is None:
         return None
-    for path in sorted(glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")), reverse=True):
+
+    def mtime(path: str) -> float:
+        try:
+            return os.path.getmtime(path)
+        except OSError:
+            return 0.0
+
+    # the newest first (by when it was written, not by its pid's digits)
+    for path in sorted(glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")), key=mtime, reverse=True):
         try:
             with open(path, encoding="utf-8") as f:
                 info = json.load(f)

@@ -71,7 +71,8 @@ def _detach_kwargs(a) -> dict:
     k8s = {"image": a.image, "volumes": a.volumes, "cpu": a.cpu, "memory": a.memory}
     k8s = {k: v for k, v in k8s.items() if v}
     if k8s and a.detach != "k8s":
-        raise UsageError(f"--{'/--'.join(k8s)} go with --detach k8s")
+        flags = {"image": "--image", "volumes": "--volume", "cpu": "--cpu", "memory": "--memory"}
+        raise UsageError(f"{'/'.join(flags[k] for k in k8s)} go with --detach k8s")
     if a.detach is None:
         return {}
     return {"detach": a.detach, **({"k8s": k8s} if k8s else {})}
@@ -521,9 +522,21 @@ class OpenRLMagics(Magics):
             run_ids = list(job.get("runs") or [])
             mine.update(run_ids)
             runs = [service_runs[r] for r in run_ids if r in service_runs]
-            # steps done: the rows the job's runs stored (a step with nothing to train stores one too)
-            step = sum(int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in runs)
-            total = sum(int(r.get("steps") or 0) for r in runs) or (job.get("meta") or {}).get("steps", "?")
+            # steps done: the rows a run stored (a step with nothing to train stores one too)
+            done = [int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in runs]
+            per_run = (
+                (job.get("meta") or {}).get("steps") or next((r.get("steps") for r in runs), None) or "?"
+            )
+            if job.get("kind") == "run":  # its newest run (a retried Kubernetes pod creates another)
+                steps_text = f"{done[-1] if done else 0}/{per_run}"
+            else:  # a sweep: per run; runs dropped at a rung by halving stop early on purpose
+                steps_text = f"{max(done, default=0)}/{per_run} per run"
+                if (
+                    job.get("state") == "finished"
+                    and isinstance(per_run, int)
+                    and any(d < per_run for d in done)
+                ):
+                    steps_text += " (halved)"
             mean = next((r["last_reward"] for r in runs[::-1] if r.get("last_reward") is not None), None)
             where = job.get("where", "?") + (f" pid {job['pid']}" if job.get("pid") else "")
             kind = "" if job.get("kind") == "run" else f" ({len(run_ids)} runs)"
@@ -533,7 +546,7 @@ class OpenRLMagics(Magics):
                     ", ".join(run_ids) or "-",
                     where,
                     str(job.get("state")),
-                    f"{step}/{total}",
+                    steps_text,
                     (job.get("meta") or {}).get("reward", "-"),
                     f"{mean:.3f}" if isinstance(mean, (int, float)) else "-",
                 ]

@@ -62,13 +62,29 @@ class RewardRegistry:
         self._versions: dict[str, list[RewardVersion]] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, fn: Callable[..., Any], *, per_group: bool | None = None) -> RewardVersion:
+    def register(
+        self, name: str, fn: Callable[..., Any], *, per_group: bool | None = None, version: int | None = None
+    ) -> RewardVersion:
+        """The next version of ``name`` (``version``: that number, when it is past the newest; a
+        detached job's worker keeps the notebook's numbering)."""
         if not isinstance(name, str) or not name.isidentifier():
             raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")
         per_group, is_async = _kind(name, fn, per_group)
         with self._lock:
             versions = self._versions.setdefault(name, [])
-            v = RewardVersion(name, len(versions) + 1, fn, per_group, is_async)
+            number = len(versions) + 1
+            if (
+                version is not None
+                and versions
+                and version > versions[-1].version
+                or version is not None
+                and not versions
+                and version >= 1
+            ):
+                number = version
+            elif versions:
+                number = versions[-1].version + 1
+            v = RewardVersion(name, number, fn, per_group, is_async)
             versions.append(v)
         return v
 

@@ -206,7 +206,9 @@ class Run:
             heartbeat_interval(created.get("idle_timeout_s")),
             heartbeat_interval(created.get("orphan_after_s")),
         )
-        self._control_at = (created.get("control") or {}).get("at")
+        # a control the run already has (a detached job's stop or pause, recorded before the run
+        # existed) applies before its first step
+        self._obey(created.get("control"))
         self._future = self._runner.submit(self._main())
         return self
 

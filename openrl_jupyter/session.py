@@ -277,6 +277,7 @@ def start_local(
     progress: Callable[[str], None] | None = None,
     timeout_s: float = READY_TIMEOUT_S,
     detached: bool = False,
+    check_model: bool = False,
 ) -> tuple[LocalService, str]:
     """Start an embedded service; returns it and its fresh key once it answers /readyz.
 
@@ -285,6 +286,8 @@ def start_local(
     if detached:
         found = find_detached()
         if found is not None:
+            if check_model:  # a model asked for by name: the running one must serve it
+                _check_detached_model(found, model)
             return found, Secret(found.key)
     if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
         raise UsageError(
@@ -332,7 +335,9 @@ def connect(
     if local:
         if url:
             raise UsageError("give either a URL or local=True, not both")
-        local_service, token = start_local(model or "openrl/tiny", progress=progress, detached=detached)
+        local_service, token = start_local(
+            model or "openrl/tiny", progress=progress, detached=detached, check_model=model is not None
+        )
         url = local_service.url
         credential = "local"
     else:
@@ -386,6 +391,21 @@ def connect(
     )
     _sessions[name] = session
     return session
+
+
+def _check_detached_model(found: LocalService, model: str) -> None:
+    """Refuse a running detached embedded service that serves another model than ``model``."""
+    with Client(found.url, token=found.key, retries=1) as client:
+        try:
+            served = [m["model_name"] for m in client.capabilities()]
+        except OpenRLError:
+            return  # it does not answer: connect() says so next
+    if served and served_name(model, dict.fromkeys(served)) is None:
+        raise UsageError(
+            f"a detached embedded service is already running (pid {found.process.pid}, {found.url}) "
+            f"and serves {', '.join(repr(m) for m in served)}, not {model!r}: connect with that model "
+            "(or none), or stop it first (openrl_jupyter.local.find_detached().stop()) and connect again"
+        )
 
 
 def served_name(model: str, served: Mapping[str, Any]) -> str | None:

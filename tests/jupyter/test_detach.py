@@ -76,6 +76,10 @@ def jobs_dir(tmp_path, monkeypatch) -> Path:
 def session(server, jobs_dir):
     s = sessions.connect(server.url, token=ALICE_KEY, name=unique("detach"))
     yield s
+    for job in list(s.detached.values()):  # a failed test leaves no worker behind
+        if job.process is not None and job.process.poll() is None:
+            job.process.kill()
+            job.process.wait(10)
     sessions.disconnect(s.name)
 
 
@@ -191,6 +195,10 @@ def test_detach_from_an_embedded_service_is_refused_unless_it_is_detached_too(
         assert alive(pid), "disconnecting stopped the detached service"
         again = sessions.connect(local=True, detached=True, name=unique("again"))
         assert again.url == detached.url and again.local.process.pid == pid  # found, not started twice
+        with pytest.raises(
+            UsageError, match=rf"already running \(pid {pid}, .*serves 'openrl/tiny', not 'other/model'"
+        ):
+            sessions.connect(local=True, detached=True, model="other/model", name=unique("other"))
         sessions.disconnect(again.name)
     finally:
         from openrl_jupyter.local import find_detached
@@ -245,6 +253,218 @@ def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_d
     assert done_steps() < 500
 
 
+def test_a_stop_sent_right_after_submit_stops_the_job_before_it_trains(session, jobs_dir):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=6,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("early"),
+        detach="local",
+    )
+    paused = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=6,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("held"),
+        detach="local",
+    )
+    job.stop()  # before the worker has even fetched its payload: the service records it on the job
+    paused.pause()  # the same for a pause: its run starts paused
+    job.wait(120)
+    assert job.state == "stopped", (job.entry, job.logs())
+    assert job.process.wait(30) == 0
+    assert all(session.client.get_run(rid)["metrics_count"] < 6 for rid in job.runs), job.logs()
+    run_id = wait_for(lambda: paused.runs and paused.runs[0], 120, "the paused job's run")
+    wait_for(lambda: session.client.get_run(run_id)["state"] == "paused", 60, "its run to be paused")
+    held = session.client.get_run(run_id)["metrics_count"]
+    time.sleep(1.5)
+    # paused at once: at most the step already under way when the worker read the job's control
+    # (none once the service applies a recorded pause to the run it creates)
+    assert held <= 1 and session.client.get_run(run_id)["metrics_count"] == held, paused.logs()
+    paused.stop(wait=True, timeout=120)
+    assert paused.state == "stopped" and paused.process.wait(30) == 0
+
+
+def test_a_job_whose_run_stays_paused_on_an_error_fails_and_its_worker_exits(session, jobs_dir, monkeypatch):
+    monkeypatch.setenv("OPENRL_JOB_PAUSED_ERROR_S", "3")
+    fn = dynamic(
+        """
+        import os
+        def reward(prompt, completion, **info):
+            if "OPENRL_JOB_ID" in os.environ:  # in the job only, not in the submit-time proof
+                raise ValueError("broken in the job")
+            return 1.0
+        """
+    )["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=4,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("perr"),
+        detach="local",
+    )
+    with pytest.raises((jobs.JobPaused, jobs.JobFailed)) as err:  # never blocks forever
+        job.wait(180)
+    assert "paused on error" in str(err.value) and "broken in the job" in str(err.value), str(err.value)
+    wait_for(lambda: job.state == "failed", 60, "the job to fail after OPENRL_JOB_PAUSED_ERROR_S")
+    assert "paused on error" in job.entry["message"] and "OPENRL_JOB_PAUSED_ERROR_S" in job.entry["message"]
+    assert job.process.wait(30) == jobs.EXIT_FAILED, job.logs()
+
+
+def test_deleting_a_running_local_job_ends_its_worker(session, jobs_dir):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=500,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("del"),
+        detach="local",
+    )
+    wait_for(lambda: job.runs, 120, "the run")
+    # DELETE from elsewhere (not this handle, which would also signal its child): the worker finds
+    # its key revoked and exits by itself
+    session.client.delete_job(job.job_id)
+    assert job.process.wait(60) == jobs.EXIT_FAILED, job.logs()
+    assert "the job is gone" in job.logs()
+
+
+def test_a_worker_that_dies_without_reporting_is_reported_failed_by_its_kernel(session, jobs_dir):
+    fn = dynamic("def reward(prompt, completion, **info):\n    return 1.0\n")["reward"]
+    job = session.train(reward=fn, prompts=PROMPTS, steps=500, name=unique("killed"), detach="local")
+    job.process.kill()
+    job.process.wait(30)
+    with pytest.warns(UserWarning, match="killed by SIGKILL"):
+        assert job.state == "failed"
+    assert "killed by SIGKILL without reporting" in job.entry["message"]
+    with pytest.raises(jobs.JobFailed, match="SIGKILL"):
+        job.wait(5)
+    with Client(session.url, token=ALICE_KEY) as c:
+        assert c.get_job(job.name)["state"] == "failed"
+
+
+def test_a_sigterm_without_a_stop_reports_nothing_so_a_retry_can_take_over(session, jobs_dir):
+    """Kubernetes preemption or a node drain sends SIGTERM: the job must stay open (its key valid)
+    for the retry pod; here the kernel that started the worker reports it failed once it sees it gone."""
+    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    job = session.train(
+        reward=fn,
+        prompts=PROMPTS,
+        steps=500,
+        batch=1,
+        group=2,
+        max_tokens=4,
+        name=unique("term"),
+        detach="local",
+    )
+    wait_for(lambda: job.runs, 120, "the run")
+    job.process.send_signal(signal.SIGTERM)
+    assert job.process.wait(60) == jobs.EXIT_TERMINATED, job.logs()
+    with Client(session.url, token=ALICE_KEY) as c:
+        assert c.get_job(job.job_id)["state"] == "running"  # not stopped: the key still works
+    with pytest.warns(UserWarning, match="exited with code 143"):
+        assert job.state == "failed"
+    # the service forgets the run (reaped, or deleted): attaching says so, never a raw 404
+    view = session.attach(job.name)
+    (run_id,) = job.runs
+    session.client.delete_run(run_id)
+    view.refresh()
+    assert view.done and "no longer has run" in view.last_error
+    with pytest.raises(UsageError, match="no longer has that run's history"):
+        session.attach(job.name)
+
+
+def test_the_worker_skips_a_payload_version_it_cannot_load_and_keeps_the_notebooks_numbering(monkeypatch):
+    import base64
+
+    from openrl_jupyter.rewards import registry
+
+    w = jobs._Worker("http://127.0.0.1:9", "tml-job-x", "job-x")
+    reported = []
+    monkeypatch.setattr(w, "report", lambda state, message=None, **f: reported.append((state, message)))
+    name = f"r_{uuid.uuid4().hex[:6]}"
+    fn = dynamic("def reward(prompt, completion, **info):\n    return 0.5\n")["reward"]
+    good = jobs.dumps(
+        {
+            "type": "reward",
+            "rewards": [{**jobs.reward_entry(fn), "name": name, "pinned": False, "version": 4}],
+        },
+        "t",
+    )
+    bad = base64.b64encode(b"not a pickle").decode()
+    w.apply(
+        [{"version": 2, "payload": bad, "sha256": None}, {"version": 3, **jobs.encode(good), "sha256": None}]
+    )
+    assert w.seen == 3
+    assert reported and reported[0][0] == "running" and "payload v2 could not be loaded" in reported[0][1]
+    assert registry.latest(name).version == 4  # the notebook's number, as dashboards show it
+    w.apply([])
+    assert w.seen == 3
+
+
+def test_the_worker_refuses_a_payload_of_another_python_or_cloudpickle():
+    import cloudpickle
+
+    with pytest.raises(Exception, match=r"python 2\.7 \(the notebook\) vs 3\.\d+ \(this worker\)"):
+        jobs.check_versions({"python": "2.7.18", "cloudpickle": cloudpickle.__version__})
+    with pytest.raises(Exception, match=r"cloudpickle 0\.1 \(the notebook\) vs"):
+        jobs.check_versions({"python": ".".join(map(str, sys.version_info[:3])), "cloudpickle": "0.1"})
+    jobs.check_versions(
+        {"python": ".".join(map(str, sys.version_info[:3])), "cloudpickle": cloudpickle.__version__}
+    )
+
+
+def test_the_volume_flag_is_named_as_typed():
+    from types import SimpleNamespace
+
+    from openrl_jupyter.magics import _detach_kwargs
+
+    a = SimpleNamespace(image=None, volumes=["data"], cpu=None, memory=None, detach="local")
+    with pytest.raises(UsageError, match=r"^--volume go with --detach k8s"):
+        _detach_kwargs(a)
+
+
+def test_the_jobs_posts_that_must_not_be_resent_are_not_and_names_are_quoted():
+    from openrl_jupyter import client
+
+    assert client.get_job("a/b c").path.endswith("/jobs/a%2Fb%20c")
+    assert not client.create_job(name="x").resend
+    assert not client.job_state("j", "failed").resend
+    assert not client.add_payload("j", "p", "s").resend
+    assert client.job_control("j", "stop").resend and client.get_run("r").resend
+
+    import httpx
+
+    from openrl_jupyter._exceptions import ServiceUnavailable
+
+    sent = []
+
+    def lost(request):  # the request went out; its reply never came back
+        sent.append(request.url.path)
+        raise httpx.ReadError("connection reset", request=request)
+
+    with Client("http://svc", token="t", transport=httpx.MockTransport(lost), backoff_s=0) as c:
+        with pytest.raises(ServiceUnavailable):
+            c.create_job(name="x")
+        assert sent == ["/openrl/v1/jobs"]  # once: a re-send could submit it twice
+        sent.clear()
+        with pytest.raises(ServiceUnavailable):
+            c.job_control("j", "stop")
+        assert len(sent) == 1 + c.retries  # an idempotent control is re-sent as before
+
+
 CELL_REWARD_V1 = """%%openrl reward gated
 import os, time
 def reward(prompt, completion, **info):
@@ -289,7 +509,7 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
         out = k.execute(CELL_REWARD_V2, timeout=120).stdout
         assert "reward gated v2 registered" in out and f"sent to detached {name} (its payload v2)" in out
         kernel_pid = k.km.provisioner.process.pid
-        os.kill(kernel_pid, signal.SIGKILL)
+        os.killpg(os.getpgid(kernel_pid), signal.SIGKILL)  # the kernel and its whole process group
         wait_for(lambda: not alive(kernel_pid), 10, "the kernel to die")
         assert alive(worker), "the worker died with the kernel"
 
@@ -396,7 +616,18 @@ def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_
     rows = job.history
     assert sorted((r["run"], r["step"]) for r in rows) == sorted((r["name"], s) for r in runs for s in (1, 2))
     assert all(r["failed"] == 0 and r["reward_name"] == "sql_reward" for r in rows), rows
-    assert "best" in job.entry["message"]
+    from types import SimpleNamespace
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from openrl_jupyter.magics import OpenRLMagics
+
+    table = OpenRLMagics(shell=InteractiveShell.instance())._runs(SimpleNamespace(session=session.name))
+    row = next(line for line in repr(table).splitlines() if line.startswith(name))
+    assert "2/2 per run" in row and "halved" not in row, row  # per run, not 4/4 summed over runs
+    message = job.entry["message"]
+    assert message.startswith(f"best {name}-lr"), message
+    assert "saved tinker://" in message and f"{name}-best" in message, message
 
 
 def test_a_sweep_in_the_kernel_labels_its_runs_with_its_name_too(session):
