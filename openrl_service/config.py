@@ -81,9 +81,6 @@ class Settings:
     fusion: bool = True
     # OPENRL_FUSION_MAX_TOKENS: padded tokens one fused op may cover (default: microbatch_tokens)
     fusion_max_tokens: int | None = None
-    # OPENRL_FUSION_PAD_SLACK: a fused call pads every row to its longest member's; it may cost at most
-    # this many times the members' own padded work (else the short op runs on its own)
-    fusion_pad_slack: float = 1.25
     backpressure_retry_after_s: float = 1.0  # OPENRL_BACKPRESSURE_RETRY_AFTER_S: Retry-After of a 429
     max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
@@ -216,10 +213,6 @@ _ENV_FIELDS = {
     "OPENRL_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
     "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
     "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
-    "OPENRL_FUSION_PAD_SLACK": (
-        "fusion_pad_slack",
-        lambda v: parse_at_least_one(v, "OPENRL_FUSION_PAD_SLACK"),
-    ),
     "OPENRL_SAMPLER": ("sampler", lambda v: parse_choice(v, "OPENRL_SAMPLER", SAMPLERS)),
     "OPENRL_VLLM_GPU_MEMORY_UTILIZATION": ("vllm_gpu_memory_utilization", float),
     "OPENRL_VLLM_KV_CACHE_GB": ("vllm_kv_cache_gb", float),
@@ -254,16 +247,6 @@ def parse_choice(value: str, name: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     return v
-
-
-def parse_at_least_one(value: str, name: str) -> float:
-    try:
-        out = float(value)
-    except ValueError:
-        out = float("nan")
-    if not out >= 1.0:  # NaN fails too
-        raise ValueError(f"{name} must be a number >= 1; got {value!r}")
-    return out
 
 
 def parse_switch(value: str, name: str) -> bool:

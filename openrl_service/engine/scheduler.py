@@ -81,9 +81,6 @@ class WorkerStopped(ApiError):
     category = "server"
 
 
-FUSION_PAD_SLACK = 1.25  # default: a fused call pads at most this much over its members' own rows
-
-
 @dataclass
 class Fusable:
     """How an op joins a fused call: ops with the same ``key`` can share one call of that key's fuser.
@@ -153,7 +150,6 @@ class Engine:
         retry_after_s: float = 1.0,
         fusion: bool = False,
         fusion_max_tokens: int = 16384,
-        fusion_pad_slack: float = FUSION_PAD_SLACK,
         fusers: dict[str, Callable[[list[Any]], list[Any]]] | None = None,
     ):
         self.futures = futures
@@ -164,9 +160,6 @@ class Engine:
         self.retry_after_s = retry_after_s
         self.fusion = fusion
         self.fusion_max_tokens = fusion_max_tokens
-        if not fusion_pad_slack >= 1.0:
-            raise ValueError(f"OPENRL_FUSION_PAD_SLACK must be a number >= 1; got {fusion_pad_slack!r}")
-        self.fusion_pad_slack = fusion_pad_slack
         # key -> fn(list of members' prepared parts) -> list of their outputs, in order
         self.fusers: dict[str, Callable[[list[Any]], list[Any]]] = dict(fusers or {})
         self._lanes: dict[str, _Lane] = {}
@@ -503,11 +496,7 @@ class Engine:
         if f.rows:  # rows padded to the longest member (a training micro-batch, a shared KV cache)
             rows = f.rows + sum(m.rows for m in members)
             width = max([f.width] + [m.width for m in members])
-            # Padding every row to the longest member's must not cost more than fusion_pad_slack times
-            # the members' own padded work: fusing a short op with a long one would spend more device
-            # time on padding than the fused call saves (prompts of different lengths, e.g. schemas).
-            own = f.rows * f.width + sum(m.rows * m.width for m in members)
-            return rows * width <= budget and rows * width <= self.fusion_pad_slack * own
+            return rows * width <= budget
         return f.size + sum(m.size for m in members) <= budget
 
     def _companions(self, op: Op, lane: _Lane) -> list[Op]:

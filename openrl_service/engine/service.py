@@ -103,7 +103,6 @@ class TrainingService(Registry, Validation):
             retry_after_s=settings.backpressure_retry_after_s,
             fusion=settings.fusion,
             fusion_max_tokens=settings.fusion_max_tokens or settings.microbatch_tokens,
-            fusion_pad_slack=settings.fusion_pad_slack,
             fusers={},  # "train:<model>" and "sample:<model>", one pair per model, set as they load
         )
         self._preloaded = base  # a model loaded by the caller: served as the first (default) one

@@ -41,9 +41,6 @@ from tests.service.test_scheduling import held_worker, wait_for
 PROMPTS = {0: [11, 12, 13, 14], 1: [21, 22], 2: [31, 32, 33, 34, 35, 36]}
 
 
-PAD = {"fusion_pad_slack": 100.0}  # fuse rows of any lengths (the padded path is what these tests check)
-
-
 def run_datums(k: int) -> list:
     """Different lengths per run, so the fused pass pads rows of different runs together."""
     p = PROMPTS[k]
@@ -151,11 +148,7 @@ def assert_close(a: dict, b: dict) -> None:
 
 
 def test_three_runs_share_one_fused_op_with_unfused_results(make_server):
-    # PAD: run_datums' lengths differ on purpose (the padded path is what this checks); the default slack
-    # would keep the shortest op out
-    fused, unfused = train_three(
-        make_server(**PAD), reference=make_server(fusion=False)
-    )  # fusion: on by default
+    fused, unfused = train_three(make_server(), reference=make_server(fusion=False))  # fusion: on by default
     ids = fused["ids"]
     # The op record: each held round of three forward_backwards ran as one fused op for all three runs.
     by_call: dict[str, list] = {}
@@ -194,7 +187,7 @@ def assert_identical(a: dict, b: dict, runs) -> None:
 
 
 def test_metrics_count_fused_ops(make_server):
-    live = make_server(**PAD)
+    live = make_server()
     assert live.client().get("/readyz").json()["fusion"] is True
     train_three(live)
     text = live.client().get("/metrics").text
@@ -375,9 +368,7 @@ def fused_engine(key: str = "k", **kw):
     return engine, futures, recorder, calls
 
 
-def fusable_op(
-    futures, lane: str, value, *, size: int = 1, key: str = "k", seq_id=None, rows: int = 0, width: int = 0
-):
+def fusable_op(futures, lane: str, value, *, size: int = 1, key: str = "k", seq_id=None):
     from openrl_service.engine.scheduler import Fusable, Op
 
     def prepare():
@@ -392,7 +383,7 @@ def fusable_op(
         future=futures.new("t", "work"),
         run_id=lane.split(":", 1)[1],
         seq_id=seq_id,
-        fuse=Fusable(key=key, size=size, prepare=prepare, rows=rows, width=width),
+        fuse=Fusable(key=key, size=size, prepare=prepare),
     )
 
 
@@ -549,35 +540,3 @@ def test_a_lone_op_whose_work_fails_runs_once():
         assert runs == [1] and "internal error" in str(o.future.error)
     finally:
         engine.stop()
-
-
-def test_a_short_op_is_not_padded_to_a_long_ones_width():
-    """Rows are padded to the longest member: a 1-row op of width 8 joins a 4-row op of width 8 (no
-    padding), but a 4-row op of width 2 would be padded to 8 (4x its own work, over the default slack
-    of 1.25) and runs on its own; with a slack of 100 it joins (the padded path the tests above check)."""
-    for slack, expected in ((1.25, [[1, 2], [3]]), (100.0, [[1, 2, 3]])):
-        engine, futures, recorder, calls = fused_engine(fusion_max_tokens=1000, fusion_pad_slack=slack)
-        try:
-            with held_worker(engine, futures):
-                ops = [
-                    fusable_op(futures, "sampler:a", 1, size=32, rows=4, width=8),
-                    fusable_op(futures, "sampler:b", 2, size=8, rows=1, width=8),
-                    fusable_op(futures, "sampler:c", 3, size=8, rows=4, width=2),
-                ]
-                for o in ops:
-                    engine.submit(o)
-            for o in ops:
-                assert futures.wait_sync(o.future, 10)
-            assert [o.future.result for o in ops] == [2, 4, 6]
-            assert calls == expected[:1], (slack, calls)  # the lone op runs its own work, not the fuser
-        finally:
-            engine.stop()
-
-
-def test_the_pad_slack_setting_is_checked():
-    from openrl_service.config import from_env
-
-    assert from_env({"OPENRL_FUSION_PAD_SLACK": "2"}).fusion_pad_slack == 2.0
-    for bad in ("0.5", "nan", "x"):
-        with pytest.raises(ValueError, match="OPENRL_FUSION_PAD_SLACK must be a number >= 1"):
-            from_env({"OPENRL_FUSION_PAD_SLACK": bad})
