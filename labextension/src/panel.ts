@@ -59,17 +59,42 @@ export class OpenRLPanel extends Widget {
     refresh.addEventListener('click', () => void this.model.refresh());
     header.appendChild(refresh);
     this.node.append(header, this._service, this._message, this._runs);
+    // A redraw replaces the rows: one between a button's pointerdown and pointerup would swallow the
+    // click (the runs redraw every refresh and every step). While a pointer is down on the list, wait.
+    this._runs.addEventListener('pointerdown', () => {
+      this._pressed = true;
+    });
+    window.addEventListener('pointerup', this._release, true);
+    window.addEventListener('pointercancel', this._release, true);
     model.changed.connect(this.render, this);
     this.render();
   }
 
   dispose(): void {
     this.model.changed.disconnect(this.render, this);
+    window.removeEventListener('pointerup', this._release, true);
+    window.removeEventListener('pointercancel', this._release, true);
     super.dispose();
   }
 
-  /** Redraw from the model (keeps focus on the button that had it). */
+  private _release = (): void => {
+    if (!this._pressed) {
+      return;
+    }
+    this._pressed = false;
+    if (this._stale) {
+      this._stale = false;
+      // after the click event this pointerup produces has been handled
+      window.setTimeout(() => this.render(), 0);
+    }
+  };
+
+  /** Redraw from the model (keeps focus on the button that had it); held while a pointer is down. */
   render(): void {
+    if (this._pressed) {
+      this._stale = true;
+      return;
+    }
     const focused = document.activeElement as HTMLElement | null;
     const focusKey =
       focused && this.node.contains(focused) ? focused.dataset.key : undefined;
@@ -297,4 +322,6 @@ export class OpenRLPanel extends Widget {
   private _service: HTMLElement;
   private _message: HTMLElement;
   private _runs: HTMLUListElement;
+  private _pressed = false;
+  private _stale = false;
 }
