@@ -34,6 +34,15 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
+def local_job(session, prefix: str, fn=None, *, steps: int = 500, **options):
+    """A detached local run of the small shape these tests use (batch 1, group 2, 4 tokens; overridable),
+    scored by ``fn`` (default: completion length / 10)."""
+    if fn is None:
+        fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
+    opts = {"batch": 1, "group": 2, "max_tokens": 4, **options}
+    return session.train(reward=fn, prompts=PROMPTS, steps=steps, name=unique(prefix), detach="local", **opts)
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
@@ -219,17 +228,7 @@ def test_k8s_detach_on_a_service_without_jobs_configured_is_a_clear_409(session)
 
 # -- detached local runs ----------------------------------------------------------------------------------
 def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_dir):
-    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=500,
-        batch=2,
-        group=4,
-        max_tokens=4,
-        name=unique("ctl"),
-        detach="local",
-    )
+    job = local_job(session, "ctl", batch=2, group=4)
     assert job.where == "local" and job.process is not None and os.getsid(job.process.pid) != os.getsid(0)
     client = session.client
 
@@ -254,27 +253,8 @@ def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_d
 
 
 def test_a_stop_sent_right_after_submit_stops_the_job_before_it_trains(session, jobs_dir):
-    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=6,
-        batch=1,
-        group=2,
-        max_tokens=4,
-        name=unique("early"),
-        detach="local",
-    )
-    paused = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=6,
-        batch=1,
-        group=2,
-        max_tokens=4,
-        name=unique("held"),
-        detach="local",
-    )
+    job = local_job(session, "early", steps=6)
+    paused = local_job(session, "held", steps=6)
     job.stop()  # before the worker has even fetched its payload: the service records it on the job
     paused.pause()  # the same for a pause: its run starts paused
     job.wait(120)
@@ -303,16 +283,7 @@ def test_a_job_whose_run_stays_paused_on_an_error_fails_and_its_worker_exits(ses
             return 1.0
         """
     )["reward"]
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=4,
-        batch=1,
-        group=2,
-        max_tokens=4,
-        name=unique("perr"),
-        detach="local",
-    )
+    job = local_job(session, "perr", fn, steps=4)
     with pytest.raises((jobs.JobPaused, jobs.JobFailed)) as err:  # never blocks forever
         job.wait(180)
     assert "paused on error" in str(err.value) and "broken in the job" in str(err.value), str(err.value)
@@ -322,17 +293,7 @@ def test_a_job_whose_run_stays_paused_on_an_error_fails_and_its_worker_exits(ses
 
 
 def test_deleting_a_running_local_job_ends_its_worker(session, jobs_dir):
-    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=500,
-        batch=1,
-        group=2,
-        max_tokens=4,
-        name=unique("del"),
-        detach="local",
-    )
+    job = local_job(session, "del")
     wait_for(lambda: job.runs, 120, "the run")
     # DELETE from elsewhere (not this handle, which would also signal its child): the worker finds
     # its key revoked and exits by itself
@@ -358,17 +319,7 @@ def test_a_worker_that_dies_without_reporting_is_reported_failed_by_its_kernel(s
 def test_a_sigterm_without_a_stop_reports_nothing_so_a_retry_can_take_over(session, jobs_dir):
     """Kubernetes preemption or a node drain sends SIGTERM: the job must stay open (its key valid)
     for the retry pod; here the kernel that started the worker reports it failed once it sees it gone."""
-    fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
-    job = session.train(
-        reward=fn,
-        prompts=PROMPTS,
-        steps=500,
-        batch=1,
-        group=2,
-        max_tokens=4,
-        name=unique("term"),
-        detach="local",
-    )
+    job = local_job(session, "term")
     wait_for(lambda: job.runs, 120, "the run")
     job.process.send_signal(signal.SIGTERM)
     assert job.process.wait(60) == jobs.EXIT_TERMINATED, job.logs()
