@@ -17,6 +17,7 @@ from openrl_service import config as cfg
 from openrl_service.checks import number
 from openrl_service.kube import KubeSettings, load_api_client
 from openrl_service.lifecycle import Lifecycle
+from openrl_service.storage.layout import LayoutError
 from openrl_service.storage.lock import DataDirInUse, DataDirLock
 
 EXIT_DATA_DIR_IN_USE = 3  # another process holds --data-dir
@@ -139,7 +140,12 @@ def _serve(args: argparse.Namespace) -> int:
         )
     served = ", ".join(m.spec if m.name is None else f"{m.name}={m.spec}" for m in models)
     print(f"openrl-service: serving {served} on {url} (data in {settings.data_dir})", flush=True)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except LayoutError as e:  # an older release's data dir that cannot be moved without merging tenants
+        lock.release()
+        print(f"openrl-service: {e}", file=sys.stderr)
+        return 2
     if args.exit_with_parent:
         _exit_when_stdin_closes()
     config = uvicorn.Config(

@@ -8,7 +8,6 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
 import platformdirs
 
@@ -259,26 +258,72 @@ def parse_switch(value: str, name: str) -> bool:
     raise ValueError(f"{name} must be on or off; got {value!r}")
 
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" would let a final newline in
 HUB_TENANT_PREFIX = "hub:"  # JupyterHub users' tenants: hub:<username>; API-key tenants have no ':'
+HUB_FOLDER_PREFIX = "hub~"  # a hub user's folder: hub~<encoded name>, or hub~~<digest> for a long name
+_FOLDER_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
+_MAX_ENCODED = 200  # longer encoded hub names are stored under their digest (file names stop at 255)
 
 
 def hub_tenant(username: str) -> str:
     return HUB_TENANT_PREFIX + username
 
 
+def _encode(text: str) -> str:
+    """Lower-case letters, digits and ``._-`` as they are; every other character (upper case letters
+    included) as ``%xx`` per UTF-8 byte, lower-case hex. Prefix-free per character, so 1:1, and the
+    result has no upper-case letter, so it stays 1:1 where the file system ignores case."""
+    return "".join(
+        c if c in _FOLDER_SAFE else "".join(f"%{b:02x}" for b in c.encode("utf-8", "surrogatepass"))
+        for c in text
+    )
+
+
 def tenant_folder(tenant: str) -> str:
-    """The folder name of a tenant's data: an API-key tenant's own name; a hub user's ``hub~`` and the
-    percent-encoded user name (hub names may hold any character; ``~`` and ``%`` never occur in an
-    API-key tenant, so the mapping is 1:1), or a digest when that would be too long for a file name."""
+    """The folder name of a tenant's data, 1:1 over every tenant name, also on a file system that
+    ignores case (macOS, Windows): an API-key tenant's name, a hub user's ``hub~`` and the encoded
+    user name (:func:`_encode`, so never a ``~``), or ``hub~~`` and a digest when that would be too
+    long for a file name — a form no encoded name can take. The usual lower-case names keep their
+    plain folder (``alice``, ``hub~alice``). Data dirs of releases that mapped names differently are
+    moved at start (:func:`openrl_service.storage.layout.migrate_tenant_folders`)."""
     if TENANT_RE.match(tenant):
-        return tenant
+        return _encode(tenant)
     if tenant.startswith(HUB_TENANT_PREFIX) and len(tenant) > len(HUB_TENANT_PREFIX):
-        name = quote(tenant[len(HUB_TENANT_PREFIX) :], safe="")
-        if len(name) <= 200:
-            return "hub~" + name
-        return "hub~~" + hashlib.sha256(tenant.encode()).hexdigest()
+        name = _encode(tenant[len(HUB_TENANT_PREFIX) :])
+        if len(name) <= _MAX_ENCODED:
+            return HUB_FOLDER_PREFIX + name
+        return HUB_FOLDER_PREFIX + "~" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
     raise ValueError(f"invalid tenant name {tenant!r}")
+
+
+def folder_tenant(folder: str) -> str | None:
+    """The tenant whose folder is ``folder`` (the inverse of :func:`tenant_folder`), or None when
+    ``folder`` is not a name :func:`tenant_folder` gives or is a long name's digest form."""
+    if folder.startswith(HUB_FOLDER_PREFIX + "~"):
+        return None
+    hub = folder.startswith(HUB_FOLDER_PREFIX)
+    encoded = folder[len(HUB_FOLDER_PREFIX) :] if hub else folder
+    try:
+        raw = bytearray()
+        i = 0
+        while i < len(encoded):
+            c = encoded[i]
+            if c == "%" and re.fullmatch(r"[0-9a-f]{2}", encoded[i + 1 : i + 3]):
+                raw.append(int(encoded[i + 1 : i + 3], 16))
+                i += 3
+            elif c in _FOLDER_SAFE:
+                raw += c.encode()
+                i += 1
+            else:
+                return None
+        name = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+    tenant = hub_tenant(name) if hub else name
+    try:
+        return tenant if tenant_folder(tenant) == folder else None
+    except ValueError:
+        return None
 
 
 def _api_key_entry(tenant: str, key: str, source: str) -> tuple[str, str]:

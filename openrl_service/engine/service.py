@@ -50,6 +50,7 @@ from openrl_service.models.loading import BaseModel, check_memory_budget, estima
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
 from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
+from openrl_service.storage.layout import migrate_tenant_folders
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.lora import (
     Adapter,
@@ -91,6 +92,7 @@ class TrainingService(Registry, Validation):
     def __init__(self, settings: Settings, *, base: BaseModel | None = None):
         self.settings = settings
         self.limits = settings.limits
+        migrate_tenant_folders(settings.data_dir)  # before anything reads a tenant's folder
         self.store = CheckpointStore(settings.data_dir)
         self.futures = FutureStore(ttl_s=settings.future_ttl_s)
         self.recorder = OpRecorder()

@@ -22,7 +22,7 @@ def test_hub_tenants_get_their_own_folders_one_to_one():
     # API-key tenants keep their names; a hub user's name is encoded, never a path or a collision.
     assert tenant_folder("alice") == "alice"
     assert tenant_folder("hub:alice") == "hub~alice"
-    assert tenant_folder("hub:../../etc") == "hub~..%2F..%2Fetc"
+    assert tenant_folder("hub:../../etc") == "hub~..%2f..%2fetc"
     assert tenant_folder("hub:a@b.org") == "hub~a%40b.org"
     assert tenant_folder("hub:a b") != tenant_folder("hub:a_b")
     long_a, long_b = tenant_folder("hub:" + "x" * 300), tenant_folder("hub:" + "x" * 301)
