@@ -1,0 +1,119 @@
+"""One tenant cannot use up what every tenant shares: checkpoint bytes, live runs, sampler snapshots.
+
+Each limit answers a 4xx that names the quota and how to free it, and what one tenant does to reach
+its limit never costs another tenant anything (the attack: fill the disk or the snapshot budget so
+that a neighbour's save fails or their sampler is evicted). Jobs and minted keys have their own
+per-tenant limits (tests/service/test_jobs_api.py, tests/service/test_hub_identity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+from tinker import types
+
+from openrl_service.config import Limits
+from tests._support.raw import RawTinker
+from tests.conftest import ALICE_KEY, BOB_KEY, TINY
+
+PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [11, 12]}]}
+
+
+def _snapshot(raw: RawTinker, model_id: str, seq: int) -> str:
+    r = raw.post(
+        "save_weights_for_sampler",
+        model_id=model_id,
+        seq_id=seq,
+        sampling_session_seq_id=seq,
+        kind="snapshot",
+    )
+    assert r.status_code == 200, r.text
+    return raw.result(r.json()["request_id"])["sampling_session_id"]
+
+
+def test_a_tenant_filling_the_snapshot_budget_evicts_its_own_snapshots_not_a_neighbours(make_server):
+    live = make_server(max_sampler_snapshots=4)
+    with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
+        alice, bob = RawTinker(a), RawTinker(b)
+        bob_model = bob.create_model(bob.session())
+        bobs = _snapshot(bob, bob_model, 1)
+        alice_model = alice.create_model(alice.session())
+        alices = [_snapshot(alice, alice_model, seq) for seq in range(1, 9)]  # twice the whole budget
+        ok = bob.post("asample", sampling_session_id=bobs, num_samples=1, prompt=PROMPT)
+        assert ok.status_code == 200, ok.text  # bob's one snapshot survived alice's flood
+        gone = alice.post("asample", sampling_session_id=alices[0], num_samples=1, prompt=PROMPT)
+        assert gone.status_code == 404 and "evicted" in gone.json()["error"], gone.text
+        newest = alice.post("asample", sampling_session_id=alices[-1], num_samples=1, prompt=PROMPT)
+        assert newest.status_code == 200, newest.text
+        alice.finish_sessions()
+        bob.finish_sessions()
+
+
+def test_a_tenant_has_its_own_snapshot_quota_named_when_its_sampler_was_evicted(make_server):
+    live = make_server(max_sampler_snapshots=100, max_sampler_snapshots_per_tenant=2)
+    with live.client(ALICE_KEY) as a:
+        alice = RawTinker(a)
+        model = alice.create_model(alice.session())
+        ids = [_snapshot(alice, model, seq) for seq in (1, 2, 3)]
+        gone = alice.post("asample", sampling_session_id=ids[0], num_samples=1, prompt=PROMPT)
+        assert gone.status_code == 404, gone.text
+        assert "OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT" in gone.json()["error"], gone.text
+        assert (
+            alice.post("asample", sampling_session_id=ids[2], num_samples=1, prompt=PROMPT).status_code == 200
+        )
+        alice.finish_sessions()
+
+
+def test_checkpoint_bytes_are_a_per_tenant_quota_that_names_itself_and_how_to_free_it(make_server):
+    live = make_server()
+    sc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    rest = tinker.RestClient(base_url=live.url, api_key=ALICE_KEY)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4).result()
+    first = tc.save_state("one").result().path
+    size = {c.tinker_path: c.size_bytes for c in rest.list_checkpoints(tc.model_id).result().checkpoints}[
+        first
+    ]
+    live.service.settings.limits.max_checkpoint_bytes_per_tenant = int(size * 2.5)  # room for two
+    tc.save_state("two").result()
+    with pytest.raises(tinker.APIStatusError) as refused:
+        tc.save_state("three").result()
+    text = str(refused.value)
+    assert "OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT" in text and "delete" in text, text
+    assert refused.value.status_code == 409
+    listed = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert sorted(listed) == ["weights/one", "weights/two"]  # nothing half-written stays
+    # another tenant is not charged for alice's bytes
+    bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
+    bob_tc = bob.create_lora_training_client(base_model=TINY, rank=4).result()
+    assert bob_tc.save_state("mine").result().path.endswith("/weights/mine")
+    # deleting frees the room; an overwrite counts only the difference
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    tc.save_state("three").result()
+    sampler = tc.save_weights_for_sampler("s").result()  # adapter-only: smaller, still counted
+    assert sampler.path.endswith("/sampler_weights/s")
+    sc.close("success").result()
+    bob.close("success").result()
+
+
+def test_live_runs_are_a_per_tenant_quota_and_a_neighbour_can_still_create(make_server):
+    live = make_server(limits=Limits(max_runs_per_tenant=2))
+    alice = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    for _ in range(2):
+        alice.create_lora_training_client(base_model=TINY, rank=2).result()
+    with pytest.raises(tinker.APIStatusError) as refused:
+        alice.create_lora_training_client(base_model=TINY, rank=2).result()
+    assert "OPENRL_MAX_RUNS_PER_TENANT" in str(refused.value) and "finish" in str(refused.value)
+    bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
+    tc = bob.create_lora_training_client(base_model=TINY, rank=2).result()
+    out = tc.forward_backward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([1, 2, 3]),
+                loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3},
+            )
+        ],
+        "cross_entropy",
+    ).result()
+    assert out.metrics
+    alice.close("success").result()
+    bob.close("success").result()
