@@ -28,6 +28,8 @@ class Limits:
     max_tokens: int = 4096  # OPENRL_MAX_TOKENS (sampling)
     max_rank: int = 128  # OPENRL_MAX_RANK
     max_runs_per_tenant: int = 64  # OPENRL_MAX_RUNS_PER_TENANT
+    # OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT: a tenant's checkpoints on disk, all kinds together
+    max_checkpoint_bytes_per_tenant: int = 50 << 30
     max_topk: int = 20  # OPENRL_MAX_TOPK
     max_stop_sequences: int = 16  # OPENRL_MAX_STOP_SEQUENCES
     max_target_k: int = 64  # OPENRL_MAX_TARGET_K: K of [N, K] targets
@@ -83,6 +85,8 @@ class Settings:
     backpressure_retry_after_s: float = 1.0  # OPENRL_BACKPRESSURE_RETRY_AFTER_S: Retry-After of a 429
     max_sampler_snapshots: int = 256  # OPENRL_MAX_SAMPLER_SNAPSHOTS: in-memory snapshots kept, newest first
     max_sampler_snapshot_bytes: int = 4 << 30  # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES: and their total size
+    # OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT: of those, one tenant's (its least recently used go first)
+    max_sampler_snapshots_per_tenant: int = 64
     min_ttl_s: float = 3600.0  # OPENRL_MIN_TTL_S: shortest checkpoint TTL accepted (Tinker: 1 hour)
     session_idle_timeout_s: float = 3600.0  # OPENRL_SESSION_IDLE_TIMEOUT_S: no heartbeat/request → finished
     # OPENRL_DRAIN_GRACE_S / --drain-grace-s: on SIGTERM, how long accepted work may take to finish
@@ -205,6 +209,7 @@ _ENV_FIELDS = {
     "OPENRL_BACKPRESSURE_RETRY_AFTER_S": ("backpressure_retry_after_s", float),
     "OPENRL_MAX_SAMPLER_SNAPSHOTS": ("max_sampler_snapshots", int),
     "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
+    "OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT": ("max_sampler_snapshots_per_tenant", int),
     "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
     "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
     "OPENRL_DRAIN_GRACE_S": ("drain_grace_s", float),

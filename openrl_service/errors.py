@@ -4,6 +4,7 @@
     ├── UserError                 the caller asked for something impossible (HTTP 400 / "user" result)
     │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
     │   ├── Gone                  existed once, has expired (410)
+    │   ├── QuotaExceeded         a per-tenant quota is full (409, naming it and how to free it)
     │   ├── PayloadTooLarge       request body over the limit (413)
     │   ├── RestoredError         an error read back from the recovery journal (its own status)
     │   └── UnsupportedMediaType  a JSON route got another Content-Type (415)
@@ -50,6 +51,11 @@ class Forbidden(UserError):
 
 class Conflict(UserError):
     status_code = 409
+
+
+class QuotaExceeded(Conflict):
+    """A per-tenant quota (runs, checkpoint bytes, jobs, keys) is full; the message names the setting
+    and what frees room."""
 
 
 class Gone(UserError):

@@ -25,7 +25,7 @@ from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
 from openrl_service.engine.scheduler import Engine
-from openrl_service.errors import NotFound, UserError
+from openrl_service.errors import NotFound, QuotaExceeded, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
 from openrl_service.training.lora import Adapter, LoraSpec
@@ -319,7 +319,7 @@ class Registry:
     def _check_run_quota(self, tenant: str) -> None:
         n = sum(1 for r in self.runs.values() if r.tenant == tenant)
         if n >= self.limits.max_runs_per_tenant:
-            raise UserError(
+            raise QuotaExceeded(
                 f"a tenant may hold at most {self.limits.max_runs_per_tenant} live runs (OPENRL_MAX_RUNS_PER_TENANT); "
                 f"finish a session to free its runs",
                 field="model_id",
@@ -402,20 +402,42 @@ class Registry:
             self._enforce_snapshot_budget(keep=entry)
 
     def _enforce_snapshot_budget(self, keep: SamplerEntry) -> None:
-        """Least-recently-used adapters go first. A checkpoint-backed sampler only drops its tensors
-        (they reload from disk on its next request); an ephemeral snapshot is forgotten. Caller holds
-        the lock."""
+        """Keep the adapters held in memory within each tenant's share and the service's budget.
+
+        A tenant over OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT loses its own least recently used
+        snapshot; over the service's count or bytes, the tenant holding the most snapshots loses its
+        least recently used one — so one tenant's flood never evicts a neighbour that holds fewer. A
+        checkpoint-backed sampler only drops its tensors (they reload from disk on its next request);
+        an ephemeral snapshot is forgotten. Caller holds the lock."""
         s = self.settings
         loaded = sorted(
             (x for x in self.samplers.values() if x.adapter is not None and x is not keep),
             key=lambda x: x.last_used,
         )
+        per_tenant: dict[str, list[SamplerEntry]] = {}
+        for x in loaded:  # each tenant's, least recently used first
+            per_tenant.setdefault(x.tenant, []).append(x)
         count = len(loaded) + (keep.adapter is not None)
         total = sum(x.adapter.nbytes() for x in loaded) + (keep.adapter.nbytes() if keep.adapter else 0)
-        while loaded and (count > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes):
-            old = loaded.pop(0)
+        mine = per_tenant.get(keep.tenant, [])
+        cap = max(1, s.max_sampler_snapshots_per_tenant)
+        victims: list[SamplerEntry] = []
+        while mine and len(mine) + (keep.adapter is not None) > cap:
+            victims.append(mine.pop(0))
+        for old in victims:
             count -= 1
             total -= old.adapter.nbytes()
+        while count > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes:
+            held = [v for v in per_tenant.values() if v]
+            if not held:
+                break
+            # the tenant holding the most (keep counted with its owner), then the oldest snapshot
+            heaviest = max(held, key=lambda v: (len(v) + (v[0].tenant == keep.tenant), -v[0].last_used))
+            old = heaviest.pop(0)
+            victims.append(old)
+            count -= 1
+            total -= old.adapter.nbytes()
+        for old in victims:
             if old.model_path is not None:
                 old.adapter = None
                 continue
@@ -426,15 +448,18 @@ class Registry:
             self._evicted[old.sampler_id] = old.tenant
             while len(self._evicted) > 100_000:
                 self._evicted.pop(next(iter(self._evicted)))
-            log.info("evicted sampler %s (snapshot budget)", old.sampler_id)
+            log.info("evicted sampler %s of %s (snapshot budget)", old.sampler_id, old.tenant)
 
     def sampler_entry(self, tenant: str, sampler_id: str) -> SamplerEntry:
         entry = self.samplers.get(sampler_id)
         if entry is None and self._evicted.get(sampler_id) == tenant:
             raise NotFound(
-                f"sampler {sampler_id} was evicted: the service keeps the {self.settings.max_sampler_snapshots} "
-                "most recently used snapshots (OPENRL_MAX_SAMPLER_SNAPSHOTS) within "
-                "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES; save weights for a new sampling client",
+                f"sampler {sampler_id} was evicted: each tenant keeps its "
+                f"{self.settings.max_sampler_snapshots_per_tenant} most recently used snapshots "
+                "(OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT) and the service "
+                f"{self.settings.max_sampler_snapshots} (OPENRL_MAX_SAMPLER_SNAPSHOTS) within "
+                "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES, the tenant holding the most giving way first; "
+                "save weights for a new sampling client",
                 field="sampling_session_id",
             )
         if entry is None or entry.tenant != tenant:

@@ -93,7 +93,7 @@ class TrainingService(Registry, Validation):
         self.settings = settings
         self.limits = settings.limits
         migrate_tenant_folders(settings.data_dir)  # before anything reads a tenant's folder
-        self.store = CheckpointStore(settings.data_dir)
+        self.store = CheckpointStore(settings.data_dir, settings.limits)
         self.futures = FutureStore(ttl_s=settings.future_ttl_s)
         self.recorder = OpRecorder()
         self.engine = Engine(

@@ -42,8 +42,8 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
 from openrl_service import crashpoints
-from openrl_service.config import tenant_folder
-from openrl_service.errors import NotFound, UserError
+from openrl_service.config import Limits, tenant_folder
+from openrl_service.errors import NotFound, QuotaExceeded, UserError
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -92,6 +92,14 @@ def parse_tinker_path(path: str, field: str = "path") -> CheckpointRef:
     return CheckpointRef(parts[0], parts[1], check_name(parts[2], field))
 
 
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of the files directly in ``folder`` (a checkpoint holds no subfolders); 0 if absent."""
+    try:
+        return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder) if e.is_file())
+    except OSError:
+        return 0
+
+
 def _digest(p: Path) -> str:
     h = hashlib.sha256()
     with open(p, "rb") as f:
@@ -108,9 +116,11 @@ class CheckpointStore:
     read once and dropped whenever one of its checkpoints changes. The service is the only writer
     of its data folder."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, limits: Limits | None = None):
         self.root = Path(root)
+        self.limits = limits  # max_checkpoint_bytes_per_tenant, read at each write (None: no quota)
         self._lock = threading.Lock()
+        self._usage: dict[str, int] = {}  # tenant → checkpoint bytes on disk, counted on first need
         # tenant → id → record: what this process wrote, plus (once listed) what the disk held
         self._sessions: dict[str, dict[str, dict]] = {}
         self._runs: dict[str, dict[str, dict]] = {}
@@ -162,15 +172,21 @@ class CheckpointStore:
         final = self._ckpt_dir(tenant, ref)
         if final.exists() and not overwrite:
             raise UserError(f"checkpoint {ref.path} already exists{hint}", field="path")
+        self._check_quota(tenant, ref, 0, 0)  # already over: refuse before writing anything
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{ref.name}.tmp-"))
         try:
             yield tmp
             _fsync_dir(tmp)
-            if final.exists():
-                _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
-            else:
-                os.replace(tmp, final)
+            with self._lock:  # check and place as one step: two saves cannot both take the last room
+                new, old = _folder_bytes(tmp), _folder_bytes(final)
+                self._check_quota(tenant, ref, new, old, locked=True)
+                if final.exists():
+                    _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
+                else:
+                    os.replace(tmp, final)
+                if tenant in self._usage:
+                    self._usage[tenant] += new - old
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -234,7 +250,11 @@ class CheckpointStore:
         self.manifest(tenant, ref)  # NotFound unless it is there
         d = self._ckpt_dir(tenant, ref)
         trash = d.parent / f".{ref.name}.deleted-{os.getpid()}-{time.monotonic_ns()}"
-        os.replace(d, trash)
+        with self._lock:
+            size = _folder_bytes(d)
+            os.replace(d, trash)
+            if tenant in self._usage:
+                self._usage[tenant] -= size
         self._changed(tenant, ref.run_id)
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -332,8 +352,45 @@ class CheckpointStore:
         if removed:
             with self._lock:
                 self._checkpoints.clear()
+                self._usage.clear()  # counted again on the next write
                 self._changes += 1
         return removed
+
+    # -- quota --------------------------------------------------------------------------------------
+    def tenant_bytes(self, tenant: str) -> int:
+        """The bytes of every checkpoint ``tenant`` keeps (all runs, all kinds; expired ones until the
+        sweep deletes them), counted from disk once and then kept current by this store's writes."""
+        with self._lock:
+            return self._tenant_bytes_locked(tenant)
+
+    def _tenant_bytes_locked(self, tenant: str) -> int:
+        if tenant not in self._usage:
+            runs = self._tenant_root(tenant) / "runs"
+            self._usage[tenant] = sum(
+                _folder_bytes(ck)
+                for run in _dirs(runs)
+                for kind in KINDS
+                for ck in _dirs(run / kind)
+                if not ck.name.startswith(".")
+            )
+        return self._usage[tenant]
+
+    def _check_quota(
+        self, tenant: str, ref: CheckpointRef, new: int, old: int, *, locked: bool = False
+    ) -> None:
+        limit = self.limits.max_checkpoint_bytes_per_tenant if self.limits is not None else None
+        if not limit:
+            return
+        used = self._tenant_bytes_locked(tenant) if locked else self.tenant_bytes(tenant)
+        after = used - old + new
+        if after > limit:
+            raise QuotaExceeded(
+                f"checkpoint {ref.path} would bring this tenant's checkpoints to {after} bytes, over its "
+                f"quota of {limit} bytes (OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT; {used} bytes in use): "
+                "delete checkpoints you no longer need (RestClient.delete_checkpoint_from_tinker_path, "
+                "DELETE /api/v1/training_runs/<run>/checkpoints/<kind>/<name>) or save with a TTL",
+                field="path",
+            )
 
     # -- sessions -------------------------------------------------------------------------------
     def write_session(self, tenant: str, record: dict) -> None:
