@@ -54,3 +54,20 @@ def test_a_stale_cached_build_is_replaced(tmp_path, tiny_model_dir):
     cfg = json.loads((stale / "config.json").read_text())
     (stale / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen2ForCausalLM"]}))
     assert tree_digest(ensure_tiny_model(stale)) == tree_digest(tiny_model_dir)
+
+
+def test_loading_a_model_leaves_the_process_environment_alone(tmp_path, tiny_model_dir, monkeypatch):
+    """A service embedded in a process (a test, a kernel) must not change that process's environment:
+    TRANSFORMERS_OFFLINE=1 left behind was inherited by every kernel started later, whose tokenizer load
+    from the service's hub mirror then failed with "outgoing traffic has been disabled" (the SQL
+    notebook's test failed in full runs and passed alone)."""
+    import os
+
+    from openrl_service.models.loading import load_base_model
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    before = dict(os.environ)
+    base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
+    assert base.tokenizer.encode("Hi!") == [72, 105, 33]
+    assert dict(os.environ) == before
