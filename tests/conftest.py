@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from openrl_jupyter.local import free_port  # noqa: E402 - the one free-port helper (tests import it from here)
 
-pytest_plugins = ["tests._support.strict_skips", "pytester"]
+pytest_plugins = ["tests._support.strict_skips", "tests._support.env_guard", "pytester"]
+
 
 ALICE_KEY = "tml-alice-0123456789abcdef"
 BOB_KEY = "tml-bob-0123456789abcdef"

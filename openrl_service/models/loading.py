@@ -71,8 +71,10 @@ class BaseModel:
 
 
 def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    """No progress bars or chatter. Models load from local files only (``local_files_only=True`` on
+    every call), never by changing this process's environment: a service embedded in a test process
+    or a kernel would otherwise hand ``TRANSFORMERS_OFFLINE=1`` to every child it starts, and a
+    kernel started later could not load a tokenizer from the service's hub mirror."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -96,30 +98,32 @@ def load_base_model(
         model_name = tiny_variant(spec)
         folder = ensure_tiny_model(Path(data_dir) / "models" / tiny_folder_name(model_name), model_name)
         defaults = dict(TINY_DEFAULTS)
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     elif is_smollm2(spec):
         folder = ensure_smollm2(data_dir)
         origin = str(folder)  # the converted HF folder: what vLLM and the tokenizer mirror read
         model_name = SMOLLM2_MODEL_NAME
         defaults = dict(SMOLLM2_DEFAULTS)
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     elif spec.endswith(".gguf"):
         path = Path(spec).expanduser().resolve()
         if not path.is_file():
             raise FileNotFoundError(f"--model: GGUF file {path} does not exist")
         model_name = name or path.stem
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
     else:
         folder = Path(spec).expanduser().resolve()
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(
                 f"--model: {spec!r} is neither 'tiny', a .gguf file, nor a folder with config.json"
             )
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         model_name = name or getattr(model.config, "_name_or_path", None) or folder.name
         if not model_name or os.path.isabs(model_name):
             model_name = folder.name
