@@ -326,7 +326,7 @@ class Ctx:
         import tempfile
 
         hf_home = tempfile.mkdtemp(prefix="surface-hf-")
-        # The in-process service sets HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE for its own model loading.
+        # tests/conftest.py sets HF_HUB_OFFLINE for the test process; a client reaches the mirror.
         env = {
             k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))
         }
