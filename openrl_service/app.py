@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openrl_service.api.admin import AdminKey, TenantAdmin, build_admin_router, write_admin_key
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
@@ -102,6 +103,9 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_jobs_router(svc, jobs))
     app.include_router(build_metrics_router(svc))
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
+    admin = TenantAdmin(svc, jobs, minted)
+    app.state.admin = admin
+    app.include_router(build_admin_router(admin))
 
     @app.get("/healthz")
     async def healthz():
@@ -143,5 +147,6 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         minted=minted,
         hub=hub,
         jobs=jobs,
+        admin=AdminKey(write_admin_key(settings.data_dir)),
     )
     return app

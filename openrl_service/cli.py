@@ -1,4 +1,4 @@
-"""`openrl-service serve | make-tiny-model`: the command line."""
+"""`openrl-service serve | make-tiny-model | admin`: the command line."""
 
 from __future__ import annotations
 
@@ -217,6 +217,99 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_target(data_dir: Path) -> tuple[str, str]:
+    """The URL and admin key of the service running on ``data_dir``; SystemExit with a message if none."""
+    try:
+        lock = DataDirLock.acquire(data_dir)
+    except DataDirInUse as e:
+        url = e.holder.get("url")
+    except OSError as e:
+        raise SystemExit(
+            f"openrl-service admin: no openrl-service data dir at {data_dir} ({e.strerror})"
+        ) from None
+    else:
+        lock.release()
+        raise SystemExit(
+            f"openrl-service admin: no openrl-service is running on {data_dir}; start it (the admin command "
+            "talks to the running service) or pass the --data-dir it uses"
+        )
+    if not url:
+        raise SystemExit(
+            f"openrl-service admin: the service on {data_dir} has not said its URL yet; try again"
+        )
+    url = re.sub(r"^http://(0\.0\.0\.0|\[::\]|)(:\d+)$", r"http://127.0.0.1\2", url)
+    try:
+        key = (data_dir / "admin-key").read_text().strip()
+    except OSError as e:
+        raise SystemExit(
+            f"openrl-service admin: cannot read {data_dir / 'admin-key'} ({e.strerror}): run this as the "
+            "user the service runs as"
+        ) from None
+    return url, key
+
+
+def _admin(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    from openrl_service.api.admin import valid_tenant_argument
+
+    if args.admin_cmd == "remove" and not valid_tenant_argument(args.tenant):
+        print(
+            f"openrl-service admin: {args.tenant!r} is not a tenant name (an API-key tenant, or hub:<user>)",
+            file=sys.stderr,
+        )
+        return 2
+    data_dir = Path(args.data_dir) if args.data_dir else cfg.from_env().data_dir
+    url, key = _admin_target(data_dir)
+    headers = {"X-API-Key": key}
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=600, trust_env=False) as http:
+            if args.admin_cmd == "tenants":
+                r = http.get("/openrl/v1/admin/tenants")
+            else:
+                if not args.yes:
+                    if not sys.stdin.isatty():
+                        print(
+                            "openrl-service admin: pass --yes to remove a tenant non-interactively",
+                            file=sys.stderr,
+                        )
+                        return 2
+                    answer = input(f"remove tenant {args.tenant!r} and all its data from {url}? [y/N] ")
+                    if answer.strip().lower() not in ("y", "yes"):
+                        print("nothing removed")
+                        return 1
+                r = http.delete(f"/openrl/v1/admin/tenants/{args.tenant}")
+    except httpx.HTTPError as e:
+        print(f"openrl-service admin: {url} did not answer ({type(e).__name__}: {e})", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        try:
+            why = r.json().get("error", r.text)
+        except ValueError:
+            why = r.text
+        print(f"openrl-service admin: {r.status_code}: {why}", file=sys.stderr)
+        return 1
+    body = r.json()
+    if args.admin_cmd == "tenants":
+        rows = body["tenants"]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        cols = ("tenant", "checkpoint_bytes", "live_sessions", "live_runs", "jobs", "minted_keys")
+        widths = [max([len(c)] + [len(str(row[c])) for row in rows]) for c in cols]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+        for row in rows:
+            print("  ".join(str(row[c]).ljust(w) for c, w in zip(cols, widths, strict=True)))
+        return 0
+    print(
+        f"removed tenant {body['tenant']}: {body['sessions_ended']} sessions ended, {body['checkpoint_bytes']} "
+        f"checkpoint bytes deleted, {body['jobs_deleted']} jobs deleted, {body['keys_revoked']} minted keys revoked"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="openrl-service", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -338,6 +431,27 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
     t.add_argument("dir", type=Path)
     t.set_defaults(func=_make_tiny)
+    a = sub.add_parser(
+        "admin",
+        help="the operator's view of a running service: list tenants, remove one (see docs/security.md)",
+        description="Talks to the openrl-service running on --data-dir, with the admin key it wrote there "
+        "(<data-dir>/admin-key): run it where the data dir is (e.g. kubectl exec into the service pod).",
+    )
+    a.add_argument(
+        "--data-dir", type=Path, default=None, help="the running service's data dir (default: per-user)"
+    )
+    admin_sub = a.add_subparsers(dest="admin_cmd", required=True)
+    at = admin_sub.add_parser(
+        "tenants", help="every tenant and what it holds (checkpoint bytes, runs, jobs, keys)"
+    )
+    at.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ar = admin_sub.add_parser(
+        "remove",
+        help="end a tenant's sessions and delete its checkpoints, records, traces, jobs and minted keys",
+    )
+    ar.add_argument("tenant", help="an API-key tenant's name, or hub:<user> for a JupyterHub user")
+    ar.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    a.set_defaults(func=_admin)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

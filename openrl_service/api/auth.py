@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from openrl_service.api.admin import ADMIN_KEY_PREFIX, ADMIN_PREFIX, ADMIN_TENANT, AdminKey
 from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
@@ -149,9 +150,11 @@ class AuthMiddleware:
         minted: MintedKeys | None = None,
         hub: HubAuth | None = None,
         jobs: Jobs | None = None,
+        admin: AdminKey | None = None,
     ):
         self.app = app
         self.jobs = jobs
+        self.admin = admin
         self.settings = settings
         self.keys = keys
         self.minted = minted
@@ -182,7 +185,12 @@ class AuthMiddleware:
         path = scope.get("path", "")
         # Probes and scrapes name the pod IP as Host (kubelet, Prometheus); nothing a rebinding page
         # could use sits behind these paths, so they answer any Host.
-        if self.hosts is not None and path not in PUBLIC_PATHS and path != METRICS_PATH:
+        admin_path = path.startswith(ADMIN_PREFIX)
+        if admin_path and headers.get("origin"):  # the operator's command sends none; a page would
+            return await _error(send, 403, "the admin routes take no cross-origin requests", "origin")
+        # The admin routes answer any Host: the admin command reaches the service on loopback while it
+        # may be bound to 0.0.0.0 with only cluster names allowed, and the key is not a browser's.
+        if self.hosts is not None and path not in PUBLIC_PATHS and path != METRICS_PATH and not admin_path:
             host = _host_only(headers.get("host", ""))
             if host not in self.hosts:
                 return await _error(
@@ -204,11 +212,18 @@ class AuthMiddleware:
             key = credential(headers)
             # A job's key (engine/jobs.py): its scope holds (the jobs API itself needs auth on).
             job = None
+            admin = self.admin is not None and bool(key) and key.startswith(ADMIN_KEY_PREFIX)
+            if admin and self.admin.matches(key) and not admin_path:
+                return await _error(
+                    send, 403, "the admin key is for the admin routes (/openrl/v1/admin/) only", "X-API-Key"
+                )
             if self.jobs is not None and key and key.startswith(JOB_KEY_PREFIX):
                 job = self.jobs.access(key, scope.get("method", "GET"), path)
                 if isinstance(job, JobRefusal):
                     return await _error(send, job.status, job.message, "X-API-Key")
-            if job is not None:
+            if admin and self.admin.matches(key):  # the operator (api/admin.py): admin routes only
+                tenant, via = ADMIN_TENANT, "admin"
+            elif job is not None:
                 tenant, via = job.tenant, "job"
                 scope.setdefault("state", {})["job_id"] = job.job_id
                 scope["state"]["job_revoked"] = job.revoked  # only a repeat of its terminal report

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from openrl_service.checks import integer
@@ -269,6 +270,41 @@ class Registry:
         for sweep in self.sweepers:
             sweep(now)
         return [s.session_id for s in idle]
+
+    # -- tenants --------------------------------------------------------------------------------
+    def remove_tenant(self, tenant: str, *, move_to: str | None = None) -> dict:
+        """Forget ``tenant``: end its sessions (its runs and samplers leave the device) and remove its
+        files, or move them to ``move_to``. Journaled first, so a restart replays the removal and
+        nothing of the tenant comes back. Its jobs and minted keys are the caller's (api/admin.py)."""
+        self.durability.append(("forget_tenant", tenant, move_to))
+        return self._forget_tenant(tenant, move_to)
+
+    def _forget_tenant(self, tenant: str, move_to: str | None) -> dict:
+        live = [s for s in list(self.sessions.values()) if s.tenant == tenant and not s.finished]
+        for sess in live:
+            self.finish_session(tenant, sess.session_id, reason="interrupted")
+        with self._lock:
+            gone = [sid for sid, sess in self.sessions.items() if sess.tenant == tenant]
+            for sid in gone:
+                del self.sessions[sid]
+                self._ended[sid] = tenant
+            for sid in [sid for sid, e in self.samplers.items() if e.tenant == tenant]:
+                del self.samplers[sid]
+            for sid in [sid for sid, t in self._evicted.items() if t == tenant]:
+                del self._evicted[sid]
+        freed = self.store.forget_tenant(tenant, Path(move_to) if move_to else None)
+        log.warning(
+            "tenant %s removed: %d sessions ended, %d checkpoint bytes %s",
+            tenant,
+            len(live),
+            freed,
+            f"moved to {move_to}" if move_to else "deleted",
+        )
+        return {"tenant": tenant, "sessions_ended": len(live), "checkpoint_bytes": freed, "moved_to": move_to}
+
+    def _replay_forget_tenant(self, record: tuple) -> None:
+        _, tenant, move_to = record
+        self._forget_tenant(tenant, move_to)
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, tenant: str, model_id: str) -> RunState:

@@ -119,6 +119,7 @@ class TrainingService(Registry, Validation):
         self.kube = launcher_from_settings(settings)
         self._init_registry()
         self.durability = Durability(self)
+        self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant
         self.futures.on_complete = self.durability.completed
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -356,6 +356,38 @@ class CheckpointStore:
                 self._changes += 1
         return removed
 
+    # -- tenants ------------------------------------------------------------------------------------
+    def tenant_folders(self) -> list[Path]:
+        """Every tenant's folder under ``<data>/tenants`` (checkpoints, sessions, run records, jobs)."""
+        return sorted(d for d in _dirs(self.root / "tenants") if not d.name.startswith("."))
+
+    def forget_tenant(self, tenant: str, move_to: Path | None = None) -> int:
+        """Remove every file of ``tenant`` (``<data>/tenants/<folder>`` and ``<data>/traces/<folder>``),
+        or move them under ``move_to`` (same volume); returns the checkpoint bytes that left. The
+        caller has ended the tenant's sessions and deleted its jobs."""
+        folder = tenant_folder(tenant)
+        with self._lock:
+            freed = self._tenant_bytes_locked(tenant)
+            self._sessions.pop(tenant, None)
+            self._runs.pop(tenant, None)
+            self._listed = {k for k in self._listed if k[1] != tenant}
+            self._checkpoints = {k: v for k, v in self._checkpoints.items() if k[0] != tenant}
+            self._usage.pop(tenant, None)
+            self._changes += 1
+            for sub in ("tenants", "traces"):
+                src = self.root / sub / folder
+                if not src.exists():
+                    continue
+                if move_to is not None and not (Path(move_to) / sub / folder).exists():
+                    dst = Path(move_to) / sub / folder
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(src, dst)
+                    continue
+                trash = src.with_name(f".{folder}.removed-{os.getpid()}-{time.monotonic_ns()}")
+                os.rename(src, trash)  # gone from every path at once; the files follow
+                shutil.rmtree(trash, ignore_errors=True)
+        return freed
+
     # -- quota --------------------------------------------------------------------------------------
     def tenant_bytes(self, tenant: str) -> int:
         """The bytes of every checkpoint ``tenant`` keeps (all runs, all kinds; expired ones until the
