@@ -212,3 +212,29 @@ def test_a_hub_users_metrics_scrape_names_only_their_own_runs(live, alices):
     assert alices["notebook"] not in r.text and alices["sdk"] not in r.text
     with live.client(BOB_KEY) as b:
         assert run not in b.get("/metrics").text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: /openrl/v1/events checks the key once, at connect (api/auth.py), and its stream loop "
+    "(api/native.py:188-204) never again: a minted key revoked with DELETE /api/v1/keys/{id} (and so "
+    "a hub token the hub revoked, or a removed hub user's key) keeps receiving the tenant's run events, "
+    "metrics and rewards for as long as the connection stays open",
+)
+def test_revoking_a_minted_key_ends_the_event_stream_it_opened(live):
+    """Attack: dave mints a key, opens /openrl/v1/events with it, and the key is revoked (dave
+    revokes it, e.g. because it leaked). The open stream must not keep carrying dave's run events:
+    after the revocation it ends, at the latest when its next event would be sent."""
+    with as_user(live, "dave") as dave:
+        minted = dave.post("/api/v1/keys", json={"name": "leaked"}).json()
+        with live.client(minted["key"]) as leaked, leaked.stream("GET", f"{V1}/events") as stream:
+            lines = stream.iter_lines()
+            sse_until(lines, lambda kind, _: kind == "tick")
+            assert dave.delete(f"/api/v1/keys/{minted['id']}").status_code == 204
+            refused(leaked.get(f"{V1}/runs"), 401)  # the key itself is refused at once
+            marker = dave.post(f"{V1}/runs", json={"name": "dave-after-revocation", "rank": 4}).json()[
+                "run_id"
+            ]
+            events, text = sse_until(lines, lambda kind, d: kind == "run" and d.get("run_id") == marker)
+        dave.delete(f"{V1}/runs/{marker}")
+    assert marker not in text, "the revoked key's stream still carried dave's new run"
