@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import tinker
 
+from openrl_service.engine.native import NativeRuns
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 from tests.security.conftest import V1, refused, sse_until
 
@@ -185,3 +186,44 @@ def test_another_tenants_events_never_reach_my_event_stream(live, alice, alices)
     ):
         assert secret not in text, secret
     assert all(set(d["runs"]) <= {marker} for kind, d in events if kind == "tick")
+
+
+def native_runs(svc) -> NativeRuns:
+    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
+    return next(
+        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: the notebook API's remembered replies (api/idempotency.py IdempotentReplies, "
+    "max_entries=10,000 / max_bytes=256 MiB) are one bound over every tenant; _bound() drops the "
+    "oldest of ANY tenant, so bob's cheap idempotent POSTs make alice's retried create / train_step "
+    "run a second time (a double optimizer step); the bound must be per tenant (a tenant's flood "
+    "evicts its own)",
+)
+def test_my_idempotent_posts_do_not_evict_another_tenants_remembered_reply(live, alice, bob, monkeypatch):
+    """Attack: bob sends many idempotent POSTs (each with a new X-Idempotency-Key) until the service's
+    store of remembered replies is full, so that alice's retry of a request whose reply she lost is
+    run again instead of answered. The store's bound is made small here (3) instead of sending
+    10,000 requests."""
+    monkeypatch.setattr(native_runs(live.service).replies, "max_entries", 3)
+    key = {"X-Idempotency-Key": "alice-create-0001"}
+    body = {"name": "alice-once", "seed": 5, "rank": 4}
+    first = alice.post(f"{V1}/runs", json=body, headers=key)
+    mine = bob.post(f"{V1}/runs", json={"name": "bob-flood", "rank": 4}).json()["run_id"]
+    try:
+        for i in range(3):
+            r = bob.post(
+                f"{V1}/runs/{mine}/metrics", json={"step": i}, headers={"X-Idempotency-Key": f"bob-{i}"}
+            )
+            assert r.status_code == 201, r.text
+        retry = alice.post(f"{V1}/runs", json=body, headers=key)  # her reply was lost: she re-sends
+        runs = [r["run_id"] for r in alice.get(f"{V1}/runs").json()["runs"] if r["name"] == "alice-once"]
+        assert retry.json()["run_id"] == first.json()["run_id"] and len(runs) == 1, runs
+    finally:
+        for r in alice.get(f"{V1}/runs").json()["runs"]:
+            if r["name"] == "alice-once":
+                alice.delete(f"{V1}/runs/{r['run_id']}")
+        bob.delete(f"{V1}/runs/{mine}")
