@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import tinker
 
+from openrl_service.engine import native as native_module
 from openrl_service.engine.native import NativeRuns
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 from tests.security.conftest import V1, refused, sse_until
@@ -227,3 +228,29 @@ def test_my_idempotent_posts_do_not_evict_another_tenants_remembered_reply(live,
             if r["name"] == "alice-once":
                 alice.delete(f"{V1}/runs/{r['run_id']}")
         bob.delete(f"{V1}/runs/{mine}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HOLE: the sample store (engine/native.py NativeRuns.samples, MAX_STORED_SAMPLES=200,000) is "
+    "one bound over every tenant; sweep_samples drops the oldest of ANY tenant, so bob's sampling "
+    "(one call may return prompts x num_samples = 4096 x 128 completions) makes alice's next "
+    "train_step fail with 404 'unknown for this run'; the bound must be per tenant",
+)
+def test_my_sampling_does_not_evict_another_tenants_stored_samples(live, alice, bob, monkeypatch):
+    """Attack: bob samples until the service's store of completions (kept for a later train_step)
+    is full, so alice's samples are dropped before she trains on them. The store's bound is made
+    small here (4) instead of sampling 200,000 completions."""
+    monkeypatch.setattr(native_module, "MAX_STORED_SAMPLES", 4)
+    hers = alice.post(f"{V1}/runs", json={"name": "alice-rl", "seed": 0, "rank": 4}).json()["run_id"]
+    his = bob.post(f"{V1}/runs", json={"name": "bob-flood", "seed": 0, "rank": 4}).json()["run_id"]
+    try:
+        ids = sampled(alice, hers, 2)
+        sampled(bob, his, 4)
+        r = alice.post(
+            f"{V1}/runs/{hers}/train_step", json={"samples": [{"sample_id": s, "advantage": 1} for s in ids]}
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        alice.delete(f"{V1}/runs/{hers}")
+        bob.delete(f"{V1}/runs/{his}")
