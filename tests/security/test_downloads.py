@@ -214,3 +214,39 @@ def test_the_mirror_resolves_no_file_but_a_served_one(live, name):
         r = c.get(f"/{TINY}/resolve/main/{name}")
     assert r.status_code == 404, (r.status_code, r.content[:200])
     assert r.headers.get("x-error-code") in ("EntryNotFound", None), r.headers
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/downloads/%2E%2E/training_runs",
+        "/api/v1/downloads/%2E%2E/%2E%2E/%2E%2E/openrl/v1/runs",
+        "/api/v1/downloads/%2E%2E%2Fcheckpoints",
+        "/api/v1/downloads/x/%2E%2E/%2E%2E/sessions",
+        "/api/v1/downloads//%2E%2E/%2E%2E/%2E%2E/metrics",
+        "/api/v1/downloads/x/resolve/main/tokenizer.json",
+        "/api/v1/downloads/",
+    ],
+)
+def test_the_keyless_download_prefix_reaches_no_other_route(live, path):
+    """Attack: the service skips the key check for any path under /api/v1/downloads/ (links carry
+    their own signature); wrap another route in that prefix with encoded dot segments, hoping the
+    router resolves them after the check."""
+    for method in ("GET", "POST", "DELETE"):
+        with httpx.Client(base_url=live.url, timeout=30) as c:
+            r = c.request(method, path)
+        assert r.status_code in (404, 405), (method, path, r.status_code, r.text[:300])
+        refused(r, 404, 405)
+
+
+@pytest.mark.parametrize(
+    "headers", [{"Host": "evil.example"}, {"Origin": "http://evil.example"}, {"Origin": "null"}]
+)
+def test_a_rebinding_or_cross_origin_page_cannot_fetch_a_link(live, links, headers):
+    """Attack: a web page that learned a link (or guesses at one) fetches it from the user's browser:
+    through DNS rebinding (its own Host name) or cross-origin (its Origin). A link needs no key, so
+    the Host/Origin check is all that stands between it and the page."""
+    _, urls = links["alice"]
+    r = httpx.get(urls["adapter_config.json"], headers=headers, timeout=30)
+    refused(r, 400, 403)
+    assert not any(h.lower().startswith("access-control-") for h in r.headers)

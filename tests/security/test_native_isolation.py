@@ -254,3 +254,22 @@ def test_my_sampling_does_not_evict_another_tenants_stored_samples(live, alice, 
     finally:
         alice.delete(f"{V1}/runs/{hers}")
         bob.delete(f"{V1}/runs/{his}")
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", f"{V1}/events"), ("GET", f"{V1}/runs"), ("POST", f"{V1}/runs"), ("GET", f"{V1}/jobs")],
+)
+@pytest.mark.parametrize(
+    "headers", [{"Host": "evil.example"}, {"Origin": "http://evil.example"}, {"Origin": "null"}]
+)
+def test_a_rebinding_or_cross_origin_page_cannot_use_the_notebook_api(live, method, path, headers):
+    """Attack: a page in the user's browser drives the notebook API (events, runs, jobs) through DNS
+    rebinding (a foreign Host) or cross-origin (a foreign or opaque Origin), even with a valid key.
+    tests/service/test_auth.py holds the same on the Tinker routes."""
+    with live.client(ALICE_KEY) as c:
+        r = c.request(
+            method, path, headers=headers, json={"name": "from-a-page"} if method == "POST" else None
+        )
+    refused(r, 400, 403)
+    assert not any(h.lower().startswith("access-control-") for h in r.headers)
