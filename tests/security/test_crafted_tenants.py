@@ -217,7 +217,7 @@ def test_a_hub_users_metrics_scrape_names_only_their_own_runs(live, alices):
 @pytest.mark.xfail(
     strict=True,
     reason="HOLE: /openrl/v1/events checks the key once, at connect (api/auth.py), and its stream loop "
-    "(api/native.py:188-204) never again: a minted key revoked with DELETE /api/v1/keys/{id} (and so "
+    "(api/native.py:183-210) never again: a minted key revoked with DELETE /api/v1/keys/{id} (and so "
     "a hub token the hub revoked, or a removed hub user's key) keeps receiving the tenant's run events, "
     "metrics and rewards for as long as the connection stays open",
 )
