@@ -81,7 +81,9 @@ def weights_of(live: LiveServer, tenant: str) -> dict[str, str]:
     return out
 
 
-VOLATILE = {"share", "orphaned"}  # a run's device share and orphan flag move with the wall clock
+# A run's device share and orphan flag move with the wall clock; its last activity with the heartbeats
+# a Tinker SDK client sends in the background (a refused request is asserted on its own reply).
+VOLATILE = {"share", "orphaned", "last_activity"}
 
 
 def state_of(live: LiveServer, tenant: str, key: str) -> dict:
