@@ -279,13 +279,6 @@ def test_another_tenants_expired_future_is_not_found_not_gone(live):
             ra.finish_sessions()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HOLE: the sampler-snapshot budget (OPENRL_MAX_SAMPLER_SNAPSHOTS / _BYTES) is one LRU over "
-    "every tenant (engine/registry.py:_enforce_snapshot_budget): bob's own new samplers evict alice's "
-    "ephemeral sampler, whose next sample is a 404 'evicted'; a per-tenant budget (issue 21 part 2's "
-    "quotas) would evict or refuse bob's own",
-)
 def test_my_samplers_do_not_evict_another_tenants_sampler(make_server):
     """Attack: bob creates sampler snapshots until the service's snapshot budget is full, so that
     alice's sampling client, idle for a moment, is evicted (a denial of service, no data read)."""
