@@ -1,0 +1,132 @@
+"""The text-to-SQL reward against a hostile query (issue 21).
+
+A model's completion (or a prompt a user wrote) is SQL that the kernel's or a detached job's reward
+runs. Whatever it tries, it scores 0.0 with the reason kept, the kernel's process never holds the
+query's memory, and the next query scores normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+
+from openrl_jupyter.sql import execution_match, generate, sql_reward
+from openrl_jupyter.sql.reward import SQLError
+
+GOLD = "SELECT name FROM customers WHERE city = 'Oslo'"
+# strings built by doubling: every step is small (so no time limit stops it), the result is not
+_DOUBLE = "WITH RECURSIVE s(x, n) AS (SELECT 'a', 0 UNION ALL SELECT x || x, n + 1 FROM s WHERE n < {n})"
+
+# (query, what its reason names): each allocates up to SQLite's length limit (~1 GB) per value, or
+# piles values up, unless the sandbox stops it
+MEMORY_ATTACKS = {
+    "two 1 GB zeroblobs": ("SELECT zeroblob(999999999), zeroblob(999999999)", "zeroblob"),
+    "a 1 GB randomblob": ("SELECT randomblob(999999999)", "randomblob"),
+    "printf padding": ("SELECT printf('%.*c', 999999999, 'x')", "printf"),
+    "format padding": ("SELECT format('%.*c', 999999999, 'x')", "format"),
+    "a recursive CTE over zeroblob": (
+        "WITH RECURSIVE c(b, n) AS (SELECT zeroblob(100000000), 0 UNION ALL "
+        "SELECT b || b, n + 1 FROM c WHERE n < 8) SELECT n, length(b) FROM c",
+        "zeroblob",
+    ),
+    "a string doubled towards 1 GB": (
+        _DOUBLE.format(n=30) + " SELECT max(length(x)) FROM s",
+        "string or blob too big",
+    ),
+    "9,000 rows of a 512 KB string": (
+        _DOUBLE.format(n=19) + ", r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 9000) "
+        "SELECT x FROM s, r WHERE s.n = 19",
+        "result too large",
+    ),
+    "one row of 400 copies of a 512 KB string": (
+        _DOUBLE.format(n=19) + " SELECT " + ", ".join(["x"] * 400) + " FROM s WHERE n = 19",
+        "too many columns",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    return generate(0, directory=tmp_path_factory.mktemp("sql-attack"), per_template=1).db_path("shop")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (the kernel's, in these tests)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+@pytest.fixture
+def kernel_memory_cap():
+    """This process's address space capped 3 GiB above what it maps now, as the issue tried it: an
+    attack whose memory lands in the kernel raises MemoryError here instead of exhausting the machine."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = int(re.search(r"VmSize:\s+(\d+) kB", status.read_text()).group(1)) * 1024
+    cap = mapped + 3 * 2**30
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize(("sql", "reason"), MEMORY_ATTACKS.values(), ids=MEMORY_ATTACKS.keys())
+def test_a_query_that_would_exhaust_memory_scores_0_with_the_reason(db, sql, reason, kernel_memory_cap):
+    before = peak_rss_mib()
+    r = execution_match(sql, GOLD, db)
+    assert r.score == 0.0 and r.error is not None and reason in r.error, r
+    assert peak_rss_mib() - before < 200, "the kernel held the query's memory"
+    assert execution_match(GOLD, GOLD, db).score == 1.0  # the next query scores normally
+
+
+@pytest.mark.parametrize(
+    ("sql", "name"),
+    [
+        ("SELECT sqlite_version()", "sqlite_version"),
+        ("SELECT load_extension('/tmp/x.so')", "load_extension"),
+        ("SELECT json_extract('{\"a\": 1}', '$.a')", "json_extract"),
+        ("SELECT value FROM json_each('[1, 2]')", "json_each"),
+        (
+            "SELECT name FROM customers WHERE name = (SELECT sqlite_compileoption_get(0))",
+            "sqlite_compileoption_get",
+        ),
+    ],
+)
+def test_a_function_or_table_outside_the_allow_list_is_refused_by_name(db, sql, name):
+    r = execution_match(sql, GOLD, db)
+    assert r.score == 0.0 and r.error is not None and name in r.error, r
+    assert "not allowed" in r.error
+
+
+def test_a_gold_query_the_sandbox_refuses_is_a_data_error(db):
+    with pytest.raises(SQLError, match="zeroblob"):
+        execution_match(GOLD, "SELECT zeroblob(10)", db)
+
+
+def test_an_attack_in_a_training_step_scores_0_with_its_reason_in_the_log(db):
+    """Through the notebook's own reward path (a run's scoring step): the attack's sample scores 0,
+    the step's log says why, and the other samples of the step score normally."""
+    from openrl_jupyter.rewards import pinned, score
+
+    info = {"sql": GOLD, "db_id": "shop", "db_path": str(db)}
+    completions = [
+        "```sql\nSELECT zeroblob(999999999), zeroblob(999999999);\n```",
+        f"```sql\n{GOLD};\n```",
+        "SELECT printf('%.*c', 999999999, 'x')",
+        "SELECT name FROM customers",
+    ]
+    scored = asyncio.run(score(pinned(sql_reward), ["q"] * 4, completions, [info] * 4))
+    assert scored.rewards == [0.0, 1.0, 0.0, 0.0] and scored.errors == [None] * 4
+    log = scored.stdout
+    assert "sql error:" in log and "zeroblob" in log and "printf" in log, log
