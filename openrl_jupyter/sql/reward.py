@@ -4,11 +4,10 @@
     r.score   # 1.0 or 0.0
     r.error   # the sqlite error (or "result too large", "time limit"), None when the query ran
 
-A query can never write, attach files or hang the caller: the database is opened read-only by URI
-(``mode=ro&immutable=1``), an authorizer allows only reads (SELECT, column reads, functions,
-recursive CTEs), a progress handler stops a query past the time limit, and at most ``max_rows``
-rows are fetched (more scores 0 with "result too large"). Results are compared as multisets of row
-tuples (floats rounded), or as ordered lists when the gold query has ORDER BY.
+A query runs in the sandbox of ``openrl_jupyter.sql.sandbox``: read-only, an allow-list of
+actions, tables and functions, SQLite's own size limits, a time limit, and at most ``max_rows`` rows
+(more scores 0 with "result too large"). Results are compared as multisets of row tuples (floats
+rounded), or as ordered lists when the gold query has ORDER BY.
 """
 
 from __future__ import annotations
@@ -16,24 +15,16 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from openrl_jupyter.sql import sandbox
+from openrl_jupyter.sql.sandbox import SQLError
 
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_MAX_ROWS = 10_000
-FLOAT_DIGITS = 4
-
-_ALLOWED = frozenset(
-    {sqlite3.SQLITE_READ, sqlite3.SQLITE_SELECT, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
-)
-_DENIED_FUNCTIONS = frozenset({"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"})
-
-
-class SQLError(Exception):
-    """A query that failed: the sqlite message, or the limit it hit."""
+FLOAT_DIGITS = sandbox.FLOAT_DIGITS
 
 
 @dataclass(frozen=True)
@@ -64,31 +55,6 @@ def extract_sql(completion: str) -> str:
     return text.strip().rstrip(";").strip()
 
 
-def _authorizer(action: int, arg1: Any, arg2: Any, db: Any, trigger: Any) -> int:
-    if action not in _ALLOWED:
-        return sqlite3.SQLITE_DENY
-    if action == sqlite3.SQLITE_FUNCTION and str(arg2).lower() in _DENIED_FUNCTIONS:
-        return sqlite3.SQLITE_DENY
-    return sqlite3.SQLITE_OK
-
-
-def _connect(db: str | os.PathLike[str]) -> sqlite3.Connection:
-    path = Path(db)
-    if not path.is_file():
-        raise FileNotFoundError(f"database not found: {path}")
-    con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, check_same_thread=False)
-    con.execute("PRAGMA query_only = 1")
-    con.set_authorizer(_authorizer)
-    return con
-
-
-def _norm(v: Any) -> Any:
-    if isinstance(v, float):
-        r = round(v, FLOAT_DIGITS)
-        return int(r) if r.is_integer() else r
-    return v
-
-
 def run_query(
     sql: str,
     db: str | os.PathLike[str],
@@ -97,32 +63,7 @@ def run_query(
     max_rows: int = DEFAULT_MAX_ROWS,
 ) -> list[tuple[Any, ...]]:
     """Run one read-only query with a time limit and a row cap; raise SQLError on any failure."""
-    if not sql.strip():
-        raise SQLError("empty query")
-    con = _connect(db)
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-
-    def progress() -> int:
-        nonlocal timed_out
-        if time.monotonic() > deadline:
-            timed_out = True
-            return 1
-        return 0
-
-    con.set_progress_handler(progress, 1000)
-    try:
-        cur = con.execute(sql)
-        rows = cur.fetchmany(max_rows + 1)
-        if len(rows) > max_rows:
-            raise SQLError(f"result too large: more than {max_rows} rows")
-        return [tuple(_norm(v) for v in r) for r in rows]
-    except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError) as e:
-        if timed_out:
-            raise SQLError(f"time limit: stopped after {timeout_s:g} s") from None
-        raise SQLError(f"{type(e).__name__}: {e}") from None
-    finally:
-        con.close()
+    return sandbox.run(sql, db, timeout_s=timeout_s, max_rows=max_rows)
 
 
 def execution_match(

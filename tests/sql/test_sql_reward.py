@@ -145,12 +145,12 @@ def test_each_guard_holds_on_its_own(db, tmp_path):
     import shutil
     import sqlite3
 
-    from openrl_jupyter.sql.reward import _authorizer
+    from openrl_jupyter.sql.sandbox import Authorizer
 
     copy = tmp_path / "copy.db"
     shutil.copy(db, copy)
     con = sqlite3.connect(copy)
-    con.set_authorizer(_authorizer)
+    con.set_authorizer(Authorizer(frozenset({"customers", "products", "orders"})))
     with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
         con.execute("DELETE FROM orders")
     con.close()
