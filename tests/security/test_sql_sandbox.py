@@ -2,15 +2,22 @@
 
 A model's completion (or a prompt a user wrote) is SQL that the kernel's or a detached job's reward
 runs. Whatever it tries, it scores 0.0 with the reason kept, the kernel's process never holds the
-query's memory, and the next query scores normally.
+query's memory or waits past the time limit, and the next query scores normally. Queries run in one
+scorer process per kernel (or job), started once and again after it was stopped, and gone with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import resource
+import select
+import signal
+import subprocess
 import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,6 +55,15 @@ MEMORY_ATTACKS = {
         "too many columns",
     ),
 }
+
+# One VDBE instruction that runs for seconds: instr() over a 786,432-character haystack and a needle of
+# 262,144 'a's and a 'b' that almost matches at every position; eight of them in one row, so the
+# progress handler (every 1,000 instructions) never runs before the row is done (~1 min on 2 cores).
+HUGE_STEP = (
+    _DOUBLE.format(n=19) + ", h(hay) AS (SELECT a.x || b.x FROM s AS a, s AS b WHERE a.n = 19 AND b.n = 18), "
+    "nd(needle) AS (SELECT x || 'b' FROM s WHERE n = 18) "
+    "SELECT " + ", ".join(["instr(hay, needle)"] * 8) + " FROM h, nd"
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +146,94 @@ def test_an_attack_in_a_training_step_scores_0_with_its_reason_in_the_log(db):
     assert scored.rewards == [0.0, 1.0, 0.0, 0.0] and scored.errors == [None] * 4
     log = scored.stdout
     assert "sql error:" in log and "zeroblob" in log and "printf" in log, log
+
+
+def test_a_single_huge_step_is_stopped_by_the_watchdog(db):
+    r = execution_match(HUGE_STEP, GOLD, db, timeout_s=0.5)
+    assert r.score == 0.0 and r.error is not None and r.error.startswith("time limit"), r
+    assert "watchdog" in r.error, r
+    assert execution_match(GOLD, GOLD, db).score == 1.0  # a fresh scorer answers the next query
+
+
+def test_one_scorer_process_serves_every_sample_of_a_step(db):
+    """An RL step scores 64+ samples: one process serves them all, not one process per sample."""
+    from openrl_jupyter.sql.reward import scorer_pid
+
+    pids = set()
+    for i in range(64):
+        assert execution_match(GOLD if i % 2 else "SELECT 1", GOLD, db).score == i % 2
+        pids.add(scorer_pid())
+    assert len(pids) == 1 and None not in pids and os.getpid() not in pids, pids
+
+
+def test_concurrent_scoring_threads_each_get_their_answer_while_one_query_is_killed(db):
+    """The kernel scores from a thread pool (several runs at once): every thread gets its own answer,
+    and a query stopped by the watchdog takes none of the others with it."""
+    queries = [(GOLD, 1.0), ("SELECT name FROM customers", 0.0), ("SELECT zeroblob(999999999)", 0.0)]
+
+    def work(k: int) -> list[tuple[float, float]]:
+        out = []
+        for i in range(30):
+            sql, want = queries[(i + k) % len(queries)]
+            out.append((execution_match(sql, GOLD, db).score, want))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        huge = pool.submit(execution_match, HUGE_STEP, GOLD, db, timeout_s=0.5)
+        results = [f.result() for f in [pool.submit(work, k) for k in range(6)]]
+    assert huge.result().error.startswith("time limit"), huge.result()
+    assert all(got == want for r in results for got, want in r), results
+
+
+def gone(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` (not necessarily our child) has exited within ``timeout_s``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def test_a_scorer_that_died_between_steps_is_started_again(db):
+    from openrl_jupyter.sql.reward import scorer_pid
+
+    assert execution_match(GOLD, GOLD, db).score == 1.0
+    pid = scorer_pid()
+    os.kill(pid, signal.SIGKILL)
+    assert gone(pid, 30)
+    assert execution_match(GOLD, GOLD, db).score == 1.0  # scored normally, not 0
+    assert scorer_pid() not in (None, pid)
+
+
+KERNEL = textwrap.dedent(
+    """
+    import sys
+    from openrl_jupyter.sql import execution_match
+    from openrl_jupyter.sql.reward import scorer_pid
+    assert execution_match(sys.argv[2], sys.argv[2], sys.argv[1]).score == 1.0
+    print(scorer_pid(), flush=True)
+    if sys.argv[3] == "wait":
+        sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on the scorer with a pidfd (Linux)")
+@pytest.mark.parametrize("end", ["exits", "is killed"])
+def test_the_scorer_process_ends_with_its_kernel(db, end):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, str(db), GOLD, "wait" if end == "is killed" else "exit"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        line = proc.stdout.readline()
+        if end == "is killed":
+            proc.kill()
+        proc.wait(timeout=120)
+    assert line.strip().isdigit(), f"the kernel printed no scorer pid: {line!r}"
+    assert gone(int(line), 30), f"the scorer outlived its kernel ({end})"
