@@ -23,14 +23,28 @@ to allocate gigabytes in one step, or to run for ever. It gets exactly this:
   can pass 1 MB, no row 100 MB, and the rows fetched stop at ``max_rows`` or :data:`MAX_RESULT_BYTES`
   (the query scores 0 with "result too large").
 - **A time limit** from a progress handler (every 1,000 VDBE instructions): a query past
-  ``timeout_s`` stops with "time limit".
+  ``timeout_s`` stops with "time limit". One instruction can still be long (``instr`` over two
+  near-1 MB strings takes seconds, and nothing inside SQLite can stop it): so queries run in a
+  process of their own, watched from outside and killed past the limit (``openrl_jupyter.sql.reward``).
+
+Run as a program (``python -I -S sandbox.py``: no site-packages, no environment, nothing but the
+standard library), this module is that process (:func:`main`): it answers length-prefixed JSON
+requests on its stdin with length-prefixed JSON replies on its stdout, one at a time, until its stdin
+closes or its parent is gone. In it, SQLite's heap is capped (``PRAGMA hard_heap_limit``,
+:data:`HEAP_LIMIT_BYTES`: process-wide, which is why only this process sets it), and so is the
+address space (``RLIMIT_AS``, :data:`ADDRESS_SPACE_BYTES`) where the platform honours it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import sqlite3
+import struct
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +52,9 @@ from typing import Any
 FLOAT_DIGITS = 4
 # a result's size as counted while it is fetched: characters of text, bytes of blobs, 8 per number
 MAX_RESULT_BYTES = 16 * 2**20
+# the scorer process: SQLite's heap, and the whole address space where the platform honours RLIMIT_AS
+HEAP_LIMIT_BYTES = 256 * 2**20
+ADDRESS_SPACE_BYTES = 2**30
 
 
 def _words(*groups: str) -> tuple[str, ...]:
@@ -184,13 +201,18 @@ def run(
     timeout_s: float,
     max_rows: int,
     max_bytes: int = MAX_RESULT_BYTES,
+    reuse: bool = False,
 ) -> list[tuple[Any, ...]]:
-    """Run one query in the sandbox; its rows (floats rounded), or SQLError with the reason."""
+    """Run one query in the sandbox; its rows (floats rounded), or SQLError with the reason.
+
+    ``reuse``: keep the connection open for the next query on the same file (the scorer process,
+    which runs one query at a time; opening one costs more than most queries)."""
     if not sql.strip():
         raise SQLError("empty query")
     if len(sql.encode("utf-8", "replace")) > _LIMIT["SQLITE_LIMIT_SQL_LENGTH"]:
         raise SQLError(f"query too long: more than {_LIMIT['SQLITE_LIMIT_SQL_LENGTH']:,} bytes of SQL")
-    con, auth = connect(db)
+    con, auth = _reused(db) if reuse else connect(db)
+    auth.refused = None
     deadline = time.monotonic() + timeout_s
     timed_out = False
 
@@ -202,6 +224,7 @@ def run(
         return 0
 
     con.set_progress_handler(progress, 1000)
+    cur = None
     try:
         cur = con.execute(sql)
         rows: list[tuple[Any, ...]] = []
@@ -228,4 +251,129 @@ def run(
             raise SQLError("out of memory: the query needed more memory than the sandbox allows") from None
         raise SQLError(_explain(e)) from None
     finally:
-        con.close()
+        if cur is not None:
+            cur.close()
+        if not reuse:
+            con.close()
+
+
+_open: dict[tuple[str, int, int, int, int], tuple[sqlite3.Connection, Authorizer]] = {}
+MAX_OPEN = 8
+
+
+def _reused(db: str | os.PathLike[str]) -> tuple[sqlite3.Connection, Authorizer]:
+    """A connection kept open per database file; a new one when the file changed (it is opened
+    ``immutable``: an old connection would not see the change)."""
+    path = os.path.realpath(db)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise FileNotFoundError(f"database not found: {path}") from None
+    key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _open:
+        for old in [k for k in _open if k[0] == path] or (
+            [next(iter(_open))] if len(_open) >= MAX_OPEN else []
+        ):
+            _open.pop(old)[0].close()
+        _open[key] = connect(path)
+    return _open[key]
+
+
+# -- the scorer process ------------------------------------------------------------------------------
+HEADER = struct.Struct(">I")  # every message: its length, then that many bytes of UTF-8 JSON
+
+
+def read_exact(fd: int, n: int) -> bytes | None:
+    """``n`` bytes from ``fd``; None at end of file."""
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_message(fd: int, message: dict[str, Any]) -> None:
+    data = json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    view = memoryview(HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def encode_value(v: Any) -> Any:
+    """A result value as JSON: blobs as ``{"b": hex}`` (nothing else in a row is an object)."""
+    return {"b": v.hex()} if isinstance(v, bytes) else v
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    """One request's reply: ``{"rows": [...]}``, ``{"error": why}`` or ``{"missing": why}``."""
+    try:
+        rows = run(
+            request["sql"],
+            request["db"],
+            timeout_s=float(request["timeout_s"]),
+            max_rows=int(request["max_rows"]),
+            reuse=True,
+        )
+        return {"rows": [[encode_value(v) for v in row] for row in rows]}
+    except SQLError as e:
+        return {"error": str(e)}
+    except FileNotFoundError as e:
+        return {"missing": str(e)}
+    except MemoryError:
+        return {"error": "out of memory: the query needed more memory than the sandbox allows"}
+    except Exception as e:  # noqa: BLE001 - whatever a query does, the process answers and goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _limit_process() -> None:
+    with sqlite3.connect(":memory:") as con:  # process-wide: every connection of this process
+        con.execute(f"PRAGMA hard_heap_limit = {HEAP_LIMIT_BYTES}")
+    try:
+        import resource
+
+        for which, cap in ((resource.RLIMIT_AS, ADDRESS_SPACE_BYTES), (resource.RLIMIT_CORE, 0)):
+            soft, hard = resource.getrlimit(which)
+            if soft == resource.RLIM_INFINITY or soft > cap:
+                resource.setrlimit(which, (cap, hard))
+    except (ImportError, ValueError, OSError):  # not honoured everywhere: SQLite's limits still hold
+        pass
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the parent is gone even while a query runs (its end of the pipe closing wakes an idle
+    process at once). Polled, not PR_SET_PDEATHSIG: that fires when the parent *thread* that started
+    this process ends, and scoring threads come and go."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a kernel interrupt goes to its process group: not for us
+    requests, replies = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)  # a stray print goes to stderr, never into the replies
+    _limit_process()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    write_message(replies, {"ready": os.getpid(), "sqlite": sqlite3.sqlite_version})
+    while True:
+        header = read_exact(requests, HEADER.size)
+        body = read_exact(requests, HEADER.unpack(header)[0]) if header else None
+        if body is None:  # the parent closed the pipe or is gone
+            return
+        try:
+            reply = answer(json.loads(body))
+            write_message(replies, reply)
+        except MemoryError:
+            write_message(
+                replies, {"error": "out of memory: the result needed more memory than the sandbox allows"}
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -237,3 +237,19 @@ def test_the_scorer_process_ends_with_its_kernel(db, end):
         proc.wait(timeout=120)
     assert line.strip().isdigit(), f"the kernel printed no scorer pid: {line!r}"
     assert gone(int(line), 30), f"the scorer outlived its kernel ({end})"
+
+
+def test_interrupting_the_kernel_mid_query_leaves_the_next_query_in_step(db):
+    """The notebook scores in its main thread too: an interrupt (KeyboardInterrupt) during a query must
+    not leave that query's late answer to be read as the next query's."""
+    import threading
+
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            execution_match(HUGE_STEP, GOLD, db, timeout_s=30)
+    finally:
+        timer.cancel()
+    assert execution_match(GOLD, GOLD, db).score == 1.0
+    assert execution_match("SELECT name FROM customers", GOLD, db).score == 0.0
