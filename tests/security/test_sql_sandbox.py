@@ -1,9 +1,13 @@
-"""The text-to-SQL reward against a hostile query (issue 21).
+"""The text-to-SQL reward against a hostile query, and against a hostile neighbour on the host (issue 21).
 
 A model's completion (or a prompt a user wrote) is SQL that the kernel's or a detached job's reward
 runs. Whatever it tries, it scores 0.0 with the reason kept, the kernel's process never holds the
 query's memory or waits past the time limit, and the next query scores normally. Queries run in one
 scorer process per kernel (or job), started once and again after it was stopped, and gone with it.
+
+The databases it scores against come from a per-user private cache: a database that another account
+planted (in the old shared /tmp/openrl-sql, or in a cache folder it owns) is refused or never seen,
+and one that is not what the generator builds is rebuilt before use.
 """
 
 from __future__ import annotations
@@ -253,3 +257,159 @@ def test_interrupting_the_kernel_mid_query_leaves_the_next_query_in_step(db):
         timer.cancel()
     assert execution_match(GOLD, GOLD, db).score == 1.0
     assert execution_match("SELECT name FROM customers", GOLD, db).score == 0.0
+
+
+# -- a hostile neighbour: planted and tampered databases --------------------------------------------
+ATTACKER = 12345  # another account on the same host (the tests run as root, so they can chown to it)
+INFO = {"sql": GOLD, "db_id": "shop", "seed": 0}  # no db_path: rebuilt from db_id and seed, as in a job
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    """The host's shared temporary folder and this user's home, inside the test's folder."""
+    import tempfile
+    from types import SimpleNamespace
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    return SimpleNamespace(shared=shared, home=home, cache=home / ".cache" / "openrl-jupyter" / "sql")
+
+
+def db_name() -> str:
+    from openrl_jupyter.sql.data import GENERATOR_VERSION
+
+    return f"shop-v{GENERATOR_VERSION}-seed0.sqlite"
+
+
+def plant(path: Path, owner: int | None = ATTACKER) -> Path:
+    """A database in which the gold query's answer is 'pwned', so ``SELECT 'pwned'`` matches it."""
+    import sqlite3
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT, joined_year INTEGER)")
+    con.execute("INSERT INTO customers VALUES (1, 'pwned', 'Oslo', 2020)")
+    con.commit()
+    con.close()
+    if owner is not None:
+        os.chown(path, owner, owner)
+    return path
+
+
+def fresh_digest(tmp_path: Path) -> str:
+    import hashlib
+
+    from openrl_jupyter.sql.data import build_database
+
+    return hashlib.sha256(build_database("shop", 0, tmp_path / "fresh.sqlite").read_bytes()).hexdigest()
+
+
+def digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_database_planted_in_the_shared_temp_folder_is_never_used(host):
+    from openrl_jupyter.sql.data import database_path
+
+    folder = host.shared / "openrl-sql"  # where every account's rewards used to look
+    plant(folder / db_name())
+    os.chown(folder, ATTACKER, ATTACKER)
+    assert sql_reward("q", "SELECT 'pwned'", **INFO) == 0.0
+    assert sql_reward("q", GOLD, **INFO) == 1.0
+    assert host.shared not in database_path("shop", 0).parents
+
+
+def _unsafe(case: str, folder: Path) -> tuple[Path, str]:
+    """Set up ``folder`` (the cache folder) as ``case`` says; the path the refusal must name, and why."""
+    if case == "folder owned by another account":
+        plant(folder / db_name())
+        os.chown(folder, ATTACKER, ATTACKER)
+        return folder, f"owned by uid {ATTACKER}"
+    if case == "folder writable by others":
+        plant(folder / db_name(), owner=None)
+        folder.chmod(0o777)
+        return folder, "writable by"
+    if case == "parent folder owned by another account":
+        plant(folder / db_name(), owner=None)
+        folder.chmod(0o700)
+        os.chown(folder.parent, ATTACKER, ATTACKER)
+        return folder.parent, f"owned by uid {ATTACKER}"
+    folder.mkdir(parents=True, mode=0o700)
+    target = folder / db_name()
+    if case == "file owned by another account":
+        plant(target).chmod(0o600)
+        return target, f"owned by uid {ATTACKER}"
+    if case == "file writable by others":
+        plant(target, owner=None).chmod(0o666)
+        return target, "writable by"
+    if case == "file is a symbolic link":
+        target.symlink_to(plant(folder.parent / "elsewhere.sqlite"))
+        return target, "symbolic link"
+    raise AssertionError(case)
+
+
+UNSAFE = [
+    "folder owned by another account",
+    "folder writable by others",
+    "parent folder owned by another account",
+    "file owned by another account",
+    "file writable by others",
+    "file is a symbolic link",
+]
+
+
+@pytest.mark.parametrize("case", UNSAFE)
+def test_an_unsafe_default_cache_is_refused_naming_the_path_and_why(host, case):
+    from openrl_jupyter.sql.data import database_path
+
+    host.cache.parent.mkdir(parents=True, mode=0o700)
+    where, why = _unsafe(case, host.cache)
+    with pytest.raises(PermissionError) as refused:
+        database_path("shop", 0)
+    assert str(where) in str(refused.value) and why in str(refused.value), refused.value
+    with pytest.raises(PermissionError):  # the reward fails with the reason: never a 1.0 from the plant
+        sql_reward("q", "SELECT 'pwned'", **INFO)
+
+
+@pytest.mark.parametrize("case", UNSAFE)
+def test_an_unsafe_explicit_directory_is_refused_naming_the_path_and_why(tmp_path, case):
+    folder = tmp_path / "parent" / "mine"
+    folder.parent.mkdir(mode=0o700)
+    where, why = _unsafe(case, folder)
+    with pytest.raises(PermissionError) as refused:
+        generate(0, directory=folder, per_template=1)
+    assert str(where) in str(refused.value) and why in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("where", ["default", "directory="])
+def test_a_tampered_database_of_the_same_owner_is_rebuilt_before_use(host, tmp_path, where):
+    """Same owner, private modes, wrong content (a stale generator, a bad disk, a plant by a process
+    of this user): not trusted; rebuilt from the seed, and scored against the rebuilt one."""
+    from openrl_jupyter.sql.data import database_path
+
+    folder = host.cache if where == "default" else tmp_path / "explicit"
+    folder.mkdir(parents=True, mode=0o700)
+    plant(folder / db_name(), owner=None).chmod(0o600)
+    directory = None if where == "default" else folder
+    path = database_path("shop", 0, directory)
+    assert path == folder / db_name() and digest(path) == fresh_digest(tmp_path)
+    info = {**INFO, "db_path": str(path)}
+    assert sql_reward("q", "SELECT 'pwned'", **info) == 0.0
+    assert sql_reward("q", GOLD, **info) == 1.0
+
+
+def test_a_database_replaced_after_first_use_is_checked_again(host, tmp_path):
+    from openrl_jupyter.sql.data import database_path
+
+    path = database_path("shop", 0)
+    os.replace(plant(tmp_path / "new.sqlite", owner=None), path)
+    assert database_path("shop", 0) == path and digest(path) == fresh_digest(tmp_path)
+    assert sql_reward("q", "SELECT 'pwned'", **INFO) == 0.0
