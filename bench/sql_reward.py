@@ -6,12 +6,12 @@ fence (scores 1), a wrong query (``SELECT 1``), a malformed one (``SELEC name FR
 prose with no SQL. A round is 64 ``sql_reward`` calls in one thread, as a run's scoring step makes
 them; ``--threads N`` rounds run at once (N runs of a sweep scoring at the same time). The first call
 is timed apart (it pays for whatever is set up once per process); the median and p90 of the other
-calls' wall time per call are printed in ms.
+calls' wall time per call are printed in ms, and the calls per second all threads made together.
 
     python bench/sql_reward.py [--calls 64] [--rounds 5] [--threads 1]
 
 Not a test: compare two checkouts by running it with each on PYTHONPATH. Ends with one line
-``sql_reward: calls=64 median_ms=… p90_ms=… first_ms=… threads=…``.
+``sql_reward: calls=64 median_ms=… p90_ms=… first_ms=… calls_per_s=… threads=…``.
 """
 
 from __future__ import annotations
@@ -73,17 +73,21 @@ def main() -> None:
             t = time.perf_counter()
             sql_reward("q", texts[0], **examples[0])
             first_ms = (time.perf_counter() - t) * 1000
+            t = time.perf_counter()
             for _ in range(args.rounds):
                 for f in [pool.submit(one_round, examples, texts) for _ in range(args.threads)]:
                     times.extend(f.result())
+            wall_s = time.perf_counter() - t
     print(f"openrl_jupyter.sql from {Path(sql_module.__file__).parent}")
     ms = sorted(x * 1000 for x in times)
     median, p90 = statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]
     print(f"{len(ms)} calls ({args.rounds} rounds x {args.threads} thread(s) x {args.calls}): per call")
-    print(f"  median {median:.3f} ms  p90 {p90:.3f} ms  first call {first_ms:.1f} ms")
+    print(
+        f"  median {median:.3f} ms  p90 {p90:.3f} ms  first call {first_ms:.1f} ms  {len(ms) / wall_s:.0f} calls/s"
+    )
     print(
         f"sql_reward: calls={args.calls} median_ms={median:.3f} p90_ms={p90:.3f} "
-        f"first_ms={first_ms:.1f} threads={args.threads}"
+        f"first_ms={first_ms:.1f} calls_per_s={len(ms) / wall_s:.0f} threads={args.threads}"
     )
 
 
