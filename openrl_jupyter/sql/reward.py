@@ -234,8 +234,13 @@ def _after_fork() -> None:
 
 
 def _at_exit() -> None:
-    with _scorer.lock:
-        _scorer.stop()
+    if _scorer.lock.acquire(timeout=1.0):
+        try:
+            _scorer.stop()
+        finally:
+            _scorer.lock.release()
+    elif (proc := _scorer.proc) is not None:  # a daemon thread is still waiting on a query: end it anyway
+        proc.kill()
 
 
 if hasattr(os, "register_at_fork"):
@@ -314,7 +319,7 @@ def execution_match(
     """1.0 when ``pred_sql`` returns the same result as ``gold_sql`` on ``db``, else 0.0 with the error.
 
     ``ordered`` defaults to whether the gold query has ORDER BY. A gold query that fails raises
-    SQLError (that is a data bug, not the model's fault); its result is cached for the next call.
+    SQLError (that is a data bug, not the model's fault); a gold result is cached for the next call.
     """
     gold = _gold_rows(gold_sql, db, max(timeout_s, 5.0), max_rows)
     if ordered is None:

@@ -6,7 +6,8 @@ to allocate gigabytes in one step, or to run for ever. It gets exactly this:
 - **Read-only by construction.** The database is opened by URI with ``mode=ro&immutable=1`` and
   ``PRAGMA query_only``; no other file can be attached (``SQLITE_LIMIT_ATTACHED`` = 0).
 - **An allow-list, not a deny-list.** The authorizer allows four actions: ``SELECT``, reading a column
-  of one of the database's own tables (or ``sqlite_schema``, which a prompt shows anyway), calling a
+  of one of the database's own tables (or ``sqlite_schema``, which a prompt shows anyway; or rows the
+  query's own CTEs and subqueries made), calling a
   function in :data:`ALLOWED_FUNCTIONS`, and a recursive CTE. Everything else is refused and the
   reason names what was refused: writes, ``PRAGMA``, ``ATTACH``, and table-valued functions
   (``json_each``, ``pragma_*``). The functions are SQLite's ordinary scalar, aggregate, date, math and
@@ -357,7 +358,10 @@ def main() -> None:
     requests, replies = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(2, 1)  # a stray print goes to stderr, never into the replies
+    try:
+        os.dup2(2, 1)  # a stray print goes to stderr, never into the replies
+    except OSError:  # no stderr
+        os.dup2(devnull, 1)
     _limit_process()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     write_message(replies, {"ready": os.getpid(), "sqlite": sqlite3.sqlite_version})
