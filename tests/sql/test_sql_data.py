@@ -150,3 +150,53 @@ def test_same_questions_in_another_process(ds, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [ds.train, ds.test]
+
+
+def test_the_database_cache_is_private_to_its_user(tmp_path, monkeypatch):
+    """Under $XDG_CACHE_HOME (else ~/.cache)/openrl-jupyter/sql: the folder 0700, each file 0600,
+    both this user's; a relative $XDG_CACHE_HOME is ignored (as the XDG spec says)."""
+    import os
+    import stat
+    import tempfile
+
+    from openrl_jupyter.sql.data import database_path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = database_path("shop", 0)
+    assert path.parent == tmp_path / "xdg" / "openrl-jupyter" / "sql"
+    for p, mode in ((path.parent, 0o700), (path, 0o600)):
+        st = os.lstat(p)
+        assert stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.getuid(), (p, oct(st.st_mode))
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for xdg in (None, "relative/cache"):
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME")
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert database_path("school", 1).parent == home / ".cache" / "openrl-jupyter" / "sql"
+
+
+def test_a_home_without_a_usable_cache_falls_back_to_a_private_temporary_folder(tmp_path, monkeypatch):
+    """A job whose home cannot hold a cache (read-only, missing) still gets its databases: in a
+    folder of its own, made with an unpredictable name and mode 0700."""
+    import os
+    import stat
+    import tempfile
+
+    from openrl_jupyter.sql.data import database_path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir(mode=0o1777)
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))
+    path = database_path("shop", 0)
+    assert path.parent.parent == tmp_path / "tmp" and path.parent.name != "openrl-sql"
+    assert stat.S_IMODE(os.lstat(path.parent).st_mode) == 0o700
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        assert con.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 40
+    finally:
+        con.close()
