@@ -10,8 +10,10 @@ Which outcomes are remembered: every reply below 500 except 429, and every :clas
 (the same bad request fails the same way). A 429, a 503 or a server failure is forgotten, so the
 re-sent request is tried again. The work runs in its own task: a client that disconnects does not
 cancel it, and its retry finds the result. Entries expire after ``ttl_s`` (OPENRL_FUTURE_TTL_S)
-and at most ``max_entries`` replies holding at most ``max_bytes`` of bodies in all are kept (the
-oldest finished go first; a retry of a forgotten key runs again, as after the TTL).
+and at most ``max_entries`` replies holding at most ``max_bytes`` of bodies in all are kept: over
+either, the tenant holding the most gives up its oldest finished reply first, so one tenant's flood of
+keyed requests never makes another tenant's retry run twice (a retry of a forgotten key runs again,
+as after the TTL).
 """
 
 from __future__ import annotations
@@ -186,9 +188,27 @@ class IdempotentReplies:
             self.stored_bytes -= len(entry.reply[1])
 
     def _bound(self) -> None:
-        """Oldest finished first, until within max_entries and max_bytes (running ones stay)."""
-        for k in list(self._entries):
-            if len(self._entries) <= self.max_entries and self.stored_bytes <= self.max_bytes:
+        """Until within max_entries and max_bytes: the oldest finished reply of the tenant holding the
+        most (replies when there are too many, bytes when they are too big) goes first; running ones
+        stay."""
+        if len(self._entries) <= self.max_entries and self.stored_bytes <= self.max_bytes:
+            return
+        held: dict[str, list] = {}  # tenant -> [bytes, its finished keys oldest first]
+        for k, entry in self._entries.items():
+            mine = held.setdefault(k[0], [0, []])
+            if entry.reply is not None:
+                mine[0] += len(entry.reply[1])
+            if entry.done.is_set():
+                mine[1].append(k)
+        while len(self._entries) > self.max_entries or self.stored_bytes > self.max_bytes:
+            candidates = [(t, v) for t, v in held.items() if v[1]]
+            if not candidates:
                 break
-            if self._entries[k].done.is_set():
-                self._drop(k)
+            if len(self._entries) > self.max_entries:
+                tenant, mine = max(candidates, key=lambda tv: (len(tv[1][1]), tv[1][0]))
+            else:
+                tenant, mine = max(candidates, key=lambda tv: (tv[1][0], len(tv[1][1])))
+            k = mine[1].pop(0)
+            entry = self._entries[k]
+            mine[0] -= len(entry.reply[1]) if entry.reply is not None else 0
+            self._drop(k)

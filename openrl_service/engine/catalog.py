@@ -299,8 +299,9 @@ class Catalog:
     def resolve_download(self, token: str) -> tuple[Path, str]:
         """(file, download name) for a valid, unexpired signed token."""
         raw, _, sig = token.partition(".")
-        good = hmac.new(self._secret, raw.encode(), hashlib.sha256).hexdigest()
-        if not sig or not hmac.compare_digest(sig, good):
+        good = hmac.new(self._secret, raw.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
+        # bytes: compare_digest refuses a str with a non-ASCII character (a TypeError, a 500)
+        if not sig or not hmac.compare_digest(sig.encode("utf-8", "surrogateescape"), good.encode()):
             raise NotFound("unknown download link", field="url")
         payload = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
         if time.time() > payload["exp"]:

@@ -50,7 +50,7 @@ class FutureStore:
     def __init__(self, *, ttl_s: float, expired_memory: int = 200_000):
         self.ttl_s = ttl_s
         self._records: dict[str, FutureRecord] = {}
-        self._expired: OrderedDict[str, float] = OrderedDict()
+        self._expired: OrderedDict[str, str] = OrderedDict()  # expired request id -> its tenant
         self._expired_memory = expired_memory
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -156,7 +156,7 @@ class FutureStore:
     def get(self, tenant: str, request_id: str) -> FutureRecord:
         with self._lock:
             rec = self._records.get(request_id)
-            expired = request_id in self._expired
+            expired = self._expired.get(request_id) == tenant  # another tenant's: as unknown as any
         if rec is None or rec.tenant != tenant:
             if expired and rec is None:
                 raise Gone(
@@ -195,7 +195,8 @@ class FutureStore:
             return self._done.wait_for(lambda: rec.done, timeout_s)
 
     def sweep(self, now: float | None = None) -> list[FutureRecord]:
-        """Forget completed results older than the TTL (returned); remember their ids to answer 410."""
+        """Forget completed results older than the TTL (returned); remember their ids (and tenants) to
+        answer their owner 410."""
         now = time.time() if now is None else now
         with self._lock:
             old = [
@@ -205,7 +206,7 @@ class FutureStore:
             ]
             for r in old:
                 del self._records[r.request_id]
-                self._expired[r.request_id] = now
+                self._expired[r.request_id] = r.tenant
             while len(self._expired) > self._expired_memory:
                 self._expired.popitem(last=False)
         return old

@@ -43,7 +43,7 @@ import random
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -190,6 +190,7 @@ class NativeRuns:
         self.svc = svc
         self.runs: dict[str, NativeRunState] = {}
         self.samples: OrderedDict[str, StoredSample] = OrderedDict()
+        self.sample_counts: Counter[str] = Counter()  # tenant -> samples it has in self.samples
         self.events = EventBus()
         self.replies = IdempotentReplies(ttl_s=svc.settings.future_ttl_s)
         self._lock = threading.Lock()
@@ -273,6 +274,7 @@ class NativeRuns:
                     self.runs[r["run_id"]].planned = r.get("planned")
             for sid, fields in state["samples"]:
                 self.samples[sid] = StoredSample(**fields)
+                self.sample_counts[fields["tenant"]] += 1
         for run_id, c in state.get("controls", {}).items():
             if run_id in self.svc.runs:
                 self._set_control(run_id, Control(**c))
@@ -672,7 +674,7 @@ class NativeRuns:
             if not [self.runs.pop(r) for r in run_ids if r in self.runs]:  # every one, not just the first
                 return
             for sid in [sid for sid, s in self.samples.items() if s.run_id in gone]:
-                del self.samples[sid]
+                self.sample_counts[self.samples.pop(sid).tenant] -= 1
 
     # -- sampling -------------------------------------------------------------------------------
     def _encode(self, tok: Any, prompt: Any, i: int, chat: bool) -> list[int]:
@@ -778,18 +780,23 @@ class NativeRuns:
 
     def _store(self, sid: str, sample: StoredSample) -> None:
         with self._lock:
+            if sid not in self.samples:
+                self.sample_counts[sample.tenant] += 1
             self.samples[sid] = sample
         self.sweep_samples(time.time())
 
     def sweep_samples(self, now: float) -> None:
-        """Forget samples older than SAMPLE_TTL_S, and the oldest beyond MAX_STORED_SAMPLES (run on
-        every store and on each housekeeping round, so an idle service frees them too)."""
+        """Forget samples older than SAMPLE_TTL_S; beyond MAX_STORED_SAMPLES, the oldest of the tenant
+        holding the most, so one tenant's sampling never drops another's samples before they train on
+        them (run on every store and on each housekeeping round, so an idle service frees them too)."""
         with self._lock:
-            while self.samples and (
-                len(self.samples) > MAX_STORED_SAMPLES
-                or now - next(iter(self.samples.values())).created_at > SAMPLE_TTL_S
-            ):
-                self.samples.popitem(last=False)
+            while self.samples and now - next(iter(self.samples.values())).created_at > SAMPLE_TTL_S:
+                self.sample_counts[self.samples.popitem(last=False)[1].tenant] -= 1
+            while len(self.samples) > MAX_STORED_SAMPLES:
+                heaviest = self.sample_counts.most_common(1)[0][0]
+                oldest = next(sid for sid, smp in self.samples.items() if smp.tenant == heaviest)
+                del self.samples[oldest]
+                self.sample_counts[heaviest] -= 1
 
     # -- training -------------------------------------------------------------------------------
     async def train_step(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:

@@ -196,14 +196,6 @@ def native_runs(svc) -> NativeRuns:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HOLE: the notebook API's remembered replies (api/idempotency.py IdempotentReplies, "
-    "max_entries=10,000 / max_bytes=256 MiB) are one bound over every tenant; _bound() drops the "
-    "oldest of ANY tenant, so bob's cheap idempotent POSTs make alice's retried create / train_step "
-    "run a second time (a double optimizer step); the bound must be per tenant (a tenant's flood "
-    "evicts its own)",
-)
 def test_my_idempotent_posts_do_not_evict_another_tenants_remembered_reply(live, alice, bob, monkeypatch):
     """Attack: bob sends many idempotent POSTs (each with a new X-Idempotency-Key) until the service's
     store of remembered replies is full, so that alice's retry of a request whose reply she lost is
@@ -230,13 +222,6 @@ def test_my_idempotent_posts_do_not_evict_another_tenants_remembered_reply(live,
         bob.delete(f"{V1}/runs/{mine}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HOLE: the sample store (engine/native.py NativeRuns.samples, MAX_STORED_SAMPLES=200,000) is "
-    "one bound over every tenant; sweep_samples drops the oldest of ANY tenant, so bob's sampling "
-    "(one call may return prompts x num_samples = 4096 x 128 completions) makes alice's next "
-    "train_step fail with 404 'unknown for this run'; the bound must be per tenant",
-)
 def test_my_sampling_does_not_evict_another_tenants_stored_samples(live, alice, bob, monkeypatch):
     """Attack: bob samples until the service's store of completions (kept for a later train_step)
     is full, so alice's samples are dropped before she trains on them. The store's bound is made

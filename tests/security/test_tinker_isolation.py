@@ -251,12 +251,6 @@ def test_a_fused_call_does_not_name_another_tenants_run_in_my_trace(live):
     assert alice_run not in trace.text and sa not in trace.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HOLE: FutureStore.get answers 410 'finished too long ago' for ANY tenant's expired request id "
-    "(engine/futures.py:156-167; sweep() at :208 remembers expired ids without their tenant), so it tells bob the id "
-    "existed; it must be the same 404 as an unknown id",
-)
 def test_another_tenants_expired_future_is_not_found_not_gone(live):
     """Attack: bob polls a request id of alice's whose result has expired (OPENRL_FUTURE_TTL_S). A 410
     "finished too long ago" tells him the id was real; an unknown id answers 404."""
