@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,29 @@ def advertise(service: LocalService) -> str | None:
     return path
 
 
+def _own_private_file(path: str) -> bool:
+    """A regular file (not a link) of this user that nobody else may write: a discovery file anyone
+    else could have written would point this kernel (or the panel) at their service."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    getuid = getattr(os, "getuid", None)
+    mine = getuid is None or st.st_uid == getuid()  # no uids (Windows): the folder's ACLs hold
+    return stat.S_ISREG(st.st_mode) and mine and not st.st_mode & 0o022
+
+
+def _read_discovery(path: str) -> dict | None:
+    if not _own_private_file(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def discovered(folder: str | None = None) -> dict | None:
     """The newest discovery file whose service process is alive: ``{"url", "token", "pid", "path"}``;
     None when there is none. Files of dead processes (a killed kernel) are skipped."""
@@ -167,13 +191,12 @@ def discovered(folder: str | None = None) -> dict | None:
         return None
     found = []
     for path in glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")):
+        info = _read_discovery(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                info = json.load(f)
             mtime = os.stat(path).st_mtime
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if not isinstance(info, dict) or not isinstance(info.get("url"), str):
+        if info is None or not isinstance(info.get("url"), str):
             continue
         if not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
             continue
@@ -196,12 +219,8 @@ def find_detached(folder: str | None = None) -> LocalService | None:
 
     # the newest first (by when it was written, not by its pid's digits)
     for path in sorted(glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")), key=mtime, reverse=True):
-        try:
-            with open(path, encoding="utf-8") as f:
-                info = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if not isinstance(info, dict) or info.get("detached") is not True:
+        info = _read_discovery(path)
+        if info is None or info.get("detached") is not True:
             continue
         pid = info.get("pid")
         if isinstance(pid, int) and isinstance(info.get("url"), str) and _alive(pid):

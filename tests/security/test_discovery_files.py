@@ -20,7 +20,11 @@ from openrl_jupyter.local import DISCOVERY_PREFIX, discovered, find_detached
 @pytest.fixture
 def service_pid():
     """A live process that looks like a service to the discovery code (its command line names it)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "openrl_service"])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; print(flush=True); time.sleep(600)", "openrl_service"],
+        stdout=subprocess.PIPE,
+    )
+    proc.stdout.readline()  # it runs (exec done: its command line is its own)
     yield proc.pid
     proc.kill()
     proc.wait()
