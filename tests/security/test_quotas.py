@@ -116,3 +116,28 @@ def test_live_runs_are_a_per_tenant_quota_and_a_neighbour_can_still_create(make_
     assert out.metrics
     alice.close("success").result()
     bob.close("success").result()
+
+
+def test_a_tenant_filling_the_queue_does_not_get_a_neighbours_sampling_refused(make_server):
+    """The attack: bob queues sampling requests until the service's queue is full, so that alice's
+    sampling is refused with 429. Over OPENRL_MAX_QUEUED_TOTAL only a tenant holding at least its
+    share of the queue is refused."""
+    from tests._support.raw import result
+    from tests.service.test_scheduling import asample, held_worker, sampler
+
+    live = make_server(limits=Limits(max_queued_per_run=8, max_queued_total=2))
+    svc = live.service
+    with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
+        alice, bob = RawTinker(a), RawTinker(b)
+        bobs = sampler(bob, bob.session(), 0)
+        hers = sampler(alice, alice.session(), 0)
+        with held_worker(svc.engine, svc.futures):
+            assert asample(b, bobs).status_code == 200
+            assert asample(b, bobs).status_code == 200  # the service's queue is full: 2 of 2
+            over = asample(b, bobs)
+            assert over.status_code == 429 and over.json()["limit"] == "OPENRL_MAX_QUEUED_TOTAL", over.text
+            mine = asample(a, hers)
+            assert mine.status_code == 200, mine.text  # alice holds nothing queued: she is not refused
+        assert "error" not in result(a, mine.json()["request_id"])
+        alice.finish_sessions()
+        bob.finish_sessions()
