@@ -46,7 +46,7 @@ import time
 import traceback
 import types
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +165,7 @@ class Engine:
         self._lanes: dict[str, _Lane] = {}
         self._served = 0  # service counter: +1 per turn (least-recently-served order)
         self._queued = 0  # ops in all lanes' ready + waiting
+        self._queued_by: Counter[str] = Counter()  # the same, per tenant (fair refusals when full)
         # The op whose slices ran last and are not recorded yet: [op, start, end, tokens, queued_s].
         self._open_record: list | None = None
         self._idem: dict[tuple[str, str], FutureRecord] = {}
@@ -228,6 +229,7 @@ class Engine:
                 lane.ready.clear()
                 lane.waiting.clear()
             self._queued = 0
+            self._queued_by.clear()
             self._cv.notify_all()
         failed = 0
         for op in ops:
@@ -258,7 +260,8 @@ class Engine:
         with self._cv:
             lane = self._lanes.pop(lane_key, None)
             if lane is not None:
-                self._queued -= len(lane.ready) + len(lane.waiting)
+                for gone in [*lane.ready, *lane.waiting.values()]:
+                    self._count(gone, -1)
         if lane is not None:
             for op in list(lane.ready) + list(lane.waiting.values()):
                 if op.steps is not None:
@@ -374,17 +377,17 @@ class Engine:
                     )
                     self.futures.complete(op.future, error=late)
                 elif op.seq_id == lane.next_seq:
-                    self._queued += 1
+                    self._count(op, 1)
                     lane.ready.append(op)
                     lane.next_seq += 1
                     while lane.next_seq in lane.waiting:
                         lane.ready.append(lane.waiting.pop(lane.next_seq))
                         lane.next_seq += 1
                 else:
-                    self._queued += 1
+                    self._count(op, 1)
                     lane.waiting[op.seq_id] = op
             else:
-                self._queued += 1
+                self._count(op, 1)
                 lane.ready.append(op)
             if idem_key:
                 self._idem[(tenant, idem_key)] = op.future
@@ -412,7 +415,11 @@ class Engine:
                 limit="OPENRL_MAX_QUEUED_PER_RUN",
                 retry_after_s=self.retry_after_s,
             )
-        if self._queued >= self.max_queued_total:
+        tenant = op.future.tenant
+        mine, tenants = self._queued_by[tenant], len(+self._queued_by | Counter({tenant: 1}))
+        # Over the total, a tenant holding less than its share of the queue is still served: one
+        # tenant's flood gets only its own requests refused.
+        if self._queued >= self.max_queued_total and mine * tenants >= self._queued:
             raise QueueFull(
                 f"the service already has {self._queued} requests queued, its limit "
                 f"(OPENRL_MAX_QUEUED_TOTAL={self.max_queued_total}); retry after {self.retry_after_s:g} s",
@@ -420,6 +427,11 @@ class Engine:
                 limit="OPENRL_MAX_QUEUED_TOTAL",
                 retry_after_s=self.retry_after_s,
             )
+
+    def _count(self, op: Op, n: int) -> None:
+        """``n`` ops of ``op``'s tenant entered (1) or left (-1) the queues (lock held)."""
+        self._queued += n
+        self._queued_by[op.future.tenant] += n
 
     def queue_depth(self) -> int:
         with self._cv:
@@ -480,7 +492,7 @@ class Engine:
 
     def _pop(self, lane: _Lane) -> Op:
         op = lane.ready.popleft()
-        self._queued -= 1
+        self._count(op, -1)
         if lane.next_seq is None and not lane.ready:
             # Unordered lanes (samplers) carry no state between ops: drop them when drained so that
             # one lane per sampler ever used does not pile up.
@@ -550,8 +562,9 @@ class Engine:
                 if lo < hi:
                     lane.skipped.append((lo, hi))
             for s in stuck:
-                self._queued -= 1
-                self.futures.complete(lane.waiting.pop(s).future, error=err)
+                gone = lane.waiting.pop(s)
+                self._count(gone, -1)
+                self.futures.complete(gone.future, error=err)
             lane.next_seq = stuck[-1] + 1
 
     def _run(self) -> None:
@@ -632,7 +645,7 @@ class Engine:
                 if lane is not None:
                     op.queued_since = time.monotonic()
                     lane.ready.appendleft(op)  # its lane's later ops still wait behind it
-                    self._queued += 1
+                    self._count(op, 1)
                     self._cv.notify_all()
                     return
             op.steps.close()  # the lane was closed between two slices: the op's cleanup runs
