@@ -141,3 +141,21 @@ def test_a_tenant_filling_the_queue_does_not_get_a_neighbours_sampling_refused(m
         assert "error" not in result(a, mine.json()["request_id"])
         alice.finish_sessions()
         bob.finish_sessions()
+
+
+def test_live_sessions_are_a_per_tenant_quota(make_server):
+    """A client that opens sessions in a loop (each holds memory and a record on disk) is refused at
+    OPENRL_MAX_SESSIONS_PER_TENANT with a 409 naming it; finishing one frees room; bob is unaffected."""
+    live = make_server(limits=Limits(max_sessions_per_tenant=2))
+    with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
+        alice, bob = RawTinker(a), RawTinker(b)
+        first, _ = alice.session(), alice.session()
+        over = alice.post("create_session")
+        assert over.status_code == 409, over.text
+        assert "OPENRL_MAX_SESSIONS_PER_TENANT" in over.json()["error"] and "finish" in over.json()["error"]
+        assert bob.session()  # another tenant opens its own
+        assert alice.post("session_heartbeat", session_id=first).status_code == 200  # the live ones work
+        alice.finish_sessions()
+        assert alice.session()  # room again
+        alice.finish_sessions()
+        bob.finish_sessions()
