@@ -28,6 +28,7 @@ class Limits:
     max_tokens: int = 4096  # OPENRL_MAX_TOKENS (sampling)
     max_rank: int = 128  # OPENRL_MAX_RANK
     max_runs_per_tenant: int = 64  # OPENRL_MAX_RUNS_PER_TENANT
+    max_sessions_per_tenant: int = 256  # OPENRL_MAX_SESSIONS_PER_TENANT: live (not finished) sessions
     # OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT: a tenant's checkpoints on disk, all kinds together
     max_checkpoint_bytes_per_tenant: int = 50 << 30
     max_topk: int = 20  # OPENRL_MAX_TOPK

@@ -182,6 +182,16 @@ class Registry:
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise UserError(f"{name} must be a string of at most 256 characters", field=name)
         self.check_metadata({"tags": tags or []}, "tags")
+        if not self.durability.replaying:  # a replay re-creates what was accepted
+            live = sum(1 for s in list(self.sessions.values()) if s.tenant == tenant and not s.finished)
+            if live >= self.limits.max_sessions_per_tenant:
+                raise QuotaExceeded(
+                    f"this tenant has {live} live sessions, the most (OPENRL_MAX_SESSIONS_PER_TENANT="
+                    f"{self.limits.max_sessions_per_tenant}); finish sessions you no longer use "
+                    "(ServiceClient.close(), or delete notebook runs; idle ones finish after "
+                    "OPENRL_SESSION_IDLE_TIMEOUT_S)",
+                    field="session_id",
+                )
         sess = SessionRecord(
             session_id=session_id or new_session_id(),
             tenant=tenant,

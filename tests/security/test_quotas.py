@@ -159,3 +159,14 @@ def test_live_sessions_are_a_per_tenant_quota(make_server):
         assert alice.session()  # room again
         alice.finish_sessions()
         bob.finish_sessions()
+
+
+def test_notebook_runs_count_against_the_session_quota(make_server):
+    live = make_server(limits=Limits(max_sessions_per_tenant=1))
+    with live.client(ALICE_KEY) as a:
+        first = a.post("/openrl/v1/runs", json={"name": "one", "rank": 2})
+        assert first.status_code == 201, first.text
+        second = a.post("/openrl/v1/runs", json={"name": "two", "rank": 2})
+        assert second.status_code == 409 and "OPENRL_MAX_SESSIONS_PER_TENANT" in second.json()["error"]
+        assert a.delete(f"/openrl/v1/runs/{first.json()['run_id']}").status_code in (200, 204)
+        assert a.post("/openrl/v1/runs", json={"name": "two", "rank": 2}).status_code == 201
