@@ -432,7 +432,8 @@ def test_a_k8s_job_whose_kubernetes_job_ended_without_a_report_fails(server, ali
         assert entry["state"] == "failed" and "Kubernetes Job" in entry["message"]
         assert "BackoffLimitExceeded" in entry["message"]
         assert server.service.jobs.jobs[b["job_id"]]["state"] == "submitted"
-        server.service.jobs.sweep(time.time())  # the housekeeping round
+        server.service.jobs.poll_kube()  # the status poll (on its own thread in the service)...
+        server.service.jobs.sweep(time.time())  # ...whose answers the next housekeeping round applies
         assert server.service.jobs.jobs[b["job_id"]]["state"] == "failed"
         keys = {sent["job_id"]: sent["key"] for sent in kube.submitted}
         for j in (a, b):
@@ -458,9 +459,11 @@ def test_a_k8s_job_waits_while_its_kubernetes_job_is_pending(server, alice, monk
             assert jk.post(f"{V1}/jobs/{job['job_id']}/state", json={"state": "running"}).status_code == 200
         time.sleep(1.5)
         kube.phase = "pending"
+        server.service.jobs.poll_kube()
         server.service.jobs.sweep(time.time())
         assert server.service.jobs.jobs[job["job_id"]]["state"] == "running"
         kube.phase = "running"
+        server.service.jobs.poll_kube()
         server.service.jobs.sweep(time.time())
         assert server.service.jobs.jobs[job["job_id"]]["state"] == "failed"
     finally:
