@@ -36,6 +36,7 @@ train step submitted before it; ``snapshot`` in replies is the run's optimizer-s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -142,6 +143,15 @@ class NativeRunState:
             self.seq += n
             return self.seq - n + 1
 
+    def give_back(self, first: int, n: int = 1) -> bool:
+        """Return the ``n`` seq_ids from ``first`` (a request refused before it was queued) if no
+        later one was taken meanwhile; False when one was (the caller fills the slots instead)."""
+        with self.lock:
+            if self.seq != first + n - 1:
+                return False
+            self.seq = first - 1
+            return True
+
     def bump(self, last: int) -> None:
         """A replayed request used seq_ids up to ``last``: later requests come after it."""
         with self.lock:
@@ -183,6 +193,7 @@ def _offer(q: asyncio.Queue, event: dict) -> None:
 
 # The notebook API's requests that change state, journaled as intents, and the status of their reply.
 INTENTS = {"create": 201, "sample": 200, "train_step": 200, "checkpoint": 201, "metrics": 201}
+SEQ_SLOTS = {"sample": 1, "train_step": 2, "checkpoint": 1}  # seq_ids an intent of that kind takes
 
 
 class NativeRuns:
@@ -209,12 +220,33 @@ class NativeRuns:
         """Journal a request's resolved inputs (its intent), then carry it out; the engine calls it
         makes are covered by the intent's record."""
         d = self.svc.durability
-        intent_id = d.intent(kind, inputs)
+        try:
+            intent_id = d.intent(kind, inputs)
+        except BaseException as e:  # a full disk (507): not accepted, so it keeps no place in the run
+            self._unseq(kind, inputs, e)
+            raise
         try:
             with d.inside_intent():
                 return await self._execute(kind, inputs, intent_id)
         finally:
             d.intent_done(intent_id)
+
+    def _unseq(self, kind: str, inputs: dict, error: BaseException) -> None:
+        """A request refused before it was queued gives its seq_ids back, else (a later request took
+        one meanwhile) fills them with an error: either way the run's next request does not wait
+        OPENRL_SEQ_GAP_TIMEOUT_S for a request that will never come."""
+        n = SEQ_SLOTS.get(kind, 0)
+        nr = self.runs.get(inputs.get("run_id") or "")
+        if not n or nr is None or nr.give_back(inputs["seq"], n):
+            return
+        why = UserError(f"not executed: its request was refused ({str(error)[:200]})", field="seq_id")
+
+        def refuse(run):
+            raise why
+
+        for seq in range(inputs["seq"], inputs["seq"] + n):
+            with contextlib.suppress(ApiError):  # the run is gone meanwhile: no lane to fill
+                self.svc.run_op(inputs["tenant"], inputs["run_id"], seq, "refused", refuse, None)
 
     async def _execute(self, kind: str, inputs: dict, intent_id: str) -> dict:
         if kind == "checkpoint":
