@@ -408,6 +408,8 @@ class Client(_Base):
                 headers=self._headers(),
                 timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
+                if source.response.status_code >= 300:
+                    source.response.read()  # the error's JSON body, for the message
                 self._raise_for("GET", f"{API}/events", source.response)
                 for sse in source.iter_sse():
                     if sse.data:  # a bare "retry:" field carries no event
@@ -465,6 +467,8 @@ class AsyncClient(_Base):
                 headers=self._headers(),
                 timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
+                if source.response.status_code >= 300:
+                    await source.response.aread()  # the error's JSON body, for the message
                 self._raise_for("GET", f"{API}/events", source.response)
                 async for sse in source.aiter_sse():
                     if sse.data:
