@@ -115,6 +115,35 @@ def test_sweep_stop_stops_every_run(session):
     assert [r.name.split("-")[-1] for r in sweep.runs] == ["r4", "r8"]
 
 
+def test_a_failed_run_is_never_the_best(session):
+    """The best-scoring run fails (the service lost it after its first step): ``best`` is the best
+    run that did not fail, and that is the one saved."""
+    lost: dict = {}
+
+    def high(prompt, completion, **info):
+        run = lost.get("run")
+        if run is not None and run.step >= 1 and not lost.get("deleted"):
+            lost["deleted"] = True
+            session.client.delete_run(run.run_id)  # behind the notebook's back: its next step fails
+        return 0.8 + 0.1 * letters(prompt, completion)
+
+    def low(prompt, completion, **info):
+        return 0.1 * letters(prompt, completion)
+
+    sweep = session.sweep(prompts=PROMPTS, grid={"reward": [high, low]}, steps=3, rungs=0, name="fl", **SMALL)
+    lost["run"] = sweep.runs[0]
+    sweep.wait(240)
+    hi, lo = sweep.runs
+    session.runs.pop(hi.name)  # Session.close() raises RunFailed for a failed run it waits for
+    assert lost.get("deleted") and hi.state == RunState.FAILED and hi.history  # it scored, then failed
+    assert sweep.score(hi) > sweep.score(lo)
+    assert lo.state == RunState.FINISHED
+    assert sweep.best is lo
+    assert sweep.checkpoint is not None and sweep.checkpoint.endswith("/weights/fl-best"), sweep.save_error
+    frame = sweep.rows()
+    assert [r["best"] for r in frame] == [False, True]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
