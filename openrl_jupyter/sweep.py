@@ -15,7 +15,7 @@ rung, the better ``keep`` share (rounded up, at least one) resumes and the other
 ``session.sweep`` runs the whole sweep in a job that outlives the kernel (``openrl_jupyter.jobs``). A run that pauses on an error, or that the user
 pauses, does not hold the others up: it is ranked on the rows it has. ``budget`` caps the steps of all
 runs together: once spent, every live run is stopped. When every run is done, the best surviving run
-(by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
+that did not fail (by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
 checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
 
 Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
@@ -302,8 +302,12 @@ class Sweep:
 
     @property
     def best(self) -> Run | None:
-        """The best run not dropped at a rung (by its mean ``metric`` since the last rung), or None."""
-        scored = [r for r in self._live() if self.score(r) is not None]
+        """The best run that neither failed (``RunState.FAILED``: the service lost it, so it has no
+        weights to save) nor was dropped at a rung, by its mean ``metric`` since the last rung; None
+        when no such run has scored."""
+        from openrl_jupyter.run import RunState
+
+        scored = [r for r in self._live() if r.state != RunState.FAILED and self.score(r) is not None]
         ranked = self._rank(scored, None)
         return ranked[0] if ranked else None
 
