@@ -12,7 +12,7 @@
 The API is one table (``REQUESTS``: a function per call that says which request it is); ``Client``
 and ``AsyncClient`` get one method per entry, so the two cannot drift apart. Works in a plain
 script: no IPython, no torch. Retries with exponential backoff (or the reply's
-``Retry-After``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
+``Retry-After``, at most ``MAX_RETRY_AFTER_S``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
 errors, 429 and 503 for a POST: every POST carries an ``X-Idempotency-Key``, one per logical call
 and the same on each retry, so the service applies a train step once even when its reply was lost.
 The API key is sent as ``X-API-Key`` and never appears in a repr or an error message.
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
+import email.utils
 import functools
 import time
 import uuid
@@ -44,6 +46,24 @@ RETRY_STATUS = {429, 500, 502, 503, 504}  # reads are retried on these
 POST_RETRY_STATUS = {429, 503}  # a POST only on these: the service did not do the work (nor keep its reply)
 IDEMPOTENT = {"GET", "HEAD", "DELETE", "PUT"}
 SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this long means a dead stream
+MAX_RETRY_AFTER_S = 60.0  # a Retry-After longer than this (a proxy's "in a day") is waited this long
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header's wait in seconds, within [0, MAX_RETRY_AFTER_S]: delay-seconds or an
+    HTTP-date (RFC 9110 §10.2.3); None when absent or neither (the caller's own backoff then)."""
+    value = (value or "").strip()
+    if value.isascii() and value.isdigit():  # "-5", "1e9" and "²" are not delay-seconds
+        return MAX_RETRY_AFTER_S if len(value) > 6 else min(MAX_RETRY_AFTER_S, float(value))
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # RFC 850 / asctime forms carry no zone: HTTP-dates are GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, min(MAX_RETRY_AFTER_S, when.timestamp() - time.time()))
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -89,8 +109,10 @@ class _Base:
         return status in (RETRY_STATUS if method in IDEMPOTENT else POST_RETRY_STATUS)
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        if response is not None and response.headers.get("retry-after", "").isdigit():
-            return float(response.headers["retry-after"])
+        """The reply's Retry-After (at most MAX_RETRY_AFTER_S), else exponential backoff."""
+        told = retry_after_s(response.headers.get("retry-after")) if response is not None else None
+        if told is not None:
+            return told
         return min(8.0, self.backoff_s * 2**attempt)
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
