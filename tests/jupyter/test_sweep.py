@@ -195,6 +195,27 @@ def test_grid_points_names_and_rungs():
     assert plan_rungs([3, 7], 10, 4, 0.5) == [3, 7]
 
 
+def test_a_numpy_grid_starts_its_runs_with_those_values(session):
+    """``grid={"rank": np.array([4, 8])}`` (and numpy scalars elsewhere: a seed from an rng) is a
+    grid like a list: each run is created on the service with that rank, sent as plain JSON."""
+    np = pytest.importorskip("numpy")
+    sweep = session.sweep(
+        reward=letters,
+        prompts=PROMPTS,
+        grid={"rank": np.array([4, 8]), "lr": np.array([1e-4], dtype=np.float32)},
+        seed=np.int64(3),
+        steps=1,
+        rungs=0,
+        name="np",
+        **SMALL,
+    )
+    sweep.wait(240)
+    assert [r.name for r in sweep.runs] == ["np-r4-lr1e-4", "np-r8-lr1e-4"]
+    assert all(r.state == RunState.FINISHED for r in sweep.runs), [r.state for r in sweep.runs]
+    assert [session.client.get_run(r.run_id)["lora_rank"] for r in sweep.runs] == [4, 8]
+    assert [type(r.config.rank) for r in sweep.runs] == [int, int] and sweep.runs[0].config.seed == 3
+
+
 def test_the_sweep_module_imports_without_torch_or_pandas():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['pandas'] = None\n"
