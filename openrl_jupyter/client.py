@@ -25,6 +25,9 @@ import dataclasses
 import datetime
 import email.utils
 import functools
+import json
+import numbers
+import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -66,6 +69,26 @@ def retry_after_s(value: str | None) -> float | None:
     return max(0.0, min(MAX_RETRY_AFTER_S, when.timestamp() - time.time()))
 
 
+def _plain(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode itself: numpy numbers and arrays (a grid or a seed made
+    with numpy) as plain ints, floats and lists; anything else is a TypeError naming its type."""
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    tolist = getattr(value, "tolist", None)  # numpy arrays and bools, without importing numpy
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def json_body(data: Any) -> bytes:
+    """A request body as httpx's ``json=`` would encode it (compact, UTF-8, no NaN), numpy included."""
+    return json.dumps(
+        data, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_plain
+    ).encode()
+
+
 def _short(text: str, limit: int = 160) -> str:
     """One short line of a reply body (an HTML error page must not fill the screen)."""
     line = " ".join(text.split())
@@ -100,6 +123,14 @@ class _Base:
         if call is not None and call.method == "POST":
             headers["X-Idempotency-Key"] = call.key
         return headers
+
+    def _request(self, call: Call) -> dict[str, Any]:
+        """httpx arguments of ``call``: its JSON body (numpy values as plain JSON), query, headers."""
+        headers = self._headers(call)
+        if call.json is None:
+            return {"params": call.params, "headers": headers}
+        headers["Content-Type"] = "application/json"
+        return {"content": json_body(call.json), "params": call.params, "headers": headers}
 
     def _should_retry(self, method: str, attempt: int, exc: Exception | None, status: int | None) -> bool:
         if attempt >= self.retries:
@@ -401,9 +432,7 @@ class Client(_Base):
         while True:
             response, exc = None, None
             try:
-                response = self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
-                )
+                response = self._http.request(call.method, call.path, **self._request(call))
             except httpx.TransportError as e:
                 exc = e
             delay = self._next_attempt(
@@ -460,9 +489,7 @@ class AsyncClient(_Base):
         while True:
             response, exc = None, None
             try:
-                response = await self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
-                )
+                response = await self._http.request(call.method, call.path, **self._request(call))
             except httpx.TransportError as e:
                 exc = e
             delay = self._next_attempt(
