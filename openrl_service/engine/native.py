@@ -324,9 +324,14 @@ class NativeRuns:
         (201). ``job``: the job whose key asks (engine/jobs.py): the run is labelled with it."""
         model = self.svc.served(body.get("base_model"))
         defaults = model.base.defaults
-        name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
+        name = body.get("name")
+        if name is None or name == "":  # absent: a name is made up
+            name = f"run-{uuid.uuid4().hex[:6]}"
         if not isinstance(name, str) or not 0 < len(name) <= 128:
-            raise UserError("name must be a string of 1-128 characters", field="name")
+            raise UserError(
+                f"name must be a string of 1-128 characters; got {type(name).__name__} {repr(name)[:100]}",
+                field="name",
+            )
         spec = self.svc.lora_spec(
             body.get("rank", defaults.get("lora_rank", 8)),
             body.get("train_attn", True),
