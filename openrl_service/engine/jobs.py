@@ -636,19 +636,16 @@ class Jobs:
             phase = reason = None
             k8s = rec.get("k8s") or {}
             if k8s.get("job"):
-                phase, reason = self.kube_phase(k8s["job"], now)
+                phase, reason = self.kube_phase(k8s["job"])
             self.reconcile(rec, phase, reason, now)
         self.poll_kube_in_background()
 
-    def kube_phase(self, job_name: str, now: float | None = None) -> tuple[str | None, str | None]:
-        """(phase, reason) of the Kubernetes Job as last asked, or (None, None): never asked, the
-        last call failed, or the answer is older than OPENRL_JOB_LOST_AFTER_S (the API server hangs:
-        the job is then judged by its worker's requests alone, as when the API server is down)."""
+    def kube_phase(self, job_name: str) -> tuple[str | None, str | None]:
+        """(phase, reason) of the Kubernetes Job as last asked, or (None, None): never asked yet, or
+        the last call failed (the job is then judged by its worker's requests alone). An answer is
+        at most one poll old: each call is bounded by the launcher's request timeout."""
         hit = self._kube_phases.get(job_name)
-        now = time.time() if now is None else now
-        if hit is None or now - hit[0] > self.limits.job_lost_after_s:
-            return None, None
-        return hit[1], hit[2]
+        return (None, None) if hit is None else (hit[1], hit[2])
 
     def poll_kube(self) -> None:
         """Ask Kubernetes the status of every job not yet over that has a Kubernetes Job (each call
