@@ -130,7 +130,11 @@ def fuzz_route(c: httpx.Client, method: str, path: str, base: dict, fields: list
     found = Findings()
     for f in fields:
         for label, (value, kind) in VALUES.items():
-            r = c.request(method, path, json={**base, f.name: value})
+            try:
+                r = c.request(method, path, json={**base, f.name: value})
+            except httpx.TimeoutException:
+                found.items.append(f"{method} {path} {f.name}={label}: no answer in {c.timeout.read} s")
+                continue
             found.check(f"{method} {path}", f, label, kind, r)
             if after is not None and r.status_code < 300:
                 after(r)
@@ -247,11 +251,11 @@ def test_train_step_fields(alice, run_id):
             found.check("train_step", F("samples[0]", *takes), f"{part}={label}", kind, r)
         r = alice.post(f"{V1}/runs/{run_id}/train_step", json={"samples": [value]})
         found.check("train_step", F("samples[0]", "object"), label, kind, r)
-        for key, takes in (("learning_rate", ("number",)), ("beta1", ("number",)), ("eps", ("number",))):
+        for key, takes in (("learning_rate", "number"), ("beta1", "number"), ("eps", "number")):
             r = alice.post(
                 f"{V1}/runs/{run_id}/train_step", json={"samples": items, "optimizer": {key: value}}
             )
-            found.check("train_step", F(key, *takes), label, kind, r)
+            found.check("train_step", F(key, takes, "null"), label, kind, r)  # null: the default
         r = alice.post(
             f"{V1}/runs/{run_id}/train_step", json={"samples": items, "loss_config": {"clip": value}}
         )

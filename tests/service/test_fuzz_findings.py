@@ -103,7 +103,8 @@ def test_sample_id_that_is_not_a_string_is_a_400(client, native_run, sample_id):
 
 @pytest.mark.parametrize(
     "loss_config, needle",
-    [([None], "loss_fn_config"), ({"clip_low_threshold": "low"}, "loss_fn_config.clip_low_threshold")],
+    # this API's field is loss_config (Tinker's is loss_fn_config): the refusal names the one sent
+    [([None], "loss_config"), ({"clip_low_threshold": "low"}, "loss_config.clip_low_threshold")],
 )
 def test_loss_config_that_is_not_named_numbers_is_a_400(client, native_run, loss_config, needle):
     smp = client.post(f"/openrl/v1/runs/{native_run}/sample", json={"prompts": ["Hi"], "max_tokens": 2})
