@@ -12,7 +12,7 @@
 The API is one table (``REQUESTS``: a function per call that says which request it is); ``Client``
 and ``AsyncClient`` get one method per entry, so the two cannot drift apart. Works in a plain
 script: no IPython, no torch. Retries with exponential backoff (or the reply's
-``Retry-After``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
+``Retry-After``, at most ``MAX_RETRY_AFTER_S``) on connection errors, 429 and 5xx for reads (GET, DELETE), and on connection
 errors, 429 and 503 for a POST: every POST carries an ``X-Idempotency-Key``, one per logical call
 and the same on each retry, so the service applies a train step once even when its reply was lost.
 The API key is sent as ``X-API-Key`` and never appears in a repr or an error message.
@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
+import email.utils
 import functools
+import json
+import numbers
+import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -44,6 +49,44 @@ RETRY_STATUS = {429, 500, 502, 503, 504}  # reads are retried on these
 POST_RETRY_STATUS = {429, 503}  # a POST only on these: the service did not do the work (nor keep its reply)
 IDEMPOTENT = {"GET", "HEAD", "DELETE", "PUT"}
 SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this long means a dead stream
+MAX_RETRY_AFTER_S = 60.0  # a Retry-After longer than this (a proxy's "in a day") is waited this long
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header's wait in seconds, within [0, MAX_RETRY_AFTER_S]: delay-seconds or an
+    HTTP-date (RFC 9110 §10.2.3); None when absent or neither (the caller's own backoff then)."""
+    value = (value or "").strip()
+    if value.isascii() and value.isdigit():  # "-5", "1e9" and "²" are not delay-seconds
+        return MAX_RETRY_AFTER_S if len(value) > 6 else min(MAX_RETRY_AFTER_S, float(value))
+    if not value:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # RFC 850 / asctime forms carry no zone: HTTP-dates are GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, min(MAX_RETRY_AFTER_S, when.timestamp() - time.time()))
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what ``json`` cannot encode itself: numpy numbers and arrays (a grid or a seed made
+    with numpy) as plain ints, floats and lists; anything else is a TypeError naming its type."""
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    tolist = getattr(value, "tolist", None)  # numpy arrays and bools, without importing numpy
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def json_body(data: Any) -> bytes:
+    """A request body as httpx's ``json=`` would encode it (compact, UTF-8, no NaN), numpy included."""
+    return json.dumps(
+        data, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_plain
+    ).encode()
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -81,6 +124,14 @@ class _Base:
             headers["X-Idempotency-Key"] = call.key
         return headers
 
+    def _request(self, call: Call) -> dict[str, Any]:
+        """httpx arguments of ``call``: its JSON body (numpy values as plain JSON), query, headers."""
+        headers = self._headers(call)
+        if call.json is None:
+            return {"params": call.params, "headers": headers}
+        headers["Content-Type"] = "application/json"
+        return {"content": json_body(call.json), "params": call.params, "headers": headers}
+
     def _should_retry(self, method: str, attempt: int, exc: Exception | None, status: int | None) -> bool:
         if attempt >= self.retries:
             return False
@@ -89,8 +140,10 @@ class _Base:
         return status in (RETRY_STATUS if method in IDEMPOTENT else POST_RETRY_STATUS)
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
-        if response is not None and response.headers.get("retry-after", "").isdigit():
-            return float(response.headers["retry-after"])
+        """The reply's Retry-After (at most MAX_RETRY_AFTER_S), else exponential backoff."""
+        told = retry_after_s(response.headers.get("retry-after")) if response is not None else None
+        if told is not None:
+            return told
         return min(8.0, self.backoff_s * 2**attempt)
 
     def _raise_for(self, method: str, path: str, response: httpx.Response) -> None:
@@ -379,9 +432,7 @@ class Client(_Base):
         while True:
             response, exc = None, None
             try:
-                response = self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
-                )
+                response = self._http.request(call.method, call.path, **self._request(call))
             except httpx.TransportError as e:
                 exc = e
             delay = self._next_attempt(
@@ -408,6 +459,8 @@ class Client(_Base):
                 headers=self._headers(),
                 timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
+                if source.response.status_code >= 300:
+                    source.response.read()  # the error's JSON body, for the message
                 self._raise_for("GET", f"{API}/events", source.response)
                 for sse in source.iter_sse():
                     if sse.data:  # a bare "retry:" field carries no event
@@ -436,9 +489,7 @@ class AsyncClient(_Base):
         while True:
             response, exc = None, None
             try:
-                response = await self._http.request(
-                    call.method, call.path, json=call.json, params=call.params, headers=self._headers(call)
-                )
+                response = await self._http.request(call.method, call.path, **self._request(call))
             except httpx.TransportError as e:
                 exc = e
             delay = self._next_attempt(
@@ -465,6 +516,8 @@ class AsyncClient(_Base):
                 headers=self._headers(),
                 timeout=httpx.Timeout(self.timeout_s, read=SSE_READ_TIMEOUT_S),
             ) as source:
+                if source.response.status_code >= 300:
+                    await source.response.aread()  # the error's JSON body, for the message
                 self._raise_for("GET", f"{API}/events", source.response)
                 async for sse in source.aiter_sse():
                     if sse.data:

@@ -134,6 +134,8 @@ def make_config(
     )
     if lr is not None:
         number(lr, "lr", 0, 1, lo_open=True, error=UsageError)
+    if seed is not None:  # a plain int (a numpy one seeds neither random.Random nor JSON)
+        seed = integer(seed, "seed", error=UsageError)
     temperature = number(
         _or(temperature, defaults, "temperature", 1.0), "temperature", 0, 10, error=UsageError
     )

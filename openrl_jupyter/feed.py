@@ -1,8 +1,11 @@
 """The service's event stream (``GET /openrl/v1/events``) as a feed that dashboards subscribe to.
 
 One SSE connection per session, read on the runner loop, fans each event (telemetry ticks and run
-events) out to its subscribers. It starts with the first subscriber, reconnects with backoff when
-the connection drops, and stops when the session closes.
+events) out to its subscribers. It starts with the first subscriber, reconnects with backoff (0.5 s
+doubling up to ``max_backoff_s``) when the connection drops or the service refuses it — a 401 too:
+after a key rotation the client factory may hand out a client with the new key, and a dashboard must
+not freeze for good — and stops only when the session closes. ``last_error`` says why it is not
+connected (None once events flow again).
 """
 
 from __future__ import annotations
@@ -60,15 +63,20 @@ class EventFeed:
             try:
                 async for event in self._client_factory().events():
                     backoff = 0.5
+                    self.last_error = None
                     self._deliver(event)
                     if self._closed:
                         return
             except asyncio.CancelledError:
                 raise
-            except AuthenticationError as exc:
-                self.last_error = str(exc)
-                return
+            except AuthenticationError as exc:  # a rotated key: the factory may give the new one
+                self.last_error = (
+                    f"the service refused the key (401): {exc}; reconnecting every "
+                    f"{self.max_backoff_s:g} s at most until it takes one"
+                )
             except (OpenRLError, Exception) as exc:  # noqa: BLE001 - reconnect
-                self.last_error = str(exc)
+                self.last_error = str(exc) or type(exc).__name__
+            if self._closed:
+                return
             await asyncio.sleep(backoff)
             backoff = min(self.max_backoff_s, backoff * 2)

@@ -15,7 +15,7 @@ rung, the better ``keep`` share (rounded up, at least one) resumes and the other
 ``session.sweep`` runs the whole sweep in a job that outlives the kernel (``openrl_jupyter.jobs``). A run that pauses on an error, or that the user
 pauses, does not hold the others up: it is ranked on the rows it has. ``budget`` caps the steps of all
 runs together: once spent, every live run is stopped. When every run is done, the best surviving run
-(by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
+that did not fail (by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
 checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
 
 Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
@@ -29,6 +29,7 @@ import contextlib
 import html
 import itertools
 import math
+import numbers
 import re
 import statistics
 import threading
@@ -73,7 +74,11 @@ _LOSS_SHORT = {"importance_sampling": "is", "ppo": "ppo"}
 
 
 def _num(v: Any) -> str:
-    """A compact number for a run name: 1e-4, 3e-5, 0.5, 8."""
+    """A compact number for a run name: 1e-4, 3e-5, 0.5, 8 (numpy numbers as their Python twins)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        v = int(v)
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+        v = float(v)
     if isinstance(v, float) and v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4):
         mantissa, exp = f"{v:e}".split("e")
         mantissa = mantissa.rstrip("0").rstrip(".")
@@ -112,11 +117,14 @@ def expand_grid(grid: Any) -> list[dict[str, Any]]:
             f"grid must be a non-empty dict of train options to lists of values "
             f"(keys: {', '.join(GRID_KEYS)}); got {grid!r}"
         )
+    columns: dict[str, list] = {}
     for key, values in grid.items():
         if key not in GRID_KEYS:
             raise UsageError(
                 f"grid key {key!r} is not a train option a sweep can vary; use one of {', '.join(GRID_KEYS)}"
             )
+        if getattr(values, "ndim", None) == 1 and callable(getattr(values, "tolist", None)):
+            values = list(values)  # a 1-D numpy array: its elements (numpy scalars; checked per run)
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise UsageError(
                 f"grid[{key!r}] must be a list of values; got {type(values).__name__} {values!r}"
@@ -126,11 +134,12 @@ def expand_grid(grid: Any) -> list[dict[str, Any]]:
         labels = [_reward_label(v) if key == "reward" else repr(v) for v in values]
         if len(set(labels)) != len(labels):
             raise UsageError(f"grid[{key!r}] repeats a value: {list(values)!r}")
-    n = math.prod(len(v) for v in grid.values())
+        columns[key] = list(values)
+    n = math.prod(len(v) for v in columns.values())
     if n > MAX_POINTS:
         raise UsageError(f"the grid has {n} points; a sweep starts at most {MAX_POINTS} runs")
-    keys = list(grid)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
+    keys = list(columns)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*columns.values())]
 
 
 def survivors(n: int, keep: float) -> int:
@@ -302,8 +311,12 @@ class Sweep:
 
     @property
     def best(self) -> Run | None:
-        """The best run not dropped at a rung (by its mean ``metric`` since the last rung), or None."""
-        scored = [r for r in self._live() if self.score(r) is not None]
+        """The best run that neither failed (``RunState.FAILED``: the service lost it, so it has no
+        weights to save) nor was dropped at a rung, by its mean ``metric`` since the last rung; None
+        when no such run has scored."""
+        from openrl_jupyter.run import RunState
+
+        scored = [r for r in self._live() if r.state != RunState.FAILED and self.score(r) is not None]
         ranked = self._rank(scored, None)
         return ranked[0] if ranked else None
 

@@ -12,6 +12,8 @@ No torch, no FastAPI: the notebook side (``openrl_jupyter``) uses it too, with i
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import Any
 
 from openrl_service.errors import UserError
@@ -38,7 +40,13 @@ def _refuse(
     lo_open: bool = False,
 ) -> Exception:
     why = f" ({setting})" if setting else ""
-    message = f"{name} must be {kind}{_range(lo, hi, lo_open)}{why}; got {value!r}"
+    try:
+        shown = repr(value)
+    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
+        shown = f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    if len(shown) > 100:
+        shown = shown[:100] + "…"
+    message = f"{name} must be {kind}{_range(lo, hi, lo_open)}{why}; got {shown}"
     if isinstance(error, type) and issubclass(error, UserError):
         return error(message, field=name)
     return error(message)
@@ -53,14 +61,14 @@ def integer(
     setting: str | None = None,
     error: type[Exception] = UserError,
 ) -> int:
-    """``value`` if it is an int (not a bool) within ``[lo, hi]`` (either end may be open), else
-    ``error`` naming ``name``, the range and the ``setting`` that sets the limit."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or (lo is not None and value < lo)
-        or (hi is not None and value > hi)
-    ):
+    """``value`` as an int if it is an integral number (an int, a numpy integer: any
+    ``numbers.Integral``; not a bool, not a float) within ``[lo, hi]`` (either end may be open), else
+    ``error`` naming ``name``, the range and the ``setting`` that sets the limit. The int returned
+    is a plain one, which JSON encodes (a numpy integer does not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _refuse("an integer", value, name, lo, hi, setting, error)
+    value = operator.index(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise _refuse("an integer", value, name, lo, hi, setting, error)
     return value
 
@@ -75,14 +83,20 @@ def number(
     error: type[Exception] = UserError,
     lo_open: bool = False,
 ) -> float:
-    """``value`` as a float if it is a finite int or float (not a bool) within ``[lo, hi]``, or
-    ``(lo, hi]`` with ``lo_open`` (a learning rate or top_p of 0 means nothing)."""
+    """``value`` as a float if it is a finite real number (an int, a float, a numpy number: any
+    ``numbers.Real``; not a bool) within ``[lo, hi]``, or ``(lo, hi]`` with ``lo_open`` (a learning
+    rate or top_p of 0 means nothing)."""
+    real = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            real = float(value)
+        except OverflowError:  # an int past float's range: not finite
+            real = math.inf
     if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or (lo is not None and (value <= lo if lo_open else value < lo))
-        or (hi is not None and value > hi)
+        real is None
+        or not math.isfinite(real)
+        or (lo is not None and (real <= lo if lo_open else real < lo))
+        or (hi is not None and real > hi)
     ):
         raise _refuse("a finite number", value, name, lo, hi, setting, error, lo_open)
-    return float(value)
+    return real

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from typing import Any
 
 import orjson
@@ -118,12 +119,34 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return body
 
 
+_TOKEN = re.compile(r"^[a-z0-9!#$&^_.-]+$")  # RFC 6838 restricted-name characters (lower-cased)
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON: ``application/json`` or ``application/<name>+json``
+    (RFC 6839), any parameters (charset) ignored. Not "text/json", not "application/jsonp", not a
+    type that merely contains "json" somewhere."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if kind != "application":
+        return False
+    if subtype == "json":
+        return True
+    name, plus, suffix = subtype.rpartition("+")
+    return bool(plus) and suffix == "json" and bool(_TOKEN.match(name))
+
+
 async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request's body as a JSON object (an empty body: ``{}``). A body under another media type
+    is refused (415) before it is parsed: a browser can post a form or text/plain cross-site without
+    a CORS preflight, never application/json."""
+    content_type = request.headers.get("content-type")
     body = await read_body(request, max_bytes)
-    if body and "json" not in request.headers.get("content-type", "").lower():
-        # Also keeps "simple" cross-site form/text posts out: browsers cannot send JSON without CORS.
+    if body and not is_json_media_type(content_type):
         raise UnsupportedMediaType(
-            "this route takes a JSON body (Content-Type: application/json)", field="body"
+            "Content-Type must be application/json (or application/<name>+json): this route takes a "
+            f"JSON body; got {(content_type or '(none)')[:100]!r}",
+            field="Content-Type",
         )
     try:
         data = orjson.loads(body) if body else {}

@@ -204,6 +204,9 @@ class Jobs:
         self.seen: dict[str, float] = {}  # job id → when its key last made a request (in memory)
         self.started = time.time()  # a restart counts as a request: the workers had no service to reach
         self.kube_status = None  # callable(job name) → launcher status (set by the jobs router)
+        self._kube_lock = threading.Lock()
+        self._kube_phases: dict[str, tuple[float, str | None, str | None]] = {}  # Job → (asked, phase, why)
+        self._kube_poller: threading.Thread | None = None  # the status poll in flight, if any
         self._load()
 
     # -- disk -------------------------------------------------------------------------------------
@@ -625,17 +628,74 @@ class Jobs:
         return True
 
     def sweep(self, now: float) -> None:
-        """The housekeeping round: reconcile every job not yet over (a Kubernetes Job's status asked)."""
+        """The housekeeping round: reconcile every job not yet over, with what Kubernetes last said
+        of its Job (:meth:`poll_kube`'s answers), then ask Kubernetes again on a thread of its own.
+        The round never waits on the API server: a slow one (up to 35 s a call) would stall result
+        expiry and idle-session reaping, which share the round."""
         for rec in [r for r in list(self.jobs.values()) if r["state"] not in TERMINAL_STATES]:
             phase = reason = None
             k8s = rec.get("k8s") or {}
-            if k8s.get("job") and self.kube_status is not None:
-                try:
-                    st = self.kube_status(k8s["job"]) or {}
-                    phase, reason = st.get("phase"), st.get("reason")
-                except Exception:  # noqa: BLE001 - an unreachable API server: ask again next round
-                    log.warning("Kubernetes status of job %s failed", k8s["job"], exc_info=True)
+            if k8s.get("job"):
+                phase, reason = self.kube_phase(k8s["job"])
             self.reconcile(rec, phase, reason, now)
+        self.poll_kube_in_background()
+
+    def kube_phase(self, job_name: str) -> tuple[str | None, str | None]:
+        """(phase, reason) of the Kubernetes Job as last asked, or (None, None): never asked yet, or
+        the last call failed (the job is then judged by its worker's requests alone). An answer is
+        at most one poll old: each call is bounded by the launcher's request timeout."""
+        hit = self._kube_phases.get(job_name)
+        return (None, None) if hit is None else (hit[1], hit[2])
+
+    def poll_kube(self) -> None:
+        """Ask Kubernetes the status of every job not yet over that has a Kubernetes Job (each call
+        bounded by the launcher's request timeout); the next :meth:`sweep` applies the answers. An
+        answer replaces only an older one (a call that started earlier and finished later loses)."""
+        if self.kube_status is None:
+            return
+        names = {
+            (r.get("k8s") or {}).get("job")
+            for r in list(self.jobs.values())
+            if r["state"] not in TERMINAL_STATES
+        } - {None, ""}
+        for name in sorted(names):
+            asked_at = time.time()
+            try:
+                st = self.kube_status(name) or {}
+                answer: tuple | None = (asked_at, st.get("phase"), st.get("reason"))
+            except Exception:  # noqa: BLE001 - an unreachable API server: ask again next round
+                log.warning("Kubernetes status of job %s failed", name, exc_info=True)
+                answer = None
+            with self._kube_lock:
+                prior = self._kube_phases.get(name)
+                if prior is None or prior[0] <= asked_at:
+                    if answer is None:
+                        self._kube_phases.pop(name, None)
+                    else:
+                        self._kube_phases[name] = answer
+        with self._kube_lock:  # forget the answers about jobs that are over or gone
+            for name in [n for n in self._kube_phases if n not in names]:
+                del self._kube_phases[name]
+
+    def poll_kube_in_background(self) -> bool:
+        """Start :meth:`poll_kube` on a daemon thread unless the previous poll still runs (one at a
+        time: a hung API server holds one thread, never more); True when one was started."""
+        if self.kube_status is None:
+            return False
+        with self._kube_lock:
+            if self._kube_poller is not None and self._kube_poller.is_alive():
+                return False
+            self._kube_poller = threading.Thread(
+                target=self._poll_logged, name="openrl-kube-status", daemon=True
+            )
+            self._kube_poller.start()
+        return True
+
+    def _poll_logged(self) -> None:
+        try:
+            self.poll_kube()
+        except Exception:  # noqa: BLE001 - a thread's error goes to the log, the next round retries
+            log.exception("asking Kubernetes for the jobs' status failed")
 
     # -- runs kept after their session ------------------------------------------------------------
     def archive_run(self, tenant: str, job_id: str, run_id: str, entry: dict, metrics: list) -> None:

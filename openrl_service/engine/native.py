@@ -36,6 +36,7 @@ train step submitted before it; ``snapshot`` in replies is the run's optimizer-s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -58,6 +59,7 @@ from openrl_service.engine.registry import new_session_id
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.errors import ApiError, Conflict, Forbidden, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
+from openrl_service.storage.checkpoints import check_name
 from openrl_service.telemetry import NvmlReader
 from openrl_service.training.losses import LOSSES, check_loss
 from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult, adam_params
@@ -142,6 +144,15 @@ class NativeRunState:
             self.seq += n
             return self.seq - n + 1
 
+    def give_back(self, first: int, n: int = 1) -> bool:
+        """Return the ``n`` seq_ids from ``first`` (a request refused before it was queued) if no
+        later one was taken meanwhile; False when one was (the caller fills the slots instead)."""
+        with self.lock:
+            if self.seq != first + n - 1:
+                return False
+            self.seq = first - 1
+            return True
+
     def bump(self, last: int) -> None:
         """A replayed request used seq_ids up to ``last``: later requests come after it."""
         with self.lock:
@@ -183,6 +194,7 @@ def _offer(q: asyncio.Queue, event: dict) -> None:
 
 # The notebook API's requests that change state, journaled as intents, and the status of their reply.
 INTENTS = {"create": 201, "sample": 200, "train_step": 200, "checkpoint": 201, "metrics": 201}
+SEQ_SLOTS = {"sample": 1, "train_step": 2, "checkpoint": 1}  # seq_ids an intent of that kind takes
 
 
 class NativeRuns:
@@ -206,16 +218,46 @@ class NativeRuns:
             svc.durability.intent_replayers[kind] = functools.partial(self._replay, kind)
 
     # -- journal ----------------------------------------------------------------------------------
-    async def _intent(self, kind: str, inputs: dict) -> dict:
+    async def _intent(self, kind: str, inputs: dict, nr: NativeRunState | None = None) -> dict:
         """Journal a request's resolved inputs (its intent), then carry it out; the engine calls it
-        makes are covered by the intent's record."""
+        makes are covered by the intent's record. A request in a run's order (``SEQ_SLOTS``) takes
+        its seq_ids here, once every check has passed, right before the journal append: a request
+        refused on the way never leaves a gap the run's next request would wait on."""
         d = self.svc.durability
-        intent_id = d.intent(kind, inputs)
+        n = SEQ_SLOTS.get(kind, 0)
+        if n and nr is not None:
+            inputs["seq"] = nr.next_seq(n)
+        try:
+            intent_id = d.intent(kind, inputs)
+        except BaseException as e:  # a full disk (507): not accepted, so it keeps no place in the run
+            if n and nr is not None and not nr.give_back(inputs["seq"], n):
+                self._fill_slots(kind, inputs, e)  # a later request took one meanwhile
+            raise
         try:
             with d.inside_intent():
                 return await self._execute(kind, inputs, intent_id)
+        except Exception as e:  # not CancelledError: a client gone mid-step leaves its ops to run
+            self._fill_slots(kind, inputs, e)
+            raise
         finally:
             d.intent_done(intent_id)
+
+    def _fill_slots(self, kind: str, inputs: dict, error: BaseException) -> None:
+        """Complete the request's seq slots as ``error`` unless they were taken: a request that failed
+        before its ops were queued (an unexpected error, the run gone) would otherwise leave a gap the
+        run's next request waits OPENRL_SEQ_GAP_TIMEOUT_S on. A slot already taken keeps its op (the
+        engine answers a second op in a slot with the first one's future)."""
+        n = SEQ_SLOTS.get(kind, 0)
+        if not n or "seq" not in inputs or inputs.get("run_id") not in self.svc.runs:
+            return
+        why = UserError(f"not executed: its request failed ({str(error)[:200]})", field="seq_id")
+
+        def refuse(run):
+            raise why
+
+        for seq in range(inputs["seq"], inputs["seq"] + n):
+            with contextlib.suppress(ApiError):  # the run or its lane is gone meanwhile: nothing waits
+                self.svc.run_op(inputs["tenant"], inputs["run_id"], seq, "refused", refuse, None)
 
     async def _execute(self, kind: str, inputs: dict, intent_id: str) -> dict:
         if kind == "checkpoint":
@@ -294,14 +336,25 @@ class NativeRuns:
         (201). ``job``: the job whose key asks (engine/jobs.py): the run is labelled with it."""
         model = self.svc.served(body.get("base_model"))
         defaults = model.base.defaults
-        name = body.get("name") or f"run-{uuid.uuid4().hex[:6]}"
+        name = body.get("name")
+        if name is None or name == "":  # absent: a name is made up
+            name = f"run-{uuid.uuid4().hex[:6]}"
         if not isinstance(name, str) or not 0 < len(name) <= 128:
-            raise UserError("name must be a string of 1-128 characters", field="name")
+            raise UserError(
+                f"name must be a string of 1-128 characters; got {type(name).__name__} {repr(name)[:100]}",
+                field="name",
+            )
+
+        def given(key: str, default: Any) -> Any:  # absent or null: the default
+            value = body.get(key)
+            return default if value is None else value
+
         spec = self.svc.lora_spec(
-            body.get("rank", defaults.get("lora_rank", 8)),
-            body.get("train_attn", True),
-            body.get("train_mlp", True),
-            body.get("train_unembed", defaults.get("train_unembed", True)),
+            given("rank", defaults.get("lora_rank", 8)),
+            given("train_attn", True),
+            given("train_mlp", True),
+            given("train_unembed", defaults.get("train_unembed", True)),
+            where="",
         )
         seed = body.get("seed")
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
@@ -714,7 +767,15 @@ class NativeRuns:
                 f"prompts: at most {self.svc.limits.max_datums} per call (OPENRL_MAX_DATUMS); got {len(prompts)}",
                 field="prompts",
             )
-        chat = body.get("chat", True)
+        chat = body.get("chat")
+        if chat is None:
+            chat = True
+        elif not isinstance(chat, bool):
+            raise UserError(
+                f"chat must be true (apply the chat template) or false (raw text); got "
+                f"{type(chat).__name__} {repr(chat)[:100]}",
+                field="chat",
+            )
         base = self.svc.model_of(nr.run).base
         encoded = [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
         raw = {
@@ -736,12 +797,11 @@ class NativeRuns:
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
-            "seq": nr.next_seq(),
             "jobs": [replace(j, params=self.svc.seeded(j.params)) for j in jobs],
             "sample_ids": [[f"smp-{uuid.uuid4().hex}" for _ in range(num)] for _ in jobs],
             "idem": idem,
         }
-        return await self._intent("sample", inputs)
+        return await self._intent("sample", inputs, nr)
 
     async def _do_sample(self, inputs: dict) -> dict:
         tenant, run_id, jobs = inputs["tenant"], inputs["run_id"], inputs["jobs"]
@@ -807,9 +867,10 @@ class NativeRuns:
         loss = body.get("loss", "importance_sampling")
         if loss not in RL_LOSSES:
             raise UserError(f"loss must be one of {', '.join(RL_LOSSES)}; got {loss!r}", field="loss")
-        config = check_loss(loss, body.get("loss_config") or {})
+        config = _loss_config(loss, body.get("loss_config"))
         base = self.svc.model_of(nr.run).base
-        adam = _adam(body.get("optimizer") or {}, base.defaults)
+        optimizer = body.get("optimizer")
+        adam = _adam({} if optimizer is None else optimizer, base.defaults)
         data = []
         for i, item in enumerate(items):
             where = f"samples[{i}]"
@@ -851,14 +912,13 @@ class NativeRuns:
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
-            "seq": nr.next_seq(2),
             "data": data,  # resolved: a replay does not need the sample store
             "loss": loss,
             "config": config,
             "adam": adam,
             "idem": idem,
         }
-        return await self._intent("train_step", inputs)
+        return await self._intent("train_step", inputs, nr)
 
     async def _do_train_step(self, inputs: dict) -> dict:
         tenant, run_id, adam = inputs["tenant"], inputs["run_id"], inputs["adam"]
@@ -913,18 +973,23 @@ class NativeRuns:
         nr = self.get(tenant, run_id)
         name = body.get("name")
         if not isinstance(name, str):
-            raise UserError(f"name is required: the checkpoint's name (a string); got {name!r}", field="name")
+            raise UserError(
+                f"name is required: the checkpoint's name (a string); got {repr(name)[:100]}", field="name"
+            )
+        check_name(name, "name")
+        # checked here as the save checks them (it checks them again), each naming this API's field
+        self.svc.check_metadata(body.get("user_metadata"))
+        self.svc.expiry(body.get("ttl_seconds"))
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
-            "seq": nr.next_seq(),
             "name": name,
-            "overwrite": bool(body.get("overwrite", False)),
+            "overwrite": _flag(body, "overwrite"),
             "user_metadata": body.get("user_metadata"),
             "ttl_seconds": body.get("ttl_seconds"),
             "idem": idem,
         }
-        return await self._intent("checkpoint", inputs)
+        return await self._intent("checkpoint", inputs, nr)
 
     async def _do_checkpoint(self, inputs: dict, intent_id: str) -> dict:
         tenant, run_id = inputs["tenant"], inputs["run_id"]
@@ -1043,6 +1108,34 @@ def _job_label(meta: dict, job: str | None) -> dict:
             field=f"user_metadata.{JOB_META_KEY}",
         )
     return {**meta, JOB_META_KEY: job}
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    """A true/false field (absent or null: ``default``); anything else is refused, not read as truthy."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UserError(
+            f"{name} must be true or false; got {type(value).__name__} {repr(value)[:100]}", field=name
+        )
+    return value
+
+
+def _loss_config(loss: str, raw: Any) -> dict:
+    """The loss's config (absent or null: its defaults), each refusal naming ``loss_config`` (the
+    Tinker API's own check calls it loss_fn_config)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(
+            f"loss_config must be an object of named numbers; got {type(raw).__name__}", field="loss_config"
+        )
+    try:
+        return check_loss(loss, raw)
+    except UserError as e:
+        field = (e.field or "loss_config").replace("loss_fn_config", "loss_config", 1)
+        raise UserError(e.message.replace("loss_fn_config", "loss_config"), field=field) from None
 
 
 def _adam(raw: dict, defaults: dict) -> AdamParams:

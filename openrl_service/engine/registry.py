@@ -325,13 +325,19 @@ class Registry:
 
     def served(self, name: str | None, field_name: str = "base_model") -> ServedModel:
         """The served model ``name`` (None: the default, the first one); NotFound names the field and
-        lists the served models."""
+        lists the served models; a name that is not a string is a UserError (400) naming the field."""
         default = self.require_ready()
+        if name is not None and not isinstance(name, str):
+            raise UserError(
+                f"{field_name} must be a served model's name (a string) or absent; got "
+                f"{type(name).__name__} {repr(name)[:100]}",
+                field=field_name,
+            )
         model = self.models.get(default.name if name is None else name)
         if model is None:
             served = ", ".join(repr(n) for n in self.models)
             raise NotFound(
-                f"{field_name}: model {name!r} is not served here; this service serves {served}",
+                f"{field_name}: model {name[:200]!r} is not served here; this service serves {served}",
                 field=field_name,
             )
         return model

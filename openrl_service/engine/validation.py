@@ -66,19 +66,29 @@ class Validation:
         return dict(value)
 
     def lora_spec(
-        self, rank: Any, train_attn: Any = True, train_mlp: Any = True, train_unembed: Any = True
+        self,
+        rank: Any,
+        train_attn: Any = True,
+        train_mlp: Any = True,
+        train_unembed: Any = True,
+        *,
+        where: str = "lora_config.",
     ) -> LoraSpec:
-        integer(rank, "lora_config.rank", 1, self.limits.max_rank, setting="OPENRL_MAX_RANK")
-        spec = LoraSpec(
-            rank=rank,
-            train_attn=bool(train_attn),
-            train_mlp=bool(train_mlp),
-            train_unembed=bool(train_unembed),
-        )
+        """The LoRA layout asked for; each field named ``<where><name>`` when refused (the Tinker API
+        nests them in lora_config, the notebook API does not)."""
+        rank = integer(rank, f"{where}rank", 1, self.limits.max_rank, setting="OPENRL_MAX_RANK")
+        flags = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
+        for name, value in flags.items():
+            if not isinstance(value, bool):  # truthiness would read "no" or [] as a choice
+                raise UserError(
+                    f"{where}{name} must be true or false; got {type(value).__name__} {repr(value)[:100]}",
+                    field=f"{where}{name}",
+                )
+        spec = LoraSpec(rank=rank, **flags)
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise UserError(
-                "lora_config: enable at least one of train_attn, train_mlp, train_unembed",
-                field="lora_config",
+                f"{where.rstrip('.') or 'the run'}: enable at least one of train_attn, train_mlp, train_unembed",
+                field=where.rstrip(".") or "train_attn",
             )
         return spec
 

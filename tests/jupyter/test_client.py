@@ -175,6 +175,39 @@ def test_gets_retry_and_posts_retry_with_one_idempotency_key_per_call(monkeypatc
     assert len(calls) == 2 and calls[0][1] != calls[1][1]
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "slept"),
+    [
+        ("7", 7.0),  # seconds, as the service sends it
+        ("86400", 60.0),  # a day: capped at MAX_RETRY_AFTER_S
+        ("Thu, 01 Jan 2099 00:00:30 GMT", 30.0),  # an HTTP-date 30 s ahead of the (fake) clock
+        ("Thu, 01 Jan 2099 01:00:00 GMT", 60.0),  # an hour ahead: capped
+        ("Wed, 31 Dec 2098 23:00:00 GMT", 0.0),  # already past: retry now
+        ("soon", 0.5),  # garbage: the client's own backoff
+        ("-5", 0.5),
+        ("1e9", 0.5),
+        ("9" * 400, 60.0),  # a number too big for a float is still only the cap
+    ],
+)
+def test_retry_after_is_obeyed_within_a_bound(monkeypatch, retry_after, slept):
+    """A 429/503's Retry-After (seconds or an HTTP-date) is waited, but never longer than
+    MAX_RETRY_AFTER_S (60 s): a proxy's or a broken service's "retry in a day" must not freeze a
+    notebook. A value that is neither falls back to the client's exponential backoff."""
+    import datetime
+
+    import openrl_jupyter.client as client_module
+
+    now = datetime.datetime(2099, 1, 1, tzinfo=datetime.timezone.utc).timestamp()
+    sleeps: list[float] = []
+    clock = type("Clock", (), {"sleep": staticmethod(sleeps.append), "time": staticmethod(lambda: now)})
+    monkeypatch.setattr(client_module, "time", clock)
+    calls, transport = _flaky(503, 1, headers={"Retry-After": retry_after})
+    with Client("http://svc", retries=3, backoff_s=0.5, transport=transport) as c:
+        assert c.list_runs() == []
+    assert sleeps == [slept] and len(calls) == 2
+    assert client_module.MAX_RETRY_AFTER_S == 60.0  # the documented bound
+
+
 def test_a_post_whose_reply_is_lost_is_retried_with_its_key_and_applied_once(server):
     """A train step whose reply never arrives (the connection drops after the service did the work)
     is re-sent with the same X-Idempotency-Key: the service answers the original reply."""

@@ -451,3 +451,40 @@ def test_the_plain_summaries_need_neither_plotly_nor_ipywidgets():
     text, rich = out.stdout.splitlines()
     assert text == "openrl run 'q<1>': running, step 3/10, letters v2 mean 0.5"
     assert "<b>q&lt;1&gt;</b>" in rich and "letters v2" in rich
+
+
+def test_the_event_feed_survives_a_key_rotation(server):
+    """The service refuses the session's key (401: it was rotated or revoked) while a dashboard
+    watches: the feed says why in ``last_error`` and keeps reconnecting with bounded backoff, and once
+    the client factory hands out a working key the events flow again; close() still stops it."""
+    import threading
+
+    from openrl_jupyter.client import AsyncClient
+    from openrl_jupyter.feed import EventFeed
+    from tests.conftest import ALICE_KEY
+
+    key = {"now": "tml-rotated-away-0000000000000000"}
+    clients: dict[str, AsyncClient] = {}
+    calls = {"n": 0}
+    retried, ticked = threading.Event(), threading.Event()
+
+    def factory() -> AsyncClient:  # what Session.async_client does, with the key of the moment
+        calls["n"] += 1
+        if calls["n"] == 3:  # reconnected twice after the first refusal
+            retried.set()
+        if key["now"] not in clients:
+            clients[key["now"]] = AsyncClient(server.url, token=key["now"], retries=0)
+        return clients[key["now"]]
+
+    feed = EventFeed(factory, max_backoff_s=0.5)
+    feed.subscribe(lambda event: ticked.set() if event.get("type") == "tick" else None)
+    try:
+        assert retried.wait(60), f"the feed stopped after the 401: {feed.last_error}"
+        assert "401" in feed.last_error and "key" in feed.last_error, feed.last_error
+        assert not ticked.is_set()
+        key["now"] = ALICE_KEY  # the new key: the next reconnect uses it
+        assert ticked.wait(60), f"the feed never reconnected after the 401: {feed.last_error}"
+    finally:
+        feed.close()
+    n = calls["n"]
+    assert feed._task_future is None and calls["n"] == n  # closed: no reconnecting any more

@@ -115,6 +115,35 @@ def test_sweep_stop_stops_every_run(session):
     assert [r.name.split("-")[-1] for r in sweep.runs] == ["r4", "r8"]
 
 
+def test_a_failed_run_is_never_the_best(session):
+    """The best-scoring run fails (the service lost it after its first step): ``best`` is the best
+    run that did not fail, and that is the one saved."""
+    lost: dict = {}
+
+    def high(prompt, completion, **info):
+        run = lost.get("run")
+        if run is not None and run.step >= 1 and not lost.get("deleted"):
+            lost["deleted"] = True
+            session.client.delete_run(run.run_id)  # behind the notebook's back: its next step fails
+        return 0.8 + 0.1 * letters(prompt, completion)
+
+    def low(prompt, completion, **info):
+        return 0.1 * letters(prompt, completion)
+
+    sweep = session.sweep(prompts=PROMPTS, grid={"reward": [high, low]}, steps=3, rungs=0, name="fl", **SMALL)
+    lost["run"] = sweep.runs[0]
+    sweep.wait(240)
+    hi, lo = sweep.runs
+    session.runs.pop(hi.name)  # Session.close() raises RunFailed for a failed run it waits for
+    assert lost.get("deleted") and hi.state == RunState.FAILED and hi.history  # it scored, then failed
+    assert sweep.score(hi) > sweep.score(lo)
+    assert lo.state == RunState.FINISHED
+    assert sweep.best is lo
+    assert sweep.checkpoint is not None and sweep.checkpoint.endswith("/weights/fl-best"), sweep.save_error
+    frame = sweep.rows()
+    assert [r["best"] for r in frame] == [False, True]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -164,6 +193,27 @@ def test_grid_points_names_and_rungs():
     assert plan_rungs(None, 40, 6, 0.25) == [10, 20]  # 6 -> 2 -> 1
     assert plan_rungs(2, 4, 3, 0.5) == [1, 2] and plan_rungs(0, 4, 3, 0.5) == []
     assert plan_rungs([3, 7], 10, 4, 0.5) == [3, 7]
+
+
+def test_a_numpy_grid_starts_its_runs_with_those_values(session):
+    """``grid={"rank": np.array([4, 8])}`` (and numpy scalars elsewhere: a seed from an rng) is a
+    grid like a list: each run is created on the service with that rank, sent as plain JSON."""
+    np = pytest.importorskip("numpy")
+    sweep = session.sweep(
+        reward=letters,
+        prompts=PROMPTS,
+        grid={"rank": np.array([4, 8]), "lr": np.array([1e-4], dtype=np.float32)},
+        seed=np.int64(3),
+        steps=1,
+        rungs=0,
+        name="np",
+        **SMALL,
+    )
+    sweep.wait(240)
+    assert [r.name for r in sweep.runs] == ["np-r4-lr1e-4", "np-r8-lr1e-4"]
+    assert all(r.state == RunState.FINISHED for r in sweep.runs), [r.state for r in sweep.runs]
+    assert [session.client.get_run(r.run_id)["lora_rank"] for r in sweep.runs] == [4, 8]
+    assert [type(r.config.rank) for r in sweep.runs] == [int, int] and sweep.runs[0].config.seed == 3
 
 
 def test_the_sweep_module_imports_without_torch_or_pandas():

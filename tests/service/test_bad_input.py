@@ -231,6 +231,51 @@ def test_json_that_is_not_an_object_is_a_400(server, client, body):
     assert_still_serves(server.url)
 
 
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/json ;charset=UTF-8",
+        "application/problem+json",
+        "application/vnd.openrl.v1+json; charset=utf-8",
+    ],
+)
+def test_json_media_types_are_accepted(client, content_type):
+    r = client.post(
+        "/api/v1/retrieve_future", content=b'{"request_id": "nope"}', headers={"Content-Type": content_type}
+    )
+    assert r.status_code == 404 and "nope" in r.json()["error"], r.text  # parsed, then not found
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain; hint=json",  # held "json" somewhere: accepted before
+        "text/json",
+        "application/jsonp",
+        "application/json-seq",
+        "application/x-ndjson",
+        "multipart/form-data; boundary=json",
+        "application/x-www-form-urlencoded; x=application/json",
+        "json",
+        "application/+json",
+        "text/plain",
+        "",
+    ],
+)
+def test_other_media_types_are_a_415_naming_the_header(client, content_type):
+    """Only application/json and application/*+json bodies are read as JSON; anything else (a form a
+    browser may post cross-site without CORS, a type merely containing "json") is refused before it
+    is parsed, naming the header and what was sent."""
+    r = client.post(
+        "/api/v1/retrieve_future", content=b'{"request_id": "nope"}', headers={"Content-Type": content_type}
+    )
+    err = assert_refused(r, 415, "Content-Type", "application/json")
+    assert err["field"] == "Content-Type"
+
+
 def test_corrupt_zstd_body_is_a_400(server, client, run):
     r = client.post(
         "/api/v1/forward_backward",

@@ -39,3 +39,19 @@ def test_an_open_lower_end_refuses_the_end_itself(bad):
     with pytest.raises(UserError, match=r"^top_p must be a finite number in \(0, 1\]; got "):
         number(bad, "top_p", 0, 1, lo_open=True)
     assert number(1e-9, "top_p", 0, 1, lo_open=True) == 1e-9
+
+
+def test_numpy_integers_are_integers_and_come_back_as_int():
+    """A value from numpy (a grid made with np.array, a seed from rng.integers) is an integer; it
+    comes back as a plain int, which JSON encodes. A numpy bool or float is still not one."""
+    np = pytest.importorskip("numpy")
+    for value in (np.int64(8), np.int32(8), np.uint8(8), np.array([8, 16])[0]):
+        got = integer(value, "rank", 1, 512)
+        assert got == 8 and type(got) is int
+    for bad in (np.bool_(True), np.float64(8.0), np.array([8]), np.int64(513)):
+        with pytest.raises(UserError, match=r"^rank must be an integer in \[1, 512\]"):
+            integer(bad, "rank", 1, 512)
+    got = number(np.float32(0.5), "top_p", 0, 1, lo_open=True)
+    assert got == 0.5 and type(got) is float
+    with pytest.raises(UserError, match="must be a finite number"):
+        number(np.bool_(True), "top_p", 0, 1)

@@ -103,7 +103,8 @@ def test_sample_id_that_is_not_a_string_is_a_400(client, native_run, sample_id):
 
 @pytest.mark.parametrize(
     "loss_config, needle",
-    [([None], "loss_fn_config"), ({"clip_low_threshold": "low"}, "loss_fn_config.clip_low_threshold")],
+    # this API's field is loss_config (Tinker's is loss_fn_config): the refusal names the one sent
+    [([None], "loss_config"), ({"clip_low_threshold": "low"}, "loss_config.clip_low_threshold")],
 )
 def test_loss_config_that_is_not_named_numbers_is_a_400(client, native_run, loss_config, needle):
     smp = client.post(f"/openrl/v1/runs/{native_run}/sample", json={"prompts": ["Hi"], "max_tokens": 2})
@@ -148,6 +149,39 @@ def test_session_search_still_pages_with_a_well_formed_cursor(client):
 def test_copy_weights_into_a_session_id_that_is_not_a_string_is_a_400(client, session_id):
     body = {"source_path": "tinker://r/weights/x", "session_id": session_id, "model_seq_id": 0}
     assert_refused(client.post("/api/v1/copy_weights", json=body), 400, "session_id")
+
+
+# -- a run's name and model of the wrong JSON type (issue 21) ------------------------------------
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"base_model": {}}, "base_model"),  # answered 500: unhashable type in the model lookup
+        ({"base_model": []}, "base_model"),
+        ({"base_model": 7}, "base_model"),
+        ({"name": []}, "name"),  # accepted with 201 (an empty list is falsy: a default name)
+        ({"name": {}}, "name"),
+        ({"name": 0}, "name"),
+        ({"name": False}, "name"),
+    ],
+)
+def test_a_run_name_or_model_that_is_not_a_string_is_a_400(server, client, body, field):
+    before = {r["run_id"] for r in client.get("/openrl/v1/runs").json()["runs"]}
+    r = client.post("/openrl/v1/runs", json=body)
+    err = assert_refused(r, 400, field)
+    assert err["field"] == field
+    assert {r["run_id"] for r in client.get("/openrl/v1/runs").json()["runs"]} == before  # none made
+
+
+def test_a_tinker_model_whose_base_model_is_not_a_string_is_a_400(client):
+    sess = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0"}).json()["session_id"]
+    try:
+        body = {"session_id": sess, "model_seq_id": 0, "base_model": {"x": 1}, "lora_config": {"rank": 4}}
+        r = client.post("/api/v1/create_model", json=body)
+        assert r.status_code == 400 or (
+            r.status_code == 200 and "base_model" in result(client, r.json()["request_id"])["error"]
+        ), r.text
+    finally:
+        client.post("/api/v1/session_heartbeat", json={"session_id": sess})
 
 
 # -- the published schema ---------------------------------------------------------------------

@@ -432,7 +432,8 @@ def test_a_k8s_job_whose_kubernetes_job_ended_without_a_report_fails(server, ali
         assert entry["state"] == "failed" and "Kubernetes Job" in entry["message"]
         assert "BackoffLimitExceeded" in entry["message"]
         assert server.service.jobs.jobs[b["job_id"]]["state"] == "submitted"
-        server.service.jobs.sweep(time.time())  # the housekeeping round
+        server.service.jobs.poll_kube()  # the status poll (on its own thread in the service)...
+        server.service.jobs.sweep(time.time())  # ...whose answers the next housekeeping round applies
         assert server.service.jobs.jobs[b["job_id"]]["state"] == "failed"
         keys = {sent["job_id"]: sent["key"] for sent in kube.submitted}
         for j in (a, b):
@@ -451,17 +452,20 @@ def test_a_k8s_job_waits_while_its_kubernetes_job_is_pending(server, alice, monk
     says pending, the silent job is not failed; once Kubernetes says running and nothing asks, it is."""
     kube = FakeKube()
     monkeypatch.setattr(server.service, "kube", kube, raising=False)
-    monkeypatch.setattr(server.service.limits, "job_lost_after_s", 1)
     job = submit(alice, unique("queued"), where="k8s")
     try:
         with keyed(server.url, kube.submitted[0]["key"]) as jk:
             assert jk.post(f"{V1}/jobs/{job['job_id']}/state", json={"state": "running"}).status_code == 200
-        time.sleep(1.5)
+        # rounds as if OPENRL_JOB_LOST_AFTER_S had passed (not slept: the service's own rounds, at the
+        # real time, must not fail the job meanwhile)
+        later = time.time() + server.service.limits.job_lost_after_s + 1
         kube.phase = "pending"
-        server.service.jobs.sweep(time.time())
+        server.service.jobs.poll_kube()
+        server.service.jobs.sweep(later)
         assert server.service.jobs.jobs[job["job_id"]]["state"] == "running"
         kube.phase = "running"
-        server.service.jobs.sweep(time.time())
+        server.service.jobs.poll_kube()
+        server.service.jobs.sweep(later)
         assert server.service.jobs.jobs[job["job_id"]]["state"] == "failed"
     finally:
         alice.delete(f"{V1}/jobs/{job['job_id']}")

@@ -141,3 +141,51 @@ def test_a_full_disk_answers_507_and_a_restart_has_everything_acknowledged(tmp_p
         r = raw.post("optim_step", model_id=model_id, seq_id=seq, adam_params={"learning_rate": 1e-3})
         assert r.status_code == 200, r.text
         assert raw.result(r.json()["request_id"])["metrics"]
+
+
+def test_a_native_request_refused_for_a_full_disk_leaves_no_gap_in_its_run(tmp_path, tiny_model_dir):
+    """A notebook-API request whose journal record does not fit (507) takes no place in its run's
+    order: the run's next request that fits runs at once, instead of waiting OPENRL_SEQ_GAP_TIMEOUT_S
+    for the refused one and then failing. The journal's file cannot grow past ``limit`` bytes
+    (RLIMIT_FSIZE), and the test fills it until a big record no longer fits and a small one still does."""
+    data, limit = tmp_path / "data", 60_000
+    env = {
+        "OPENRL_API_KEYS": f"alice:{ALICE_KEY}",
+        "OPENRL_SNAPSHOT_INTERVAL_S": "0",
+        "OPENRL_SEQ_GAP_TIMEOUT_S": "3",  # old behaviour: the next request fails after this, not hangs
+    }
+    big = {"prompts": ["a"] * 8, "num_samples": 16, "max_tokens": 1}  # 128 sample ids in its record
+    small = {"prompts": ["a"], "max_tokens": 1}
+    with (
+        serving(data, tiny_model_dir, env=env, max_file_bytes=limit) as served,
+        httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=GUARD_S) as http,
+    ):
+        r = http.post("/openrl/v1/runs", json={"name": "full-disk", "seed": 0})
+        assert r.status_code == 201, r.text
+        run_id = r.json()["run_id"]
+        seg = max((data / "journal").glob("seg-*.log"))
+
+        def room() -> int:
+            return limit - seg.stat().st_size
+
+        def sample(body: dict) -> httpx.Response:
+            return http.post(f"/openrl/v1/runs/{run_id}/sample", json=body)
+
+        sizes = {}
+        for name, body in (("big", big), ("small", small)):
+            before = room()
+            assert sample(body).status_code == 200
+            sizes[name] = before - room()
+        assert sizes["big"] > 3 * sizes["small"] > 0, sizes
+        while room() >= 2 * sizes["big"]:
+            assert sample(big).status_code == 200
+        while room() >= sizes["big"]:
+            assert sample(small).status_code == 200
+        assert sizes["small"] * 2 < room() < sizes["big"]  # a small record fits, a big one does not
+        refused = sample(big)
+        assert refused.status_code == 507, refused.text
+        assert "Nothing was accepted" in refused.json()["error"]
+        after = sample(small)  # the run's next request: runs now, not behind a missing seq_id
+        assert after.status_code == 200, after.text
+        assert len(after.json()["samples"]) == 1
+        assert http.get(f"/openrl/v1/runs/{run_id}").status_code == 200

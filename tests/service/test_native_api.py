@@ -305,6 +305,36 @@ def test_a_native_request_answers_503_when_the_device_worker_has_died(make_serve
             assert r.status_code == 503 and "device worker" in r.json()["error"], r.text
 
 
+def test_a_native_request_that_fails_before_its_op_is_queued_leaves_no_gap(make_server, monkeypatch):
+    """A request that fails after taking its place in the run's order but before its op reached the
+    engine (here: an unexpected error queueing it) fills its place with its error: the run's next
+    request runs at once instead of failing after OPENRL_SEQ_GAP_TIMEOUT_S behind a missing seq_id."""
+    live = make_server(seq_gap_timeout_s=3.0)
+    svc = live.service
+    real, calls = svc.sample_run, []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("queueing failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(svc, "sample_run", broken_once)
+    with httpx.Client(base_url=live.url, headers={"X-API-Key": ALICE_KEY}, timeout=60) as c:
+        run = c.post(f"{V1}/runs", json={"name": "gapless"}).json()["run_id"]
+        body = {"prompts": ["a"], "max_tokens": 2}
+        try:  # an unexpected error: a 500 (the in-process test server may drop the connection instead)
+            assert c.post(f"{V1}/runs/{run}/sample", json=body).status_code == 500
+        except httpx.TransportError:
+            pass
+    with httpx.Client(
+        base_url=live.url, headers={"X-API-Key": ALICE_KEY}, timeout=60
+    ) as c:  # a new connection
+        after = c.post(f"{V1}/runs/{run}/sample", json=body)
+        assert after.status_code == 200, after.text
+        assert len(calls) == 2
+
+
 @pytest.mark.parametrize("call", ["create", "delete"])
 def test_a_slow_session_write_does_not_stall_other_requests(make_server, call):
     """Creating or deleting a run writes (and fsyncs) its session file; while that disk write hangs,
