@@ -209,7 +209,8 @@ class Session:
             if not run.done:
                 run.stop()
         for run in self.runs.values():
-            with contextlib.suppress(TimeoutError):
+            # a run that failed or paused on an error is done with: closing says nothing of how it ended
+            with contextlib.suppress(TimeoutError, OpenRLError):
                 run.wait(timeout=30)
         if self._feed is not None:
             self._feed.close()
