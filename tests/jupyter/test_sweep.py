@@ -141,7 +141,7 @@ def test_a_failed_run_is_never_the_best(session):
     assert sweep.checkpoint is not None and sweep.checkpoint.endswith("/weights/fl-best"), sweep.save_error
     frame = sweep.rows()
     assert [r["best"] for r in frame] == [False, True]
-    session.close()  # a failed run is done with: closing its session does not raise its RunFailed
+    # the fixture's disconnect closes the session: a failed run is done with, its RunFailed is not raised
 
 
 @pytest.mark.parametrize(
