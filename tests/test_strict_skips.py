@@ -1,5 +1,7 @@
 """CI's strictness: under OPENRL_CI_STRICT=1 only tests marked gpu may skip."""
 
+import pytest
+
 EXAMPLE = """
 import pytest
 
@@ -29,3 +31,15 @@ def test_a_skip_fails_under_strict_mode_unless_marked_gpu(pytester, monkeypatch)
 
 def test_skips_are_skips_outside_ci(pytester, monkeypatch):
     _run(pytester, monkeypatch, strict=False).assert_outcomes(passed=1, skipped=2)
+
+
+def test_an_expected_failure_fails_the_run_under_strict_mode(pytester, monkeypatch):
+    """An xfail is reported as skipped: under strict mode it must fail the run's exit status too (it
+    was shown as FAILED while pytest still exited 0, so CI stayed green)."""
+    monkeypatch.setenv("OPENRL_CI_STRICT", "1")
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.xfail(strict=True, reason='a known hole')\ndef test_hole():\n    assert 0\n"
+    )
+    result = pytester.runpytest_inprocess("-p", "tests._support.strict_skips", "-p", "no:kmock")
+    result.assert_outcomes(failed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
