@@ -38,7 +38,12 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     minted = MintedKeys(settings.data_dir / "minted-keys.json", settings.max_keys_per_user)
     jobs = Jobs(settings.data_dir, settings.limits, svc.runs)
     hub = (
-        HubAuth(settings.hub_api_url, settings.hub_service_name, settings.hub_cache_ttl_s)
+        HubAuth(
+            settings.hub_api_url,
+            settings.hub_service_name,
+            settings.hub_cache_ttl_s,
+            failed_lookups_per_min=settings.hub_failed_lookups_per_min,
+        )
         if settings.hub_api_url
         else None
     )

@@ -45,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             hub_api_url=args.hub_api_url,
             hub_service_name=args.hub_service_name,
             hub_cache_ttl_s=args.hub_cache_ttl_s,
+            hub_failed_lookups_per_min=args.hub_failed_lookups_per_min,
             jobs_namespace=args.jobs_namespace,
             job_images=args.job_image,
             job_service_url=args.job_service_url,
@@ -78,6 +79,14 @@ def _serve(args: argparse.Namespace) -> int:
             0,
             3600,
             setting="OPENRL_HUB_CACHE_TTL_S",
+            error=ValueError,
+        )
+        number(
+            settings.hub_failed_lookups_per_min,
+            "--hub-failed-lookups-per-min",
+            1,
+            1_000_000,
+            setting="OPENRL_HUB_FAILED_LOOKUPS_PER_MIN",
             error=ValueError,
         )
         if settings.hub_api_url and not settings.hub_api_url.startswith(("http://", "https://")):
@@ -250,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="seconds a hub token's answer is reused (default 60; OPENRL_HUB_CACHE_TTL_S)",
+    )
+    s.add_argument(
+        "--hub-failed-lookups-per-min",
+        type=int,
+        default=None,
+        help="hub tokens refused by the hub one client address may show a minute before it gets 429 "
+        "(default 30; OPENRL_HUB_FAILED_LOOKUPS_PER_MIN)",
     )
     j = s.add_argument_group("Kubernetes jobs for detached runs (OPENRL_JOB*; see k8s/README.md)")
     j.add_argument(

@@ -110,11 +110,15 @@ class Settings:
     # resolved through GET <url>/user to the tenant hub:<username>, if it carries the scope
     # access:services!service=<hub_service_name>. OPENRL_HUB_CACHE_TTL_S: how long a resolution is
     # reused (a token revoked at the hub stops working within it). OPENRL_MAX_KEYS_PER_USER: Tinker
-    # keys (tml-…) a hub user may mint.
+    # keys (tml-…) a hub user may mint. OPENRL_HUB_FAILED_LOOKUPS_PER_MIN /
+    # --hub-failed-lookups-per-min: hub lookups that fail (tokens the hub refuses) one client
+    # address may cause a minute; past it that address gets 429 + Retry-After for tokens not already
+    # known valid, and the hub is not asked.
     hub_api_url: str | None = None
     hub_service_name: str = "openrl"
     hub_cache_ttl_s: float = 60.0
     max_keys_per_user: int = 20
+    hub_failed_lookups_per_min: int = 30
     # Detached runs as Kubernetes Jobs (openrl_service/kube.py). OPENRL_JOBS_NAMESPACE /
     # --jobs-namespace: the namespace the service runs in, where it creates the Jobs (unset: no k8s
     # jobs); OPENRL_JOB_IMAGES / --job-image: the images a job may run, the first the default;
@@ -223,6 +227,7 @@ _ENV_FIELDS = {
     "OPENRL_HUB_SERVICE_NAME": ("hub_service_name", str),
     "OPENRL_HUB_CACHE_TTL_S": ("hub_cache_ttl_s", float),
     "OPENRL_MAX_KEYS_PER_USER": ("max_keys_per_user", int),
+    "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN": ("hub_failed_lookups_per_min", int),
     "OPENRL_JOBS_NAMESPACE": ("jobs_namespace", str),
     "OPENRL_JOB_IMAGES": ("job_images", lambda v: [i.strip() for i in v.split(",") if i.strip()]),
     "OPENRL_JOB_SERVICE_URL": ("job_service_url", str),

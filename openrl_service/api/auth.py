@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal
+from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal, Throttled
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
 
@@ -218,11 +218,16 @@ class AuthMiddleware:
                     tenant, via = self.minted.tenant(key), "minted"
                 # tml- keys are ours (configured or minted); only other tokens are the hub's to judge
                 if tenant is None and key and not key.startswith("tml-") and self.hub is not None:
+                    source = (scope.get("client") or ("unknown",))[0]  # the TCP peer, never a header
                     try:
-                        answer = await self.hub.resolve(key)
+                        answer = await self.hub.resolve(key, source)
                     except HubUnavailable as e:
                         return await _error(
                             send, 503, f"{e}; API keys still work", "hub", category="server", retry_after_s=5
+                        )
+                    if isinstance(answer, Throttled):
+                        return await _error(
+                            send, 429, answer.message, "X-API-Key", retry_after_s=answer.retry_after_s
                         )
                     if isinstance(answer, Refusal):
                         return await _error(send, 401, answer.message, "X-API-Key")

@@ -67,6 +67,7 @@ def test_minted_keys_survive_a_restart_and_are_revocable_by_their_owner_only(tmp
         ("--hub-api-url", "hub:8081/hub/api", "--hub-api-url (OPENRL_HUB_API_URL) must be an http(s) URL"),
         ("--hub-cache-ttl-s", "-1", "--hub-cache-ttl-s"),
         ("--hub-service-name", "a/b", "--hub-service-name (OPENRL_HUB_SERVICE_NAME)"),
+        ("--hub-failed-lookups-per-min", "0", "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN"),
     ],
 )
 def test_bad_hub_flags_are_refused_at_startup(tmp_path, flag, value, says):
