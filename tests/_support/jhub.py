@@ -150,6 +150,17 @@ class Hub:
         r = self.api("DELETE", f"/users/{name}/tokens/{token_id}")
         assert r.status_code == 204, r.text
 
+    def delete_user(self, name: str) -> None:
+        """``DELETE /users/<name>``: the account and its tokens are gone (an admin removing a user)."""
+        r = self.api("DELETE", f"/users/{name}")
+        assert r.status_code == 204, r.text
+
+    def create_user(self, name: str) -> dict:
+        """``POST /users/<name>``: a new account (a new ``created`` time), e.g. one deleted before."""
+        r = self.api("POST", f"/users/{name}")
+        assert r.status_code == 201, r.text
+        return r.json()
+
     # -- a kernel in a user's server -----------------------------------------------------------------
     def kernel(self, name: str) -> HubKernel:
         """A kernel started by ``name``'s server (its REST API, through the proxy), driven over ZMQ
@@ -244,10 +255,12 @@ def running_hub(
     environment: dict[str, str] | None = None,
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
+    service_tokens: dict[str, str] | None = None,
 ) -> Iterator[Hub]:
     """A JupyterHub with the chart's roles and scopes; ``environment``: added to every single-user
-    server's (e.g. OPENRL_URL). Stopped, with everything it started, on exit."""
-    hub = start_hub(root, environment=environment, users=users, values=values)
+    server's (e.g. OPENRL_URL); ``service_tokens``: {service: token}, as the admin sets
+    ``hub.services.<name>.apiToken``. Stopped, with everything it started, on exit."""
+    hub = start_hub(root, environment=environment, users=users, values=values, service_tokens=service_tokens)
     try:
         wait_hub(hub)
         yield hub
@@ -261,6 +274,7 @@ def start_hub(
     environment: dict[str, str] | None = None,
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
+    service_tokens: dict[str, str] | None = None,
 ) -> Hub:
     proxy = proxy_command()
     root.mkdir(parents=True, exist_ok=True)
@@ -268,6 +282,9 @@ def start_hub(
     for user in users:
         (root / "home" / user).mkdir(exist_ok=True)
     services, roles, server_token_scopes = chart_config(chart_values(values))
+    for svc in services:  # the tokens an admin sets with --set hub.services.<name>.apiToken=...
+        if svc["name"] in (service_tokens or {}):
+            svc["api_token"] = service_tokens[svc["name"]]
     admin_token, culler_token = "harness-" + secrets.token_hex(16), "culler-" + secrets.token_hex(16)
     services += [
         {"name": "harness", "api_token": admin_token},

@@ -13,7 +13,7 @@ import pytest
 
 from openrl_jupyter.local import free_port
 from openrl_service.api.hubauth import MintedKeys, has_access
-from openrl_service.config import tenant_folder
+from openrl_service.config import from_env, tenant_folder
 from tests._support.serve import cli, serving
 from tests.conftest import ALICE_KEY
 
@@ -61,6 +61,19 @@ def test_minted_keys_survive_a_restart_and_are_revocable_by_their_owner_only(tmp
         again.mint("alice", None)  # API-key tenants have their keys already
 
 
+def test_the_service_reads_its_own_hub_token_only_when_it_talks_to_a_hub():
+    # An embedded service started by a kernel inherits the kernel's $JUPYTERHUB_API_TOKEN (the
+    # user's own server token): without --hub-api-url it is never used as the service's token.
+    env = {"JUPYTERHUB_API_TOKEN": "token-of-a-kernel"}
+    assert from_env(env).hub_api_token is None
+    hubbed = from_env({**env, "OPENRL_HUB_API_URL": "http://hub:8081/hub/api"})
+    assert hubbed.hub_api_token == "token-of-a-kernel"
+    assert "token-of-a-kernel" not in repr(hubbed)  # settings are logged; the token never is
+    # the documented defaults: a deleted user's keys stop within a minute, keys live 30 days
+    assert from_env({}).hub_user_recheck_s <= 60
+    assert from_env({}).minted_key_ttl_s == 30 * 86400
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
@@ -68,6 +81,8 @@ def test_minted_keys_survive_a_restart_and_are_revocable_by_their_owner_only(tmp
         ("--hub-cache-ttl-s", "-1", "--hub-cache-ttl-s"),
         ("--hub-service-name", "a/b", "--hub-service-name (OPENRL_HUB_SERVICE_NAME)"),
         ("--hub-failed-lookups-per-min", "0", "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN"),
+        ("--hub-user-recheck-s", "-1", "OPENRL_HUB_USER_RECHECK_S"),
+        ("--minted-key-ttl-s", "0", "OPENRL_MINTED_KEY_TTL_S"),
     ],
 )
 def test_bad_hub_flags_are_refused_at_startup(tmp_path, flag, value, says):
