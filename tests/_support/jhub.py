@@ -431,8 +431,10 @@ class FakeHub:
             hub.asked_user(token), hub.asked_users("alice")
     """
 
-    def __init__(self, service_token: str | None = None):
+    def __init__(self, service_token: str | None = None, service_scopes: list[str] | None = None):
         self.service_token = service_token or "svc-" + secrets.token_hex(16)
+        self.service_scopes = SERVICE_SCOPES if service_scopes is None else service_scopes
+        self.down = False  # go_down(): every request is dropped unanswered, open connections too
         self.users: dict[str, str] = {}  # name -> created (ISO 8601, as the hub writes it)
         self.tokens: dict[str, str] = {}  # token -> user name
         self.user_calls: Counter[str] = Counter()  # GET /user, by the token shown
@@ -465,6 +467,10 @@ class FakeHub:
             for token in [t for t, n in self.tokens.items() if n == name]:
                 del self.tokens[token]
 
+    def go_down(self) -> None:
+        """The hub stops answering: each request, also on a kept-alive connection, is dropped."""
+        self.down = True
+
     def asked_user(self, token: str | None = None) -> int:
         """``GET /user`` requests seen (for ``token``; else all of them)."""
         with self._lock:
@@ -483,6 +489,9 @@ class FakeHub:
             disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms ACK wait
 
             def do_GET(self):  # noqa: N802 - http.server's name
+                if hub.down:
+                    self.close_connection = True
+                    return
                 scheme, _, token = self.headers.get("Authorization", "").partition(" ")
                 token = token.strip() if scheme.lower() == "token" else ""
                 path = self.path.split("?", 1)[0]
@@ -492,7 +501,7 @@ class FakeHub:
                         hub.user_calls[token] += 1
                         if token == hub.service_token:
                             return self._json(
-                                200, {"kind": "service", "name": "openrl", "scopes": SERVICE_SCOPES}
+                                200, {"kind": "service", "name": "openrl", "scopes": hub.service_scopes}
                             )
                         name = hub.tokens.get(token)
                         if name is None:
@@ -506,7 +515,8 @@ class FakeHub:
                         hub.users_calls[name] += 1
                         if token != hub.service_token:
                             return self._json(403, {"status": 403, "message": "Forbidden"})
-                        if name not in hub.users:
+                        if "read:users" not in hub.service_scopes or name not in hub.users:
+                            # as JupyterHub: a filtered or missing scope looks like no such user
                             return self._json(404, {"status": 404, "message": "Not Found"})
                         created = hub.users[name]
                         return self._json(

@@ -195,3 +195,43 @@ def test_without_a_service_token_the_service_says_keys_rely_on_expiry(hub, tmp_p
         assert call(s.url, mint(s.url, alice)["key"]).status_code == 200
     assert "no hub token of its own" in s.stdout and "OPENRL_MINTED_KEY_TTL_S" in s.stdout, s.stdout
     assert "JUPYTERHUB_API_TOKEN" in s.stdout
+
+
+@pytest.mark.parametrize(
+    ("token", "scopes", "says"),
+    [
+        ("right", ["read:users:name"], "lacks the scope read:users"),
+        ("wrong", None, "does not accept the service's own token"),
+    ],
+)
+def test_a_service_token_that_cannot_read_users_is_a_503_naming_it_never_a_false_deletion(
+    tmp_path, tiny_model_dir, token, scopes, says
+):
+    # A token without read:users gets 404 for every user, as for a deleted one: the service must
+    # not conclude that everyone was deleted (nor retire anyone), but say what to fix.
+    with FakeHub(service_scopes=scopes) as hub:
+        alice = hub.add_user("alice")
+        env = {"JUPYTERHUB_API_TOKEN": hub.service_token if token == "right" else "not-the-hubs"}
+        with serve_with(hub, tmp_path, tiny_model_dir, service_token=False, **env) as s:
+            for cred in (alice, alice):  # the hub token, twice: the answer is the same each time
+                r = call(s.url, cred)
+                assert r.status_code == 503 and says in error(r), r.text
+                assert "no longer exists" not in error(r) and int(r.headers["retry-after"]) >= 1
+        assert says in s.stderr  # logged for the admin
+
+
+def test_with_the_hub_down_minted_keys_get_503_naming_it_and_api_keys_still_work(tmp_path, tiny_model_dir):
+    carol = "tml-carol-0123456789abcdef"
+    with FakeHub() as hub:
+        alice = hub.add_user("alice")
+        with serve_with(hub, tmp_path, tiny_model_dir, OPENRL_API_KEYS=f"carol:{carol}") as s:
+            key = mint(s.url, alice)["key"]
+            assert call(s.url, key).status_code == 200
+            hub.go_down()
+            deadline = time.monotonic() + GUARD_S
+            while (r := call(s.url, key)).status_code == 200:  # until the last answer is too old
+                assert time.monotonic() < deadline, "a minted key kept working unchecked with the hub down"
+                time.sleep(0.1)
+            assert r.status_code == 503 and "unreachable" in error(r), r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert call(s.url, carol).status_code == 200
