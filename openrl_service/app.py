@@ -17,7 +17,15 @@ from openrl_service.api.admin import AdminKey, TenantAdmin, build_admin_router, 
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
-from openrl_service.api.hubauth import HubAuth, MintedKeys
+from openrl_service.api.hubauth import (
+    HubAccounts,
+    HubAuth,
+    HubUsers,
+    KnownIdentities,
+    MintedKeys,
+    recreated_message,
+    user_of,
+)
 from openrl_service.api.jobs import build_jobs_router
 from openrl_service.api.keys import build_keys_router
 from openrl_service.api.metrics import build_metrics_router
@@ -36,10 +44,48 @@ log = logging.getLogger("openrl_service")
 def create_app(settings: Settings, *, service: TrainingService | None = None) -> FastAPI:
     svc = service or TrainingService(settings)
     life = Lifecycle(svc, grace_s=settings.drain_grace_s)
-    minted = MintedKeys(settings.data_dir / "minted-keys.json", settings.max_keys_per_user)
+    minted = MintedKeys(
+        settings.data_dir / "minted-keys.json", settings.max_keys_per_user, settings.minted_key_ttl_s
+    )
     jobs = Jobs(settings.data_dir, settings.limits, svc.runs)
+    admin = TenantAdmin(svc, jobs, minted)
+
+    def retire_tenant(tenant: str, reason: str) -> None:
+        """Retire the tenant of a JupyterHub account that was deleted and created again under the same
+        name (``reason`` says so), before the new account's first request goes on.
+
+        Called by HubAccounts (api/hubauth.py) on a worker thread, once per re-creation, with the
+        tenant string the old and the new account share (``hub:<name>``). When it returns, nothing
+        of the old account may be reachable through that tenant: its minted keys refused (done here:
+        each says why), its runs, sessions, samplers and jobs ended (job keys are refused already:
+        a job submitted before the new account was first seen is the old account's), and its data
+        (checkpoints, job folders) moved out of the tenant's folder where an admin can inspect or
+        remove it. It must be safe to call again after a failure: raising refuses the request with
+        503 and the next request of the new account calls it again."""
+        name = user_of(tenant) or tenant
+        count = minted.revoke_tenant(tenant, recreated_message(name))
+        log.warning("%s: revoked %d minted key(s) of tenant %r", reason, count, tenant)
+        admin.retire(tenant, reason)  # sessions ended, jobs deleted, files moved to <data>/retired/
+
+    hub_users = (
+        HubUsers(settings.hub_api_url, settings.hub_api_token, settings.hub_user_recheck_s)
+        if settings.hub_api_url and settings.hub_api_token
+        else None
+    )
+    accounts = (
+        HubAccounts(
+            hub_users, KnownIdentities(settings.data_dir / "hub-identities.json"), retire_tenant, minted
+        )
+        if settings.hub_api_url
+        else None
+    )
     hub = (
-        HubAuth(settings.hub_api_url, settings.hub_service_name, settings.hub_cache_ttl_s)
+        HubAuth(
+            settings.hub_api_url,
+            settings.hub_service_name,
+            settings.hub_cache_ttl_s,
+            failed_lookups_per_min=settings.hub_failed_lookups_per_min,
+        )
         if settings.hub_api_url
         else None
     )
@@ -76,16 +122,29 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
                 if life.taking_work and svc.durability.due():
                     await svc.durability.snapshot()
 
+        async def verify_hub_token():
+            """Ask the hub once at startup whether the service's own token may read users, so a wrong
+            token is logged now rather than at a user's first request (lookups check it too)."""
+            # verify() logs a token the hub refuses or one without read:users; an unreachable hub is
+            # simply asked again at the first lookup
+            with contextlib.suppress(Exception):
+                await hub_users.verify()
+
         sweeper = asyncio.create_task(sweep())
         snapshotter = asyncio.create_task(snapshots())
+        verifier = asyncio.create_task(verify_hub_token()) if hub_users is not None else None
         try:
             yield
         finally:
             sweeper.cancel()
             snapshotter.cancel()
             starting.cancel()
+            if verifier is not None:
+                verifier.cancel()
             if hub is not None:
                 await hub.aclose()
+            if hub_users is not None:
+                await hub_users.aclose()
             await asyncio.get_running_loop().run_in_executor(None, svc.stop)
 
     app = FastAPI(
@@ -103,7 +162,6 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_jobs_router(svc, jobs))
     app.include_router(build_metrics_router(svc))
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
-    admin = TenantAdmin(svc, jobs, minted)
     app.state.admin = admin
     app.include_router(build_admin_router(admin))
 
@@ -147,6 +205,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         minted=minted,
         hub=hub,
         jobs=jobs,
+        accounts=accounts,
         admin=AdminKey(write_admin_key(settings.data_dir)),
     )
     return app

@@ -46,6 +46,9 @@ def _serve(args: argparse.Namespace) -> int:
             hub_api_url=args.hub_api_url,
             hub_service_name=args.hub_service_name,
             hub_cache_ttl_s=args.hub_cache_ttl_s,
+            hub_failed_lookups_per_min=args.hub_failed_lookups_per_min,
+            hub_user_recheck_s=args.hub_user_recheck_s,
+            minted_key_ttl_s=args.minted_key_ttl_s,
             jobs_namespace=args.jobs_namespace,
             job_images=args.job_image,
             job_service_url=args.job_service_url,
@@ -79,6 +82,30 @@ def _serve(args: argparse.Namespace) -> int:
             0,
             3600,
             setting="OPENRL_HUB_CACHE_TTL_S",
+            error=ValueError,
+        )
+        number(
+            settings.hub_failed_lookups_per_min,
+            "--hub-failed-lookups-per-min",
+            1,
+            1_000_000,
+            setting="OPENRL_HUB_FAILED_LOOKUPS_PER_MIN",
+            error=ValueError,
+        )
+        number(
+            settings.hub_user_recheck_s,
+            "--hub-user-recheck-s",
+            0,
+            3600,
+            setting="OPENRL_HUB_USER_RECHECK_S",
+            error=ValueError,
+        )
+        number(
+            settings.minted_key_ttl_s,
+            "--minted-key-ttl-s",
+            1,
+            10 * 365 * 86400,
+            setting="OPENRL_MINTED_KEY_TTL_S",
             error=ValueError,
         )
         if settings.hub_api_url and not settings.hub_api_url.startswith(("http://", "https://")):
@@ -121,6 +148,22 @@ def _serve(args: argparse.Namespace) -> int:
             f"(scope access:services!service={settings.hub_service_name}); API keys: {len(settings.api_keys)}",
             flush=True,
         )
+        if settings.hub_api_token:
+            print(
+                "openrl-service: the service's own hub token ($JUPYTERHUB_API_TOKEN, scope read:users) "
+                f"re-checks hub users' keys every {settings.hub_user_recheck_s:g} s "
+                "(OPENRL_HUB_USER_RECHECK_S): a deleted user's keys stop working within that",
+                flush=True,
+            )
+        else:
+            print(
+                "openrl-service: WARNING: the service has no hub token of its own ($JUPYTERHUB_API_TOKEN "
+                "with scope read:users): keys minted by hub users are not re-checked against the hub, so "
+                "a deleted user's keys work until they expire "
+                f"(OPENRL_MINTED_KEY_TTL_S={settings.minted_key_ttl_s:g} s) and the keys of their jobs "
+                "until the jobs end",
+                flush=True,
+            )
     elif settings.auth_enabled and not settings.api_keys:
         key, path, created = ensure_generated_key(settings.data_dir)
         settings.api_keys[key] = "default"
@@ -349,6 +392,26 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="seconds a hub token's answer is reused (default 60; OPENRL_HUB_CACHE_TTL_S)",
+    )
+    s.add_argument(
+        "--hub-user-recheck-s",
+        type=float,
+        default=None,
+        help="with the service's own hub token ($JUPYTERHUB_API_TOKEN): seconds a hub user's existence "
+        "is trusted before minted and job keys are checked again (default 60; OPENRL_HUB_USER_RECHECK_S)",
+    )
+    s.add_argument(
+        "--minted-key-ttl-s",
+        type=float,
+        default=None,
+        help="seconds a key minted by a hub user works (default 2592000, 30 days; OPENRL_MINTED_KEY_TTL_S)",
+    )
+    s.add_argument(
+        "--hub-failed-lookups-per-min",
+        type=int,
+        default=None,
+        help="hub tokens refused by the hub one client address may show a minute before it gets 429 "
+        "(default 30; OPENRL_HUB_FAILED_LOOKUPS_PER_MIN)",
     )
     j = s.add_argument_group("Kubernetes jobs for detached runs (OPENRL_JOB*; see k8s/README.md)")
     j.add_argument(

@@ -114,11 +114,23 @@ class Settings:
     # resolved through GET <url>/user to the tenant hub:<username>, if it carries the scope
     # access:services!service=<hub_service_name>. OPENRL_HUB_CACHE_TTL_S: how long a resolution is
     # reused (a token revoked at the hub stops working within it). OPENRL_MAX_KEYS_PER_USER: Tinker
-    # keys (tml-…) a hub user may mint.
+    # keys (tml-…) a hub user may mint. OPENRL_HUB_FAILED_LOOKUPS_PER_MIN /
+    # --hub-failed-lookups-per-min: hub lookups that fail (tokens the hub refuses) one client
+    # address may cause a minute; past it that address gets 429 + Retry-After for tokens not already
+    # known valid, and the hub is not asked.
     hub_api_url: str | None = None
     hub_service_name: str = "openrl"
     hub_cache_ttl_s: float = 60.0
     max_keys_per_user: int = 20
+    hub_failed_lookups_per_min: int = 30
+    # The service's own hub token: $JUPYTERHUB_API_TOKEN, read only when hub_api_url is set (an
+    # embedded service in a kernel never takes the kernel's token); scope read:users. With it, minted
+    # keys and job keys of a hub user are re-checked against the hub at most every
+    # OPENRL_HUB_USER_RECHECK_S / --hub-user-recheck-s (a deleted user's keys stop within it).
+    # OPENRL_MINTED_KEY_TTL_S / --minted-key-ttl-s: a minted key expires this long after minting.
+    hub_api_token: str | None = field(default=None, repr=False)
+    hub_user_recheck_s: float = 60.0
+    minted_key_ttl_s: float = 30 * 86400.0
     # Detached runs as Kubernetes Jobs (openrl_service/kube.py). OPENRL_JOBS_NAMESPACE /
     # --jobs-namespace: the namespace the service runs in, where it creates the Jobs (unset: no k8s
     # jobs); OPENRL_JOB_IMAGES / --job-image: the images a job may run, the first the default;
@@ -228,6 +240,9 @@ _ENV_FIELDS = {
     "OPENRL_HUB_SERVICE_NAME": ("hub_service_name", str),
     "OPENRL_HUB_CACHE_TTL_S": ("hub_cache_ttl_s", float),
     "OPENRL_MAX_KEYS_PER_USER": ("max_keys_per_user", int),
+    "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN": ("hub_failed_lookups_per_min", int),
+    "OPENRL_HUB_USER_RECHECK_S": ("hub_user_recheck_s", float),
+    "OPENRL_MINTED_KEY_TTL_S": ("minted_key_ttl_s", float),
     "OPENRL_JOBS_NAMESPACE": ("jobs_namespace", str),
     "OPENRL_JOB_IMAGES": ("job_images", lambda v: [i.strip() for i in v.split(",") if i.strip()]),
     "OPENRL_JOB_SERVICE_URL": ("job_service_url", str),
@@ -410,4 +425,7 @@ def from_env(env: dict[str, str] | None = None, **overrides) -> Settings:
     if s.api_keys_file is not None:
         s.api_keys.update(parse_api_keys_file(Path(s.api_keys_file).read_text(), str(s.api_keys_file)))
     s.data_dir = Path(s.data_dir)
+    # The service's own hub token only where it talks to a hub (never a kernel's token otherwise)
+    token = (env.get("JUPYTERHUB_API_TOKEN") or "").strip()
+    s.hub_api_token = (token or None) if s.hub_api_url else None
     return s

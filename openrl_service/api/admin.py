@@ -120,7 +120,9 @@ class TenantAdmin:
 
     def remove(self, tenant: str, *, move_to: str | None = None) -> dict:
         """Remove ``tenant`` everywhere (see the module docstring); NotFound when nothing is known of it."""
-        if not any(row["tenant"] == tenant for row in self.tenants()):
+        if not any(row["tenant"] == tenant for row in self.tenants()) and not self.svc.store.tenant_bytes(
+            tenant
+        ):
             raise NotFound(
                 f"no tenant {tenant!r} on this service (openrl-service admin tenants lists them)",
                 field="tenant",
@@ -139,9 +141,10 @@ class TenantAdmin:
             self.jobs.delete(tenant, rec["job_id"])
             jobs_deleted += 1
         keys_revoked = 0
-        if self.minted is not None:
-            for rec in self.minted.list(tenant):
-                keys_revoked += bool(self.minted.revoke(tenant, rec["id"]))
+        if self.minted is not None:  # refused from now on, saying why
+            keys_revoked = self.minted.revoke_tenant(
+                tenant, f"tenant {tenant!r} was removed by the service's operator: its keys no longer work"
+            )
         done = self.svc.remove_tenant(tenant, move_to=move_to)
         return {**done, "jobs_deleted": jobs_deleted, "keys_revoked": keys_revoked}
 

@@ -24,7 +24,14 @@ from urllib.parse import urlsplit
 import orjson
 
 from openrl_service.api.admin import ADMIN_KEY_PREFIX, ADMIN_PREFIX, ADMIN_TENANT, AdminKey
-from openrl_service.api.hubauth import HubAuth, HubUnavailable, MintedKeys, Refusal
+from openrl_service.api.hubauth import (
+    HubAccounts,
+    HubAuth,
+    HubUnavailable,
+    MintedKeys,
+    Refusal,
+    Throttled,
+)
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
 
@@ -150,10 +157,12 @@ class AuthMiddleware:
         minted: MintedKeys | None = None,
         hub: HubAuth | None = None,
         jobs: Jobs | None = None,
+        accounts: HubAccounts | None = None,
         admin: AdminKey | None = None,
     ):
         self.app = app
         self.jobs = jobs
+        self.accounts = accounts
         self.admin = admin
         self.settings = settings
         self.keys = keys
@@ -178,18 +187,84 @@ class AuthMiddleware:
             return False
         return host in self.hosts and port == self.settings.port
 
+    async def _authenticate(self, scope, headers: dict[str, str], path: str) -> dict | _Refused:
+        """Who the request's credential names (``tenant``, ``auth_via`` and its details for
+        ``request.state``), or why it is refused; raises HubUnavailable when the hub must answer and
+        cannot."""
+        key = credential(headers)
+        # The operator's key (api/admin.py): the admin routes only, and nothing else reaches them.
+        if self.admin is not None and key and key.startswith(ADMIN_KEY_PREFIX) and self.admin.matches(key):
+            if not path.startswith(ADMIN_PREFIX):
+                return _Refused(403, "the admin key is for the admin routes (/openrl/v1/admin/) only")
+            return {"tenant": ADMIN_TENANT, "auth_via": "admin"}
+        # A job's key (engine/jobs.py): its scope holds (the jobs API itself needs auth on).
+        if self.jobs is not None and key and key.startswith(JOB_KEY_PREFIX):
+            job = self.jobs.access(key, scope.get("method", "GET"), path)
+            if isinstance(job, JobRefusal):
+                return _Refused(job.status, job.message)
+            if job is not None:
+                if self.accounts is not None:
+                    rec = self.jobs.jobs.get(job.job_id) or {}
+                    refusal = await self.accounts.check_job(job.tenant, float(rec.get("created") or 0))
+                    if refusal is not None:
+                        return _Refused(401, refusal.message)
+                # job_revoked: only a repeat of its terminal report
+                return {
+                    "tenant": job.tenant,
+                    "auth_via": "job",
+                    "job_id": job.job_id,
+                    "job_revoked": job.revoked,
+                }
+        if not self.settings.auth_enabled:
+            return {"tenant": DEFAULT_TENANT, "auth_via": "none"}
+        tenant = self.keys.tenant(key)
+        if tenant is not None:
+            return {"tenant": tenant, "auth_via": "api_key"}
+        rec = self.minted.find(key) if self.minted is not None else None
+        if rec is not None:
+            why = self.minted.refusal(rec)
+            if why is None and self.accounts is not None:
+                refusal = await self.accounts.check_minted(rec)
+                why = refusal.message if refusal is not None else None
+            if why is not None:
+                return _Refused(401, why)
+            return {"tenant": rec["tenant"], "auth_via": "minted"}
+        # tml- keys are ours (configured or minted); only other tokens are the hub's to judge
+        if key and not key.startswith("tml-") and self.hub is not None:
+            source = (scope.get("client") or ("unknown",))[0]  # the TCP peer, never a header
+            answer = await self.hub.resolve(key, source)
+            if isinstance(answer, Throttled):
+                return _Refused(429, answer.message, answer.retry_after_s)
+            if isinstance(answer, Refusal):
+                return _Refused(401, answer.message)
+            user = await self.accounts.admit(answer) if self.accounts is not None else None
+            if isinstance(user, Refusal):
+                return _Refused(401, user.message)
+            created = user.created if user is not None else answer.created
+            if created is not None:
+                self.hub.bind(key, created)
+            return {
+                "tenant": answer.tenant,
+                "auth_via": "hub",
+                "hub_user": answer.user,
+                "hub_created": created,
+            }
+        what = "wrong" if key else "missing"
+        kind = "API key or JupyterHub token" if self.hub is not None else "API key"
+        return _Refused(401, f"{what} {kind}: send it as X-API-Key or Authorization: Bearer")
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
-        # Probes and scrapes name the pod IP as Host (kubelet, Prometheus); nothing a rebinding page
-        # could use sits behind these paths, so they answer any Host.
         admin_path = path.startswith(ADMIN_PREFIX)
         if admin_path and headers.get("origin"):  # the operator's command sends none; a page would
             return await _error(send, 403, "the admin routes take no cross-origin requests", "origin")
-        # The admin routes answer any Host: the admin command reaches the service on loopback while it
-        # may be bound to 0.0.0.0 with only cluster names allowed, and the key is not a browser's.
+        # Probes and scrapes name the pod IP as Host (kubelet, Prometheus); nothing a rebinding page
+        # could use sits behind these paths, so they answer any Host. Nor do the admin routes: the admin
+        # command reaches the service on loopback while it may be bound to 0.0.0.0 with only cluster
+        # names allowed, and their key is not a browser's.
         if self.hosts is not None and path not in PUBLIC_PATHS and path != METRICS_PATH and not admin_path:
             host = _host_only(headers.get("host", ""))
             if host not in self.hosts:
@@ -208,53 +283,18 @@ class AuthMiddleware:
             path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers
         )
         if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
-            via = "none"
-            key = credential(headers)
-            # A job's key (engine/jobs.py): its scope holds (the jobs API itself needs auth on).
-            job = None
-            admin = self.admin is not None and bool(key) and key.startswith(ADMIN_KEY_PREFIX)
-            if admin and self.admin.matches(key) and not admin_path:
+            try:
+                who = await self._authenticate(scope, headers, path)
+            except HubUnavailable as e:
                 return await _error(
-                    send, 403, "the admin key is for the admin routes (/openrl/v1/admin/) only", "X-API-Key"
+                    send, 503, f"{e}; API keys still work", "hub", category="server", retry_after_s=5
                 )
-            if self.jobs is not None and key and key.startswith(JOB_KEY_PREFIX):
-                job = self.jobs.access(key, scope.get("method", "GET"), path)
-                if isinstance(job, JobRefusal):
-                    return await _error(send, job.status, job.message, "X-API-Key")
-            if admin and self.admin.matches(key):  # the operator (api/admin.py): admin routes only
-                tenant, via = ADMIN_TENANT, "admin"
-            elif job is not None:
-                tenant, via = job.tenant, "job"
-                scope.setdefault("state", {})["job_id"] = job.job_id
-                scope["state"]["job_revoked"] = job.revoked  # only a repeat of its terminal report
-            elif self.settings.auth_enabled:
-                tenant, via = self.keys.tenant(key), "api_key"
-                if tenant is None and self.minted is not None:
-                    tenant, via = self.minted.tenant(key), "minted"
-                # tml- keys are ours (configured or minted); only other tokens are the hub's to judge
-                if tenant is None and key and not key.startswith("tml-") and self.hub is not None:
-                    try:
-                        answer = await self.hub.resolve(key)
-                    except HubUnavailable as e:
-                        return await _error(
-                            send, 503, f"{e}; API keys still work", "hub", category="server", retry_after_s=5
-                        )
-                    if isinstance(answer, Refusal):
-                        return await _error(send, 401, answer.message, "X-API-Key")
-                    tenant, via = answer.tenant, "hub"
-                if tenant is None:
-                    what = "wrong" if key else "missing"
-                    kind = "API key or JupyterHub token" if self.hub is not None else "API key"
-                    return await _error(
-                        send,
-                        401,
-                        f"{what} {kind}: send it as X-API-Key or Authorization: Bearer",
-                        "X-API-Key",
-                    )
-            else:
-                tenant = DEFAULT_TENANT
-            scope.setdefault("state", {})["auth_via"] = via
-            scope.setdefault("state", {})["tenant"] = tenant
+            if isinstance(who, _Refused):
+                return await _error(
+                    send, who.status, who.message, "X-API-Key", retry_after_s=who.retry_after_s
+                )
+            state = scope.setdefault("state", {})
+            state.update(who)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await _error(
@@ -290,6 +330,13 @@ class AuthMiddleware:
                 await _error(
                     send, 413, f"request body exceeds {max_body} bytes (OPENRL_MAX_BODY_BYTES)", "body"
                 )
+
+
+class _Refused:
+    """A credential refused: the status (401, 403, 429), the message, and a Retry-After for 429."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
 
 async def _error(

@@ -1,12 +1,15 @@
 """Tinker keys for JupyterHub users (``/api/v1/keys``): mint with the hub token, list, revoke.
 
-    POST   /api/v1/keys       {"name": "laptop"}  → 201 {"id", "key": "tml-…", "tenant", "name", "created", "prefix"}
-    GET    /api/v1/keys       → {"keys": [{"id", "tenant", "name", "created", "prefix"}]}
+    POST   /api/v1/keys       {"name": "laptop"}  → 201 {"id", "key": "tml-…", "tenant", "name", "created",
+                              "prefix", "expires"}
+    GET    /api/v1/keys       → {"keys": [{"id", "tenant", "name", "created", "prefix", "expires"}]}
     DELETE /api/v1/keys/{id}  → 204; the key is refused from then on
 
 Minting needs the hub user's own token (not an API key, not a minted key): a key can never be used to
 make more keys, and revoking the hub token leaves no way to mint. The key is shown once, in the reply
-to POST. See api/hubauth.py.
+to POST. It works until ``expires`` (OPENRL_MINTED_KEY_TTL_S after minting) and only while the hub
+account it was minted for exists: the record keeps that account's name and ``created`` time. See
+api/hubauth.py.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
         if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
             raise UserError(f"name must be a string of at most {MAX_NAME_CHARS} characters", field="name")
         try:
-            rec, key = await off(minted.mint, tenant(request), name)
+            rec, key = await off(
+                minted.mint,
+                tenant(request),
+                name,
+                getattr(request.state, "hub_user", None),
+                getattr(request.state, "hub_created", None),  # the account the key lives no longer than
+            )
         except OverflowError as e:
             raise Conflict(str(e), field="keys") from None
         return json_response({**rec, "key": key}, status=201)

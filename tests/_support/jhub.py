@@ -31,11 +31,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.util import find_spec
 from pathlib import Path
+from urllib.parse import unquote
 
 import httpx
 
@@ -146,6 +150,17 @@ class Hub:
         r = self.api("DELETE", f"/users/{name}/tokens/{token_id}")
         assert r.status_code == 204, r.text
 
+    def delete_user(self, name: str) -> None:
+        """``DELETE /users/<name>``: the account and its tokens are gone (an admin removing a user)."""
+        r = self.api("DELETE", f"/users/{name}")
+        assert r.status_code == 204, r.text
+
+    def create_user(self, name: str) -> dict:
+        """``POST /users/<name>``: a new account (a new ``created`` time), e.g. one deleted before."""
+        r = self.api("POST", f"/users/{name}")
+        assert r.status_code == 201, r.text
+        return r.json()
+
     # -- a kernel in a user's server -----------------------------------------------------------------
     def kernel(self, name: str) -> HubKernel:
         """A kernel started by ``name``'s server (its REST API, through the proxy), driven over ZMQ
@@ -240,10 +255,12 @@ def running_hub(
     environment: dict[str, str] | None = None,
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
+    service_tokens: dict[str, str] | None = None,
 ) -> Iterator[Hub]:
     """A JupyterHub with the chart's roles and scopes; ``environment``: added to every single-user
-    server's (e.g. OPENRL_URL). Stopped, with everything it started, on exit."""
-    hub = start_hub(root, environment=environment, users=users, values=values)
+    server's (e.g. OPENRL_URL); ``service_tokens``: {service: token}, as the admin sets
+    ``hub.services.<name>.apiToken``. Stopped, with everything it started, on exit."""
+    hub = start_hub(root, environment=environment, users=users, values=values, service_tokens=service_tokens)
     try:
         wait_hub(hub)
         yield hub
@@ -257,6 +274,7 @@ def start_hub(
     environment: dict[str, str] | None = None,
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
+    service_tokens: dict[str, str] | None = None,
 ) -> Hub:
     proxy = proxy_command()
     root.mkdir(parents=True, exist_ok=True)
@@ -264,6 +282,9 @@ def start_hub(
     for user in users:
         (root / "home" / user).mkdir(exist_ok=True)
     services, roles, server_token_scopes = chart_config(chart_values(values))
+    for svc in services:  # the tokens an admin sets with --set hub.services.<name>.apiToken=...
+        if svc["name"] in (service_tokens or {}):
+            svc["api_token"] = service_tokens[svc["name"]]
     admin_token, culler_token = "harness-" + secrets.token_hex(16), "culler-" + secrets.token_hex(16)
     services += [
         {"name": "harness", "api_token": admin_token},
@@ -389,3 +410,137 @@ class HubKernel(Kernel):
             with contextlib.suppress(httpx.HTTPError):
                 self._rest("DELETE", f"/kernels/{self.kernel_id}")
             self.kernel_id = None
+
+
+# -- a stand-in hub API, for counting --------------------------------------------------------------------
+SERVICE_SCOPES = ["read:users", "read:users:name", "read:users:activity", "read:users:groups"]
+USER_TOKEN_SCOPES = ["access:services!service=openrl", "users:activity!user=%s"]
+
+
+class FakeHub:
+    """The two hub API calls the OpenRL service makes, on a real HTTP server on loopback, counting
+    every request: ``GET /hub/api/user`` (a user's or the service's own token) and
+    ``GET /hub/api/users/<name>`` (the service's token, scope read:users). Answers are shaped as
+    JupyterHub 6 gives them: a user token's model has no ``created`` (a server token lacks
+    read:users), an unknown token is 403, an unknown user 404. For tests that count hub round trips
+    (tests/security); tests/hub runs the real JupyterHub.
+
+        with FakeHub() as hub:
+            token = hub.add_user("alice")       # a new account and a token of it
+            hub.delete_user("alice")            # the account and its tokens are gone
+            hub.asked_user(token), hub.asked_users("alice")
+    """
+
+    def __init__(self, service_token: str | None = None, service_scopes: list[str] | None = None):
+        self.service_token = service_token or "svc-" + secrets.token_hex(16)
+        self.service_scopes = SERVICE_SCOPES if service_scopes is None else service_scopes
+        self.down = False  # go_down(): every request is dropped unanswered, open connections too
+        self.users: dict[str, str] = {}  # name -> created (ISO 8601, as the hub writes it)
+        self.tokens: dict[str, str] = {}  # token -> user name
+        self.user_calls: Counter[str] = Counter()  # GET /user, by the token shown
+        self.users_calls: Counter[str] = Counter()  # GET /users/<name>, by name
+        self._created = 0
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
+        self.api_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hub/api"
+
+    # -- the hub's state ------------------------------------------------------------------------------------
+    def add_user(self, name: str) -> str:
+        """Create ``name`` (a new ``created`` each time) and return a new token of it."""
+        with self._lock:
+            self._created += 1
+            stamp = f"2025-01-01T00:00:{self._created:02d}.{secrets.randbelow(10**6):06d}Z"
+            self.users[name] = stamp
+        return self.add_token(name)
+
+    def add_token(self, name: str) -> str:
+        token = secrets.token_hex(16)
+        with self._lock:
+            self.tokens[token] = name
+        return token
+
+    def delete_user(self, name: str) -> None:
+        """As ``DELETE /hub/api/users/<name>``: the account and every token of it are gone."""
+        with self._lock:
+            del self.users[name]
+            for token in [t for t, n in self.tokens.items() if n == name]:
+                del self.tokens[token]
+
+    def go_down(self) -> None:
+        """The hub stops answering: each request, also on a kept-alive connection, is dropped."""
+        self.down = True
+
+    def asked_user(self, token: str | None = None) -> int:
+        """``GET /user`` requests seen (for ``token``; else all of them)."""
+        with self._lock:
+            return self.user_calls[token] if token is not None else sum(self.user_calls.values())
+
+    def asked_users(self, name: str) -> int:
+        with self._lock:
+            return self.users_calls[name]
+
+    # -- the server -----------------------------------------------------------------------------------------
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the service's client reuses its connections
+            disable_nagle_algorithm = True  # headers and body go out as two writes: no 40 ms ACK wait
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if hub.down:
+                    self.close_connection = True
+                    return
+                scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+                token = token.strip() if scheme.lower() == "token" else ""
+                path = self.path.split("?", 1)[0]
+                prefix = "/hub/api/users/"
+                with hub._lock:
+                    if path == "/hub/api/user":
+                        hub.user_calls[token] += 1
+                        if token == hub.service_token:
+                            return self._json(
+                                200, {"kind": "service", "name": "openrl", "scopes": hub.service_scopes}
+                            )
+                        name = hub.tokens.get(token)
+                        if name is None:
+                            return self._json(403, {"status": 403, "message": "Forbidden"})
+                        scopes = [s.replace("%s", name) if "%s" in s else s for s in USER_TOKEN_SCOPES]
+                        return self._json(
+                            200, {"kind": "user", "name": name, "admin": False, "scopes": scopes}
+                        )
+                    if path.startswith(prefix):
+                        name = unquote(path[len(prefix) :])
+                        hub.users_calls[name] += 1
+                        if token != hub.service_token:
+                            return self._json(403, {"status": 403, "message": "Forbidden"})
+                        if "read:users" not in hub.service_scopes or name not in hub.users:
+                            # as JupyterHub: a filtered or missing scope looks like no such user
+                            return self._json(404, {"status": 404, "message": "Not Found"})
+                        created = hub.users[name]
+                        return self._json(
+                            200, {"kind": "user", "name": name, "created": created, "admin": False}
+                        )
+                return self._json(404, {"status": 404, "message": "Not Found"})
+
+            def _json(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+    def __enter__(self) -> FakeHub:
+        threading.Thread(target=self.httpd.serve_forever, name="fake-hub", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -3,7 +3,8 @@ its own server with that server's own $JUPYTERHUB_API_TOKEN, and sees only its o
 
 One hub, one OpenRL service and two kernels serve the whole module (tests/_support/jhub.py): the hub
 has the chart's roles and server-token scopes (k8s/jupyterhub/values.yaml), the service runs with
-``--hub-api-url`` and a short ``--hub-cache-ttl-s``, plus an API-key user (carol). The tests run in
+``--hub-api-url``, a short ``--hub-cache-ttl-s`` and the hub token of the ``openrl`` hub service (as
+the cluster's Deployment reads it), plus an API-key user (carol). The tests run in
 file order: the culling test stops bob's server and the last test stops the hub.
 """
 
@@ -71,9 +72,11 @@ def world(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("jhub")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    service_token = secrets.token_hex(32)  # the openrl hub service's apiToken, as on the cluster
     hub = start_hub(
         root / "hub",
         environment={"OPENRL_URL": url, "OPENRL_HUB_ACTIVITY_INTERVAL_S": str(ACTIVITY_INTERVAL_S)},
+        service_tokens={"openrl": service_token},
     )
     served = None
     kernels: dict[str, HubKernel] = {}
@@ -90,6 +93,7 @@ def world(tmp_path_factory, tiny_model_dir):
             str(TTL_S),
             "--api-keys-file",
             str(keys),
+            env={"JUPYTERHUB_API_TOKEN": service_token},
             port=port,
         )
         wait_hub(hub)

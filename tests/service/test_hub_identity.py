@@ -5,6 +5,7 @@ through the Tinker SDK) is exercised in tests/hub.
 
 from __future__ import annotations
 
+import asyncio
 import stat
 import subprocess
 
@@ -12,8 +13,8 @@ import httpx
 import pytest
 
 from openrl_jupyter.local import free_port
-from openrl_service.api.hubauth import MintedKeys, has_access
-from openrl_service.config import tenant_folder
+from openrl_service.api.hubauth import HubAccounts, HubUnavailable, KnownIdentities, MintedKeys, has_access
+from openrl_service.config import from_env, tenant_folder
 from tests._support.serve import cli, serving
 from tests.conftest import ALICE_KEY
 
@@ -61,12 +62,28 @@ def test_minted_keys_survive_a_restart_and_are_revocable_by_their_owner_only(tmp
         again.mint("alice", None)  # API-key tenants have their keys already
 
 
+def test_the_service_reads_its_own_hub_token_only_when_it_talks_to_a_hub():
+    # An embedded service started by a kernel inherits the kernel's $JUPYTERHUB_API_TOKEN (the
+    # user's own server token): without --hub-api-url it is never used as the service's token.
+    env = {"JUPYTERHUB_API_TOKEN": "token-of-a-kernel"}
+    assert from_env(env).hub_api_token is None
+    hubbed = from_env({**env, "OPENRL_HUB_API_URL": "http://hub:8081/hub/api"})
+    assert hubbed.hub_api_token == "token-of-a-kernel"
+    assert "token-of-a-kernel" not in repr(hubbed)  # settings are logged; the token never is
+    # the documented defaults: a deleted user's keys stop within a minute, keys live 30 days
+    assert from_env({}).hub_user_recheck_s <= 60
+    assert from_env({}).minted_key_ttl_s == 30 * 86400
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
         ("--hub-api-url", "hub:8081/hub/api", "--hub-api-url (OPENRL_HUB_API_URL) must be an http(s) URL"),
         ("--hub-cache-ttl-s", "-1", "--hub-cache-ttl-s"),
         ("--hub-service-name", "a/b", "--hub-service-name (OPENRL_HUB_SERVICE_NAME)"),
+        ("--hub-failed-lookups-per-min", "0", "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN"),
+        ("--hub-user-recheck-s", "-1", "OPENRL_HUB_USER_RECHECK_S"),
+        ("--minted-key-ttl-s", "0", "OPENRL_MINTED_KEY_TTL_S"),
     ],
 )
 def test_bad_hub_flags_are_refused_at_startup(tmp_path, flag, value, says):
@@ -96,3 +113,31 @@ def test_unreachable_hub_is_a_503_naming_it_and_api_keys_still_work(tmp_path, ti
         mint = httpx.post(f"{s.url}/api/v1/keys", headers={"X-API-Key": ALICE_KEY}, json={})
         assert mint.status_code == 403 and "JUPYTERHUB_API_TOKEN" in mint.json()["error"], mint.text
         assert httpx.get(f"{s.url}/api/v1/keys", headers={"X-API-Key": ALICE_KEY}).json() == {"keys": []}
+
+
+def test_a_failed_retirement_refuses_the_request_and_is_tried_again(tmp_path):
+    # retire_tenant runs before the new account's request goes on; if it fails, the request is
+    # refused (503) and the account is not recorded, so the next request retires again.
+    calls = []
+
+    def retire(tenant: str, reason: str) -> None:
+        calls.append((tenant, reason))
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    known = KnownIdentities(tmp_path / "hub-identities.json")
+    accounts = HubAccounts(None, known, retire)
+
+    async def go():
+        await accounts.observe("alice", "2025-01-01T00:00:00Z")  # first seen: recorded, nothing retired
+        with pytest.raises(HubUnavailable, match="retiring the tenant of the earlier JupyterHub account"):
+            await accounts.observe("alice", "2025-02-02T00:00:00Z")
+        assert known.get("alice")["created"] == "2025-01-01T00:00:00Z"
+        await accounts.observe("alice", "2025-02-02T00:00:00Z")
+
+    asyncio.run(go())
+    assert [t for t, _ in calls] == ["hub:alice", "hub:alice"]
+    assert "was deleted and created again" in calls[0][1]
+    again = KnownIdentities(tmp_path / "hub-identities.json")  # what a restarted service reads
+    assert again.get("alice")["created"] == "2025-02-02T00:00:00Z" and again.get("alice")["since"] > 0
+    assert stat.S_IMODE((tmp_path / "hub-identities.json").stat().st_mode) == 0o600
