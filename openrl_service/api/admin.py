@@ -100,7 +100,9 @@ class TenantAdmin:
         names = {t for t in map(self._folder_tenant, svc.store.tenant_folders()) if t}
         names |= {s.tenant for s in list(svc.sessions.values())}
         names |= {r["tenant"] for r in list(self.jobs.jobs.values())}
-        names |= {r["tenant"] for r in list(getattr(self.minted, "_records", {}).values())}
+        names |= {
+            r["tenant"] for r in list(getattr(self.minted, "_records", {}).values()) if not r.get("revoked")
+        }
         rows = []
         for t in sorted(names):
             rows.append(
@@ -118,8 +120,10 @@ class TenantAdmin:
             )
         return rows
 
-    def remove(self, tenant: str, *, move_to: str | None = None) -> dict:
-        """Remove ``tenant`` everywhere (see the module docstring); NotFound when nothing is known of it."""
+    def remove(self, tenant: str, *, move_to: str | None = None, why: str | None = None) -> dict:
+        """Remove ``tenant`` everywhere (see the module docstring); NotFound when nothing is known of it.
+        ``why``: what its keys' 401s say from then on."""
+        why = why or f"tenant {tenant!r} was removed by the service's operator: its keys no longer work"
         if not any(row["tenant"] == tenant for row in self.tenants()) and not self.svc.store.tenant_bytes(
             tenant
         ):
@@ -138,13 +142,11 @@ class TenantAdmin:
                     log.warning(
                         "removing %s: deleting Kubernetes Job %s failed", tenant, k8s["job"], exc_info=True
                     )
-            self.jobs.delete(tenant, rec["job_id"])
+            self.jobs.delete(tenant, rec["job_id"], why)
             jobs_deleted += 1
         keys_revoked = 0
         if self.minted is not None:  # refused from now on, saying why
-            keys_revoked = self.minted.revoke_tenant(
-                tenant, f"tenant {tenant!r} was removed by the service's operator: its keys no longer work"
-            )
+            keys_revoked = self.minted.revoke_tenant(tenant, why)
         done = self.svc.remove_tenant(tenant, move_to=move_to)
         return {**done, "jobs_deleted": jobs_deleted, "keys_revoked": keys_revoked}
 
@@ -153,8 +155,10 @@ class TenantAdmin:
         leaves (its files kept under ``<data>/retired/``), so the new account inherits nothing."""
         folder = self.svc.settings.data_dir / "retired" / time.strftime("%Y%m%dT%H%M%S")
         log.warning("retiring tenant %s: %s; its files go to %s", tenant, reason, folder)
+        name = tenant.removeprefix("hub:")
+        why = f"it belonged to an earlier JupyterHub account named {name!r} (deleted, then created again)"
         try:
-            return self.remove(tenant, move_to=str(folder))
+            return self.remove(tenant, move_to=str(folder), why=why)
         except NotFound:
             return {"tenant": tenant, "sessions_ended": 0, "checkpoint_bytes": 0, "moved_to": None}
 

@@ -199,6 +199,7 @@ class Jobs:
         self.jobs: dict[str, dict] = {}  # job id → record (what job.json holds)
         self._keys: dict[str, str] = {}  # SHA-256 of a live key → job id
         self._revoked: dict[str, str] = {}  # SHA-256 of a revoked key → job id (a 401 names the job)
+        self._deleted_why: dict[str, str] = {}  # job id → why it was deleted, when not by its owner
         # run id → (job id, its entry): runs kept after their session ended (rows stay on disk)
         self._archived: dict[str, tuple[str, dict]] = {}
         self.seen: dict[str, float] = {}  # job id → when its key last made a request (in memory)
@@ -249,7 +250,11 @@ class Jobs:
             rec = self.jobs.get(gone)
             if rec is not None and method == "POST" and path == f"{V1}/jobs/{gone}/state":
                 return JobAccess(rec["tenant"], gone, rec["name"], revoked=True)  # a retried report
-            why = f"its job is {rec['state']}" if rec is not None else "its job was deleted"
+            why = (
+                f"its job is {rec['state']}"
+                if rec is not None
+                else self._deleted_why.get(gone, "its job was deleted")
+            )
             name = rec["name"] if rec is not None else gone
             return JobRefusal(401, f"this key of job {name} ({gone}) was revoked: {why}")
         acc = JobAccess(rec["tenant"], job_id, rec["name"])
@@ -583,11 +588,14 @@ class Jobs:
                 out.append({**v, "payload": base64.b64encode(data).decode()})
         return out
 
-    def delete(self, tenant: str, ref: str) -> dict:
-        """Forget the job and its payloads; its key is revoked (its runs stay)."""
+    def delete(self, tenant: str, ref: str, why: str | None = None) -> dict:
+        """Forget the job and its payloads; its key is revoked (its runs stay). ``why``: what its key's
+        401 says from then on, when the job's owner did not delete it (the operator removed the tenant)."""
         with self._lock:
             rec = self.find(tenant, ref)
             self._revoke(rec)
+            if why:
+                self._deleted_why[rec["job_id"]] = why
             self.jobs.pop(rec["job_id"], None)
             self.seen.pop(rec["job_id"], None)
             for run_id in [r for r, (j, _) in self._archived.items() if j == rec["job_id"]]:

@@ -151,11 +151,6 @@ def test_alice_created_again_inherits_no_keys_and_the_old_ones_stay_refused(worl
     w.creds["again"] = again
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the old tenant's runs and checkpoints are moved away by the engine's retire_tenant, "
-    "which app.py wires in once it exists (the default only revokes minted keys)",
-)
 def test_alice_created_again_sees_none_of_the_old_runs_or_checkpoints(world):
     w = world
     again = w.creds["again"]

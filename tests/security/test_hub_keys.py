@@ -158,11 +158,6 @@ def test_a_recreated_account_inherits_no_keys_and_the_old_tenant_is_retired_firs
         assert [k["id"] for k in call(s.url, again, path="/api/v1/keys").json()["keys"]] != []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the old tenant's runs and checkpoints are moved away by the engine's retire_tenant, "
-    "which app.py wires in once it exists (the default only revokes minted keys)",
-)
 def test_a_recreated_account_sees_none_of_the_old_accounts_runs(hub, tmp_path, tiny_model_dir):
     first = hub.add_user("alice")
     with serve_with(hub, tmp_path, tiny_model_dir) as s:
