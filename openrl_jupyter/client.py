@@ -520,6 +520,10 @@ class AsyncClient(_Base):
                     await source.response.aread()  # the error's JSON body, for the message
                 self._raise_for("GET", f"{API}/events", source.response)
                 async for sse in source.aiter_sse():
+                    if sse.event == "error":  # the service ended the stream: its credential stopped working
+                        raise AuthenticationError(
+                            f"GET {API}/events on {self.url}: {sse.json().get('error', sse.data)}", status=401
+                        )
                     if sse.data:
                         yield sse.json()
         except httpx.TransportError as e:

@@ -12,6 +12,7 @@ CORS headers at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -187,6 +188,14 @@ class AuthMiddleware:
             return False
         return host in self.hosts and port == self.settings.port
 
+    async def _still(self, scope, headers: dict[str, str], path: str, tenant: str) -> bool:
+        """Whether the request's credential still names ``tenant`` (an unreachable hub: yes, for now)."""
+        try:
+            who = await self._authenticate(scope, headers, path)
+        except HubUnavailable:
+            return True
+        return isinstance(who, dict) and who.get("tenant") == tenant
+
     async def _authenticate(self, scope, headers: dict[str, str], path: str) -> dict | _Refused:
         """Who the request's credential names (``tenant``, ``auth_via`` and its details for
         ``request.state``), or why it is refused; raises HubUnavailable when the hub must answer and
@@ -295,6 +304,9 @@ class AuthMiddleware:
                 )
             state = scope.setdefault("state", {})
             state.update(who)
+            # Long responses (the event stream) ask again before each event: a key revoked (or a hub
+            # user deleted) while the stream is open must not keep receiving the tenant's events.
+            state["still_authorised"] = functools.partial(self._still, scope, headers, path, who["tenant"])
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await _error(

@@ -184,6 +184,10 @@ def build_native_router(svc: TrainingService) -> APIRouter:
         """Server-Sent Events: a telemetry tick every second plus run events, each with a schema version."""
         who = tenant(request)
         queue = native.events.subscribe(who)
+        still = getattr(request.state, "still_authorised", None)
+        ended = b"event: error\ndata: " + orjson.dumps(
+            {"error": "the credential of this stream no longer works (revoked, expired, or its user is gone)"}
+        )
 
         async def stream():
             try:
@@ -195,9 +199,15 @@ def build_native_router(svc: TrainingService) -> APIRouter:
                     if wait > 0:
                         with contextlib.suppress(asyncio.TimeoutError):
                             event = await asyncio.wait_for(queue.get(), timeout=wait)
+                            if still is not None and not await still():
+                                yield ended + b"\n\n"
+                                return
                             yield b"event: run\ndata: " + orjson.dumps(event) + b"\n\n"
                             continue
                     next_tick = loop.time() + TICK_S  # ticks keep their pace however busy the runs are
+                    if still is not None and not await still():
+                        yield ended + b"\n\n"
+                        return
                     yield b"event: tick\ndata: " + orjson.dumps(native.tick(who)) + b"\n\n"
                     if await request.is_disconnected() or stopped(request):
                         return

@@ -249,3 +249,33 @@ def test_client_and_async_client_expose_the_same_api():
         assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) or inspect.isasyncgenfunction(
             getattr(AsyncClient, name)
         ), name
+
+
+def test_an_event_stream_the_service_ends_for_its_credential_is_an_authentication_error():
+    """The service ends a stream whose credential stopped working with an ``error`` event
+    (tests/security/test_crafted_tenants.py holds that for a revoked minted key); the notebook's client
+    raises AuthenticationError for it, which the EventFeed answers by reconnecting with backoff."""
+    import asyncio
+
+    from openrl_jupyter._exceptions import AuthenticationError
+    from openrl_jupyter.client import AsyncClient
+
+    body = (
+        b"retry: 2000\n\n"
+        b'event: tick\ndata: {"type": "tick"}\n\n'
+        b'event: error\ndata: {"error": "the credential of this stream no longer works"}\n\n'
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def main():
+        client = AsyncClient("http://openrl.test", token="tml-x", transport=httpx.MockTransport(handler))
+        seen = []
+        with pytest.raises(AuthenticationError, match="no longer works"):
+            async for event in client.events():
+                seen.append(event)
+        await client.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [{"type": "tick"}]

@@ -214,13 +214,6 @@ def test_a_hub_users_metrics_scrape_names_only_their_own_runs(live, alices):
         assert run not in b.get("/metrics").text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HOLE: /openrl/v1/events checks the key once, at connect (api/auth.py), and its stream loop "
-    "(api/native.py:183-210) never again: a minted key revoked with DELETE /api/v1/keys/{id} (and so "
-    "a hub token the hub revoked, or a removed hub user's key) keeps receiving the tenant's run events, "
-    "metrics and rewards for as long as the connection stays open",
-)
 def test_revoking_a_minted_key_ends_the_event_stream_it_opened(live):
     """Attack: dave mints a key, opens /openrl/v1/events with it, and the key is revoked (dave
     revokes it, e.g. because it leaked). The open stream must not keep carrying dave's run events:
