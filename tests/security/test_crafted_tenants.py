@@ -3,26 +3,23 @@
 With ``--hub-api-url`` a hub user's token is a tenant ``hub:<name>``, and hub names may hold any
 character: one named ``alice``, ``../alice``, ``hub:alice`` or with a newline must get a tenant and a
 data folder of its own, see nothing of the API tenant ``alice`` and write nowhere else. The hub is a
-stand-in on loopback answering ``GET /hub/api/user`` as JupyterHub does (name, kind, scopes): a real
-JupyterHub is in tests/hub, too slow to start per module. The name collisions that ``~`` and the long
-name digest allow belong to the tenant-folder fix (config.tenant_folder) and its own tests; minted
-keys' lifetime and hub-cache flooding to the hub-identity fix; neither is repeated here.
+stand-in on loopback answering as JupyterHub does (tests/_support/jhub.py FakeHub); a real JupyterHub
+is in tests/hub, too slow to start per module. The collisions that ``~`` and the long name digest
+allowed are in test_tenant_folders.py; minted keys' lifetime and hub-cache flooding in test_hub_keys.py
+and test_hub_flood.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import tinker
 
-from openrl_jupyter.local import free_port
 from openrl_service.config import hub_tenant, tenant_folder
+from tests._support.jhub import FakeHub
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY, start_server
 from tests.security.conftest import V1, files_of, refused, sse_until
 
@@ -44,55 +41,37 @@ CRAFTED = [
 ]
 
 
-def token(name: str) -> str:
-    """The stand-in hub's token for user ``name`` (the name, hex-encoded)."""
-    return "hubtok-" + name.encode().hex()
+@pytest.fixture(scope="module")
+def hub():
+    """The stand-in hub on loopback (tests/_support/jhub.py FakeHub: the two hub calls the service makes)."""
+    with FakeHub() as fake:
+        yield fake
 
 
-class StandInHub(BaseHTTPRequestHandler):
-    """``GET /hub/api/user`` with ``Authorization: token hubtok-<hex name>`` → that user, with the
-    scope the service needs; anything else 403 (as the hub answers an unknown token)."""
+_TOKENS: dict[tuple[int, str], str] = {}
 
-    def do_GET(self):
-        tok = self.headers.get("Authorization", "").partition(" ")[2]
-        if self.path != "/hub/api/user" or not tok.startswith("hubtok-"):
-            self.send_response(403)
-            self.end_headers()
-            return
-        body = json.dumps(
-            {
-                "kind": "user",
-                "name": bytes.fromhex(tok[7:]).decode(),
-                "scopes": ["access:services!service=openrl"],
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, *args):
-        pass
+def token(hub: FakeHub, name: str) -> str:
+    """A token of hub user ``name`` (the user is created on first use)."""
+    key = (id(hub), name)
+    if key not in _TOKENS:
+        _TOKENS[key] = hub.add_user(name)
+    return _TOKENS[key]
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, tiny_model_dir):
+def live(tmp_path_factory, tiny_model_dir, hub):
     """This module's service, with the stand-in hub (overrides the plain one of conftest.py)."""
-    hub = ThreadingHTTPServer(("127.0.0.1", free_port()), StandInHub)
-    threading.Thread(target=hub.serve_forever, daemon=True).start()
-    server = start_server(
-        tmp_path_factory.mktemp("crafted"),
-        tiny_model_dir,
-        hub_api_url=f"http://127.0.0.1:{hub.server_address[1]}/hub/api",
-    )
+    server = start_server(tmp_path_factory.mktemp("crafted"), tiny_model_dir, hub_api_url=hub.api_url)
+    server.hub = hub
     yield server
     server.stop()
-    hub.shutdown()
 
 
 def as_user(live, name: str) -> httpx.Client:
-    return httpx.Client(base_url=live.url, headers={"Authorization": f"token {token(name)}"}, timeout=60)
+    return httpx.Client(
+        base_url=live.url, headers={"Authorization": f"token {token(live.hub, name)}"}, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")

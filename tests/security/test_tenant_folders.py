@@ -10,9 +10,7 @@ message when two tenants' folders would merge.
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
-import threading
 
 import httpx
 import pytest
@@ -20,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openrl_service.config import HUB_TENANT_PREFIX, TENANT_RE, hub_tenant, tenant_folder
+from tests._support.jhub import FakeHub
 from tests.conftest import start_server
 
 api_tenants = st.from_regex(TENANT_RE, fullmatch=True)
@@ -88,58 +87,13 @@ def test_malformed_tenants_are_refused():
             tenant_folder(bad)
 
 
-class _FakeHub(http.server.ThreadingHTTPServer):
-    """GET /hub/api/user: the token is the user's name (enough for tenants; tests/hub runs a real hub)."""
-
-    def __init__(self):
-        super().__init__(("127.0.0.1", 0), _HubHandler)
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/hub/api"
-
-
-class _HubHandler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        token = self.headers.get("Authorization", "").partition(" ")[2]
-        if self.path != "/hub/api/user" or not token.startswith("name="):
-            self.send_response(404)
-            self.end_headers()
-            return
-        name = bytes.fromhex(token[len("name=") :]).decode()
-        body = json.dumps(
-            {
-                "kind": "user",
-                "name": name,
-                "admin": False,
-                "groups": [],
-                "created": "2026-01-01T00:00:00.000000Z",
-                "scopes": ["access:services!service=openrl"],
-            }
-        ).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-def _token(name: str) -> str:
-    return "name=" + name.encode().hex()
-
-
 @pytest.fixture
 def hub_server(tmp_path, tiny_model_dir):
-    hub = _FakeHub()
-    live = start_server(tmp_path / "data", tiny_model_dir, hub_api_url=hub.api_url, hub_cache_ttl_s=60)
-    yield live
-    live.stop()
-    hub.shutdown()
+    with FakeHub() as hub:
+        live = start_server(tmp_path / "data", tiny_model_dir, hub_api_url=hub.api_url, hub_cache_ttl_s=60)
+        live.hub = hub
+        yield live
+        live.stop()
 
 
 def test_a_crafted_hub_name_cannot_reach_a_long_named_users_runs(hub_server):
@@ -148,8 +102,8 @@ def test_a_crafted_hub_name_cannot_reach_a_long_named_users_runs(hub_server):
     victim = "v" * 250
     crafted = "~" + hashlib.sha256((HUB_TENANT_PREFIX + victim).encode()).hexdigest()
     url = hub_server.url
-    as_victim = {"Authorization": f"token {_token(victim)}"}
-    as_crafted = {"Authorization": f"token {_token(crafted)}"}
+    as_victim = {"Authorization": f"token {hub_server.hub.add_user(victim)}"}
+    as_crafted = {"Authorization": f"token {hub_server.hub.add_user(crafted)}"}
     run = httpx.post(
         f"{url}/openrl/v1/runs", headers=as_victim, json={"name": "secret", "rank": 2}, timeout=60
     )
