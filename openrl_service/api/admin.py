@@ -23,9 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from openrl_service.config import TENANT_RE, folder_tenant, tenant_folder
 from openrl_service.engine.jobs import Jobs
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import Forbidden, NotFound
+from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
 
@@ -51,18 +50,7 @@ ADMIN_KEY_PREFIX = "tml-admin-"
 def write_admin_key(data_dir: Path) -> str:
     """A new admin key for this run of the service, in ``<data>/admin-key`` (0600 from the start)."""
     key = ADMIN_KEY_PREFIX + secrets.token_urlsafe(32)
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=".admin-key.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, data_dir / ADMIN_KEY_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_private(Path(data_dir) / ADMIN_KEY_FILE, (key + "\n").encode())
     return key
 
 

@@ -42,9 +42,7 @@ import hashlib
 import json
 import logging
 import math
-import os
 import secrets
-import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
@@ -56,6 +54,7 @@ from urllib.parse import quote
 import httpx
 
 from openrl_service.config import HUB_TENANT_PREFIX, hub_tenant
+from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
 
@@ -299,20 +298,9 @@ def lifetime(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
-def write_private(path: Path, value) -> None:
-    """``value`` as JSON in ``path``: a new file of mode 0600, fsync'd, renamed over the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def write_json_private(path: Path, value) -> None:
+    """``value`` as JSON in ``path`` (0600, atomic: storage/files.py)."""
+    write_private(path, json.dumps(value).encode())
 
 
 class MintedKeys:
@@ -438,7 +426,7 @@ class MintedKeys:
         horizon = time.time() - self.ttl_s - EXPIRED_KEPT_S
         for key_id in [i for i, r in self._records.items() if r["created"] < horizon]:
             self._by_digest.pop(self._records.pop(key_id)["digest"], None)
-        write_private(self.path, list(self._records.values()))
+        write_json_private(self.path, list(self._records.values()))
 
 
 def public(rec: dict) -> dict:
@@ -584,7 +572,7 @@ class KnownIdentities:
     def record(self, name: str, created: str, since: float) -> None:
         with self._lock:
             self._names[name] = {"created": created, "since": since}
-            write_private(self.path, self._names)
+            write_json_private(self.path, self._names)
 
 
 RetireTenant = Callable[[str, str], None]  # (tenant, reason); see app.py's retire_tenant

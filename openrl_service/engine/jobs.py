@@ -23,11 +23,9 @@ import binascii
 import hashlib
 import json
 import logging
-import os
 import re
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any
 
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized, UserError
+from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
 
@@ -80,22 +79,6 @@ class JobRefusal:
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``data`` as ``path``: a 0600 temporary file, fsynced, renamed over the name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def decode_payload(value: Any, sha: Any, limit: int, field: str = "payload") -> bytes:
@@ -215,7 +198,7 @@ class Jobs:
         return self.root / tenant_folder(rec["tenant"]) / "jobs" / rec["job_id"]
 
     def _save(self, rec: dict) -> None:
-        _write_atomic(self._dir(rec) / "job.json", json.dumps(rec).encode())
+        write_private(self._dir(rec) / "job.json", json.dumps(rec).encode())
 
     def _load(self) -> None:
         for path in sorted(self.root.glob("*/jobs/*/job.json")):
@@ -402,7 +385,7 @@ class Jobs:
 
     def _store_payload(self, rec: dict, data: bytes, reward: str | None, now: float) -> int:
         version = len(rec["payload_versions"]) + 1
-        _write_atomic(self._dir(rec) / f"payload-{version}.bin", data)
+        write_private(self._dir(rec) / f"payload-{version}.bin", data)
         rec["payload_versions"].append(
             {
                 "version": version,
@@ -714,9 +697,9 @@ class Jobs:
             if rec is None or rec["tenant"] != tenant:
                 return
             folder = self._dir(rec) / "runs"
-            _write_atomic(folder / f"{run_id}.metrics.json", json.dumps(metrics, default=str).encode())
+            write_private(folder / f"{run_id}.metrics.json", json.dumps(metrics, default=str).encode())
             entry = json.loads(json.dumps(entry, default=str))
-            _write_atomic(folder / f"{run_id}.entry.json", json.dumps(entry).encode())  # last: the index
+            write_private(folder / f"{run_id}.entry.json", json.dumps(entry).encode())  # last: the index
             self._archived[run_id] = (job_id, entry)
             if run_id not in rec["runs"]:
                 rec["runs"] = rec["runs"] + [run_id]
