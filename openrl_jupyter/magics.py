@@ -629,10 +629,18 @@ class OpenRLMagics(Magics):
             if a.id is not None or a.name is not None:
                 raise UsageError("%openrl token list takes no id or --name")
             rows = [
-                [k.get("id"), k.get("name") or "-", k.get("prefix") or "-", _when(k.get("created"))]
+                [
+                    k.get("id"),
+                    k.get("name") or "-",
+                    k.get("prefix") or "-",
+                    _when(k.get("created")),
+                    _when(k.get("expires")) if k.get("expires") else "-",
+                ]
                 for k in session.list_keys()
             ]
-            return Table(["id", "name", "prefix", "created"], rows, f"keys minted on {session.url}")
+            return Table(
+                ["id", "name", "prefix", "created", "expires"], rows, f"keys minted on {session.url}"
+            )
         if a.action == "revoke":
             if not a.id:
                 raise UsageError("%openrl token revoke ID: give the id of a key (see %openrl token list)")

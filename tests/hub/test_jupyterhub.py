@@ -205,7 +205,7 @@ def test_a_minted_key_works_with_the_tinker_sdk_as_the_same_user_and_is_revocabl
     assert [r["run_id"] for r in world.get(f"{V1}/runs", key[0]).json()["runs"]] == [world.runs["alice"]]
 
     listed = k.execute("%openrl token list", timeout=30).outputs[-1]["text/plain"]
-    assert key_id in listed and "sdk" in listed and key[0] not in listed
+    assert key_id in listed and "sdk" in listed and "expires" in listed and key[0] not in listed
     # another user cannot revoke it; an API-key user cannot mint
     r = httpx.delete(
         f"{world.url}/api/v1/keys/{key_id}", headers={"X-API-Key": world.tokens["bob"]}, timeout=30
