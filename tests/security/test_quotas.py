@@ -102,6 +102,7 @@ def test_live_runs_are_a_per_tenant_quota_and_a_neighbour_can_still_create(make_
     with pytest.raises(tinker.APIStatusError) as refused:
         alice.create_lora_training_client(base_model=TINY, rank=2).result()
     assert "OPENRL_MAX_RUNS_PER_TENANT" in str(refused.value) and "finish" in str(refused.value)
+    assert refused.value.status_code == 403  # not a 409, which the SDK retries for a minute
     bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
     tc = bob.create_lora_training_client(base_model=TINY, rank=2).result()
     out = tc.forward_backward(
@@ -145,13 +146,13 @@ def test_a_tenant_filling_the_queue_does_not_get_a_neighbours_sampling_refused(m
 
 def test_live_sessions_are_a_per_tenant_quota(make_server):
     """A client that opens sessions in a loop (each holds memory and a record on disk) is refused at
-    OPENRL_MAX_SESSIONS_PER_TENANT with a 409 naming it; finishing one frees room; bob is unaffected."""
+    OPENRL_MAX_SESSIONS_PER_TENANT with a 403 naming it; finishing one frees room; bob is unaffected."""
     live = make_server(limits=Limits(max_sessions_per_tenant=2))
     with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
         alice, bob = RawTinker(a), RawTinker(b)
         first, _ = alice.session(), alice.session()
         over = alice.post("create_session")
-        assert over.status_code == 409, over.text
+        assert over.status_code == 403, over.text
         assert "OPENRL_MAX_SESSIONS_PER_TENANT" in over.json()["error"] and "finish" in over.json()["error"]
         assert bob.session()  # another tenant opens its own
         assert alice.post("session_heartbeat", session_id=first).status_code == 200  # the live ones work
@@ -167,6 +168,6 @@ def test_notebook_runs_count_against_the_session_quota(make_server):
         first = a.post("/openrl/v1/runs", json={"name": "one", "rank": 2})
         assert first.status_code == 201, first.text
         second = a.post("/openrl/v1/runs", json={"name": "two", "rank": 2})
-        assert second.status_code == 409 and "OPENRL_MAX_SESSIONS_PER_TENANT" in second.json()["error"]
+        assert second.status_code == 403 and "OPENRL_MAX_SESSIONS_PER_TENANT" in second.json()["error"]
         assert a.delete(f"/openrl/v1/runs/{first.json()['run_id']}").status_code in (200, 204)
         assert a.post("/openrl/v1/runs", json={"name": "two", "rank": 2}).status_code == 201
