@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import inspect
 import logging
 import threading
@@ -143,6 +144,10 @@ class Durability:
         self.record_replayers: dict[str, Callable[[tuple], None]] = {}
         self._replay_tasks: set[asyncio.Future] = set()  # replayed intents, referenced until done
         self._snap_lock = threading.Lock()  # one snapshot at a time
+        # Held while a journal record and the change it describes are applied (``change()``), and by
+        # a snapshot's cut: a snapshot sees every change whole or not at all, and the record of a
+        # change it does not see lands after the journal's rotation (or among the pending records).
+        self.state_lock = threading.RLock()
         self.snapshotted_at = 0  # journal.appended at the last snapshot
         self.recovered = False  # recover() ran: only then may a snapshot replace the journal
 
@@ -164,6 +169,14 @@ class Durability:
             yield
         finally:
             _QUIET.reset(token)
+
+    @contextlib.contextmanager
+    def change(self):
+        """Write a journal record and apply the change it describes as one step: a snapshot's cut
+        waits until the change is whole. Keep it short (no device work, no waiting on the worker or
+        the loop, no file trees): the event loop waits on it while a snapshot cuts."""
+        with self.state_lock:
+            yield
 
     def call(self, method: str, scope: dict) -> tuple | None:
         """The journal record of the service call ``method`` that will queue an op: its arguments
@@ -270,19 +283,23 @@ class Durability:
             self._snap_lock.release()
 
     def _capture(self, loop: asyncio.AbstractEventLoop) -> tuple[int, dict, int] | None:
-        """On the worker, between ops: the engine's state; then, on the loop (the worker waits), the
-        journal's rotation, the pending records and the loop-side state, all at one instant."""
-        state = self._capture_engine()
+        """On the worker, between ops: the engine's tensors; then, on the loop (the worker waits) and
+        under ``state_lock`` (no change half-applied), the cut: the journal's rotation, the pending
+        records, the sessions and samplers, which runs are live, and the loop-side state."""
+        tensors = self._capture_engine()
         done = threading.Event()
         box: dict = {}
 
         def on_loop():
             try:
-                box["n"] = self.journal.rotate()
-                box["appended"] = self.journal.appended
-                with self._plock:
-                    state["pending"] = list(self.pending.values())
-                state["loop"] = {name: capture() for name, capture, _ in self.loop_state}
+                with self.state_lock:
+                    box["n"] = self.journal.rotate()
+                    box["appended"] = self.journal.appended
+                    state = self._capture_registry(tensors)
+                    with self._plock:
+                        state["pending"] = list(self.pending.values())
+                    state["loop"] = {name: capture() for name, capture, _ in self.loop_state}
+                box["state"] = state
             except BaseException as e:  # noqa: BLE001 - handed back to the worker
                 box["error"] = e
             finally:
@@ -296,12 +313,14 @@ class Durability:
             return None
         if "error" in box:
             raise box["error"]
-        return box["n"], state, box["appended"]
+        return box["n"], box["state"], box["appended"]
 
     def _capture_engine(self) -> dict:
+        """On the worker, between ops: what only ops change (runs' tensors and lanes, sampler
+        snapshots' weights, the futures)."""
         svc = self.svc
         engine = svc.engine
-        runs = []
+        runs = {}
         for run in list(svc.runs.values()):
             st = run.state
             tensors = None
@@ -318,46 +337,58 @@ class Durability:
                     "steps": st.steps,
                     "pending_backward": st.pending_backward,
                 }
-            runs.append(
+            runs[run.run_id] = {
+                "run_id": run.run_id,
+                "tenant": run.tenant,
+                "session_id": run.session_id,
+                "spec": run.spec,
+                "seed": run.seed,
+                "base_model": run.base_model,
+                "user_metadata": copy.deepcopy(run.user_metadata),
+                "created_at": run.created_at,
+                "state": tensors,
+                "lane": engine.lane_position(f"run:{run.run_id}"),
+            }
+        weights = {
+            e.sampler_id: (e.adapter.spec, adapter_data(e.adapter))
+            for e in list(svc.samplers.values())
+            if e.adapter is not None and e.model_path is None
+        }
+        return {"runs": runs, "sampler_weights": weights, "futures": svc.futures.capture()}
+
+    def _capture_registry(self, engine: dict) -> dict:
+        """At the cut (``state_lock`` held): sessions, samplers and which runs are live. A run or a
+        sampler snapshot the worker copied but a finish removed since is left out; a run registered
+        since is not in the snapshot, and the record that creates it is pending or comes later."""
+        svc = self.svc
+        samplers = []
+        for e in list(svc.samplers.values()):
+            spec, weights = engine["sampler_weights"].get(e.sampler_id, (None, None))
+            if weights is None and e.adapter is not None and e.model_path is None:
+                continue  # not copied by the worker (it waits for this cut: cannot happen)
+            samplers.append(
                 {
-                    "run_id": run.run_id,
-                    "tenant": run.tenant,
-                    "session_id": run.session_id,
-                    "spec": run.spec,
-                    "seed": run.seed,
-                    "base_model": run.base_model,
-                    "user_metadata": run.user_metadata,
-                    "created_at": run.created_at,
-                    "state": tensors,
-                    "lane": engine.lane_position(f"run:{run.run_id}"),
+                    "sampler_id": e.sampler_id,
+                    "tenant": e.tenant,
+                    "session_id": e.session_id,
+                    "base_model": e.base_model,
+                    "model_path": e.model_path,
+                    "source_run": e.source_run,
+                    "created_at": e.created_at,
+                    "spec": spec,
+                    "weights": weights,
                 }
             )
-        samplers = [
-            {
-                "sampler_id": e.sampler_id,
-                "tenant": e.tenant,
-                "session_id": e.session_id,
-                "base_model": e.base_model,
-                "model_path": e.model_path,
-                "source_run": e.source_run,
-                "created_at": e.created_at,
-                "spec": e.adapter.spec if e.adapter is not None and e.model_path is None else None,
-                "weights": (
-                    adapter_data(e.adapter) if e.adapter is not None and e.model_path is None else None
-                ),
-            }
-            for e in list(svc.samplers.values())
-        ]
         return {
             "version": STATE_VERSION,
             "base_model": svc.base.name if svc.base else None,  # the default model
             "base_models": list(svc.models),
-            "sessions": [vars(s).copy() for s in list(svc.sessions.values())],
+            "sessions": [copy.deepcopy(vars(s)) for s in list(svc.sessions.values())],
             "ended": dict(svc._ended),
             "evicted": dict(svc._evicted),
-            "runs": runs,
+            "runs": [r for run_id, r in engine["runs"].items() if run_id in svc.runs],
             "samplers": samplers,
-            "futures": svc.futures.capture(),
+            "futures": engine["futures"],
         }
 
     # -- recovery --------------------------------------------------------------------------------

@@ -678,8 +678,9 @@ class NativeRuns:
             else:  # nobody will confirm a stop of a finished or orphaned run: it is stopped now
                 state = "stopped" if kernel in KERNEL_DONE or orphaned else "stop_requested"
         control = Control(state, reason if state != "running" else None)
-        self.svc.durability.append(("control", tenant, run_id, control.to_json()))
-        self._set_control(run_id, control)
+        with self.svc.durability.change():
+            self.svc.durability.append(("control", tenant, run_id, control.to_json()))
+            self._set_control(run_id, control)
         self._announce(tenant, run_id, control)
         return self.describe(nr) if nr is not None else self.describe_sdk(run)
 

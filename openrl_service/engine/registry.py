@@ -200,9 +200,10 @@ class Registry:
             display_name=display_name,
             project_id=project_id,
         )
-        self.durability.append(("session", vars(sess).copy()))
-        with self._lock:
-            self.sessions[sess.session_id] = sess
+        with self.durability.change():
+            self.durability.append(("session", vars(sess).copy()))
+            with self._lock:
+                self.sessions[sess.session_id] = sess
         self.store.write_session(tenant, sess.record())
         return sess
 
@@ -234,18 +235,21 @@ class Registry:
     def finish_session(self, tenant: str, session_id: str, reason: str = "success") -> None:
         """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
         sess = self.session(tenant, session_id, live=False)
-        self.durability.append(("finish", tenant, session_id, reason))
-        if not sess.finished:
-            sess.finish_reason = reason if reason in ("success", "errored", "interrupted") else "success"
-        sess.finished = True
-        sess.finished_at = time.time()
+        with self.durability.change():
+            self.durability.append(("finish", tenant, session_id, reason))
+            with self._lock:
+                if not sess.finished:
+                    sess.finish_reason = (
+                        reason if reason in ("success", "errored", "interrupted") else "success"
+                    )
+                sess.finished = True
+                sess.finished_at = time.time()
+                run_ids = [r for r in sess.run_ids if r in self.runs]
+                for rid in run_ids:
+                    self.runs.pop(rid, None)
+                for sid in sess.sampler_ids:
+                    self.samplers.pop(sid, None)
         self.store.write_session(tenant, sess.record())
-        with self._lock:
-            run_ids = [r for r in sess.run_ids if r in self.runs]
-            for rid in run_ids:
-                self.runs.pop(rid, None)
-            for sid in sess.sampler_ids:
-                self.samplers.pop(sid, None)
         for rid in run_ids:
             self.engine.close_lane(f"run:{rid}")
         for listener in self.session_listeners:
@@ -286,10 +290,13 @@ class Registry:
         """Forget ``tenant``: end its sessions (its runs and samplers leave the device) and remove its
         files, or move them to ``move_to``. Journaled first, so a restart replays the removal and
         nothing of the tenant comes back. Its jobs and minted keys are the caller's (api/admin.py)."""
-        self.durability.append(("forget_tenant", tenant, move_to))
-        return self._forget_tenant(tenant, move_to)
+        with self.durability.change():
+            self.durability.append(("forget_tenant", tenant, move_to))
+            live = self._forget_tenant_state(tenant)
+        return self._forget_tenant_files(tenant, move_to, live)
 
-    def _forget_tenant(self, tenant: str, move_to: str | None) -> dict:
+    def _forget_tenant_state(self, tenant: str) -> list[SessionRecord]:
+        """The tenant's sessions end and leave the maps (the record's change); returns those that were live."""
         live = [s for s in list(self.sessions.values()) if s.tenant == tenant and not s.finished]
         for sess in live:
             self.finish_session(tenant, sess.session_id, reason="interrupted")
@@ -302,6 +309,9 @@ class Registry:
                 del self.samplers[sid]
             for sid in [sid for sid, t in self._evicted.items() if t == tenant]:
                 del self._evicted[sid]
+        return live
+
+    def _forget_tenant_files(self, tenant: str, move_to: str | None, live: list[SessionRecord]) -> dict:
         freed = self.store.forget_tenant(tenant, Path(move_to) if move_to else None)
         log.warning(
             "tenant %s removed: %d sessions ended, %d checkpoint bytes %s",
@@ -314,7 +324,7 @@ class Registry:
 
     def _replay_forget_tenant(self, record: tuple) -> None:
         _, tenant, move_to = record
-        self._forget_tenant(tenant, move_to)
+        self._forget_tenant_files(tenant, move_to, self._forget_tenant_state(tenant))
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, tenant: str, model_id: str) -> RunState:
@@ -537,8 +547,9 @@ class Registry:
         }
         if model_path is None:
             name = args["base_model"] = self._check_base_model(base_model)  # journaled resolved
-            self.durability.append(("sampler", tenant, args))
-            self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
+            with self.durability.change():
+                self.durability.append(("sampler", tenant, args))
+                self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
             return sampler_id
         ref = parse_tinker_path(model_path, field="model_path")
         manifest = self.store.manifest(tenant, ref)
@@ -549,10 +560,17 @@ class Registry:
             raise UserError(
                 f"base_model: {ref.path} was trained on {name!r}, not {base_model!r}", field="base_model"
             )
-        self.durability.append(("sampler", tenant, args))
-        self._add_sampler(
-            SamplerEntry(
-                sampler_id, tenant, sess.session_id, name, None, model_path=ref.path, source_run=ref.run_id
+        with self.durability.change():
+            self.durability.append(("sampler", tenant, args))
+            self._add_sampler(
+                SamplerEntry(
+                    sampler_id,
+                    tenant,
+                    sess.session_id,
+                    name,
+                    None,
+                    model_path=ref.path,
+                    source_run=ref.run_id,
+                )
             )
-        )
         return sampler_id
