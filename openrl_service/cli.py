@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
             drain_grace_s=args.drain_grace_s,
             durability=args.durability,
             snapshot_interval_s=args.snapshot_interval_s,
+            recovery_skip_failed=args.recovery_skip_failed or None,
             hub_api_url=args.hub_api_url,
             hub_service_name=args.hub_service_name,
             hub_cache_ttl_s=args.hub_cache_ttl_s,
@@ -470,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="snapshot the state and compact the journal this often when anything changed (default 30; "
         "0: only at shutdown; OPENRL_SNAPSHOT_INTERVAL_S)",
+    )
+    s.add_argument(
+        "--recovery-skip-failed",
+        action="store_true",
+        help="start even if recovery meets journal records this release cannot replay, dropping them "
+        "(listed in <data>/journal/unreplayed-*.json; their requests are lost). Without it such a "
+        "start is refused and names them (OPENRL_RECOVERY_SKIP_FAILED)",
     )
     s.add_argument(
         "--sampler",

@@ -100,6 +100,10 @@ class Settings:
     # OPENRL_SNAPSHOT_INTERVAL_S / --snapshot-interval-s: how often (when anything changed) the state
     # is snapshotted and the journal compacted; it bounds the replay a restart does
     snapshot_interval_s: float = 30.0
+    # OPENRL_RECOVERY_SKIP_FAILED / --recovery-skip-failed: start even when recovery meets journal
+    # records this release cannot replay, dropping them (listed in journal/unreplayed-*.json); off,
+    # such a start is refused with the records named and the choices
+    recovery_skip_failed: bool = False
     # OPENRL_SAMPLER / --sampler (auto|torch|vllm): auto = vLLM where CUDA and vllm are installed.
     # vLLM settings (OPENRL_VLLM_*): GPU memory fraction vLLM may take (the trainer's share is checked
     # at startup), CPU KV cache size, LoRA slots per batch / kept loaded, longest prompt + decode.
@@ -228,6 +232,10 @@ _ENV_FIELDS = {
     "OPENRL_DRAIN_GRACE_S": ("drain_grace_s", float),
     "OPENRL_DURABILITY": ("durability", lambda v: parse_choice(v, "OPENRL_DURABILITY", DURABILITY)),
     "OPENRL_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
+    "OPENRL_RECOVERY_SKIP_FAILED": (
+        "recovery_skip_failed",
+        lambda v: parse_switch(v, "OPENRL_RECOVERY_SKIP_FAILED"),
+    ),
     "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
     "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
     "OPENRL_SAMPLER": ("sampler", lambda v: parse_choice(v, "OPENRL_SAMPLER", SAMPLERS)),

@@ -53,7 +53,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "openrl-tiny")
 
 
-def start_server(data_dir: Path, tiny_dir: Path, **overrides) -> LiveServer:
+def start_server(data_dir: Path, tiny_dir: Path, *, expect: str = "ready", **overrides) -> LiveServer:
+    """A service in this process on a loopback port, returned once ``/readyz`` reports ``expect``
+    (``ready``, or ``failed`` for tests of a refused start)."""
     import uvicorn
 
     from openrl_service.app import create_app
@@ -74,13 +76,13 @@ def start_server(data_dir: Path, tiny_dir: Path, **overrides) -> LiveServer:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{live.url}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{live.url}/readyz", timeout=2).json().get("state") == expect:
                 return live
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.1)
     live.stop()
-    raise RuntimeError("openrl-service did not become ready in 120 s")
+    raise RuntimeError(f"openrl-service did not become {expect} in 120 s")
 
 
 @pytest.fixture(scope="session")

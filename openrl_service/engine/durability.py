@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import contextvars
 import copy
-import inspect
+import json
 import logging
 import threading
 import time
@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from openrl_service.engine import records
 from openrl_service.engine.futures import FutureRecord
-from openrl_service.errors import ApiError, RestoredError
+from openrl_service.errors import ApiError
+from openrl_service.storage.files import write_private
 from openrl_service.storage.journal import Journal, JournalFull
 
 if TYPE_CHECKING:
@@ -64,25 +66,15 @@ _REPLAYING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("openr
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("openrl_quiet", default=False)
 
 
+class RecoveryRefused(RuntimeError):
+    """Recovery met records it cannot replay; the message says which and what the operator can do."""
+
+
 class InsufficientStorage(ApiError):
     """The journal's disk is full: the request was not recorded, so it was not accepted (507)."""
 
     status_code = 507
     category = "server"
-
-
-def _encode(value: Any) -> Any:
-    """Call arguments as journal data: an ApiError argument (a request that failed its checks but
-    keeps its seq slot) as its JSON."""
-    if isinstance(value, ApiError):
-        return {"__api_error__": value.to_json(), "status": value.status_code}
-    return value
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, dict) and "__api_error__" in value:
-        return RestoredError(value["__api_error__"], value["status"])
-    return value
 
 
 def tensor_data(t: torch.Tensor) -> tuple[str, np.ndarray]:
@@ -150,6 +142,7 @@ class Durability:
         self.state_lock = threading.RLock()
         self.snapshotted_at = 0  # journal.appended at the last snapshot
         self.recovered = False  # recover() ran: only then may a snapshot replace the journal
+        self.failures: list[tuple[str, str]] = []  # records recovery could not replay: (which, why)
 
     # -- recording -------------------------------------------------------------------------------
     @property
@@ -178,17 +171,18 @@ class Durability:
         with self.state_lock:
             yield
 
-    def call(self, method: str, scope: dict) -> tuple | None:
-        """The journal record of the service call ``method`` that will queue an op: its arguments
-        (taken from ``scope``, the method's ``locals()``, by its signature) and a new request_id. None
-        when nothing is recorded; while a record is replayed, that record (same request_id)."""
+    def call(self, method: str, **args: Any) -> tuple | None:
+        """The journal record of the service call ``method`` that will queue an op: exactly the
+        arguments :data:`records.CALLS` declares for it, and a new request_id. None when nothing is
+        recorded; while a record is replayed, that record (same request_id)."""
         replaying = _REPLAYING.get()
         if replaying is not None:
             return replaying if replaying[0] == "call" else None
         if self.quiet:
             return None
-        names = inspect.signature(getattr(self.svc, method)).parameters
-        args = {k: _encode(scope[k]) for k in names if k in scope}
+        declared = records.CALLS[method].fields
+        if set(args) != set(declared):
+            raise TypeError(f"journal: {method} records {sorted(declared)}, was given {sorted(args)}")
         return ("call", f"req-{uuid.uuid4().hex}", method, args)
 
     def accept(self, call: tuple | None) -> None:
@@ -204,8 +198,9 @@ class Durability:
         """Write a record (not while replaying, nor inside an intent, nor with durability off)."""
         if self.quiet:
             return
+        data = records.encode(record)
         try:
-            self.journal.append(record)
+            self.journal.append(data)
         except JournalFull as e:
             raise InsufficientStorage(
                 f"openrl-service cannot record the request: {e.strerror}. Nothing was accepted; free space "
@@ -297,7 +292,7 @@ class Durability:
                     box["appended"] = self.journal.appended
                     state = self._capture_registry(tensors)
                     with self._plock:
-                        state["pending"] = list(self.pending.values())
+                        state["pending"] = [records.encode(r) for r in self.pending.values()]
                     state["loop"] = {name: capture() for name, capture, _ in self.loop_state}
                 box["state"] = state
             except BaseException as e:  # noqa: BLE001 - handed back to the worker
@@ -394,18 +389,28 @@ class Durability:
     # -- recovery --------------------------------------------------------------------------------
     async def recover(self) -> int:
         """Restore the newest snapshot and replay the journal after it; returns the records replayed.
-        New appends go to a fresh segment."""
+        New appends go to a fresh segment. A record this release cannot replay (unknown, or failing
+        with anything but the refusal its request would get now) stops the start with
+        :class:`RecoveryRefused`, which names each one and what the operator can do, unless
+        ``--recovery-skip-failed`` says to drop them."""
         if not self.enabled:
             return 0
         t0 = time.perf_counter()
         snap = await asyncio.to_thread(self.journal.latest_snapshot)
         first = 1
-        records: list[tuple] = []
+        raw: list = []
         if snap is not None:
             first, state = snap
-            records += state.get("pending", [])
-        records += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
-        self._check_models(state if snap is not None else None, records)
+            raw += state.get("pending", [])
+        raw += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
+        self.failures = []
+        todo: list[tuple] = []
+        for data in raw:
+            try:
+                todo.append(records.decode(data))
+            except records.UnknownRecord as e:
+                self.failures.append((e.what, e.why))
+        self._check_models(state if snap is not None else None, todo)
         if snap is not None:
             self._restore(state)
         self.journal.open(self.journal.next_segment())
@@ -413,10 +418,11 @@ class Durability:
             "base_model": self.svc.base.name,
             "base_models": list(self.svc.models),
             "version": STATE_VERSION,
+            "format": records.FORMAT,
         }
-        self.journal.append(("meta", meta))
+        self.append_now(("meta", meta))
         seen: set[str] = set()
-        later = [r for r in records if not self._replay(r, seen)]
+        later = [r for r in todo if not self._replay(r, seen)]
         if later:
             # Sampling on a snapshot that a replayed save_weights_for_sampler makes: once the ops
             # queued before it have run, the sampler exists.
@@ -424,13 +430,15 @@ class Durability:
                 await asyncio.sleep(0.02)
             for record in later:
                 self._replay(record, seen, last_chance=True)
+        if self.failures:
+            self._refuse_or_drop(self.failures)
         now = time.time()
         for sess in self.svc.sessions.values():
             sess.last_heartbeat = now  # the outage was not the client's silence
         for run in self.svc.runs.values():
             run.last_request_time = now
         self.recovered = True
-        if snap is not None or records:
+        if snap is not None or todo:
             log.warning(
                 "recovered: snapshot %s, %d journal records replayed in %.2f s",
                 first if snap is not None else "none",
@@ -438,6 +446,37 @@ class Durability:
                 time.perf_counter() - t0,
             )
         return len(seen)
+
+    def append_now(self, record: tuple) -> None:
+        """Write a record even during recovery (the meta record that opens a new segment)."""
+        self.journal.append(records.encode(record))
+
+    def _refuse_or_drop(self, failures: list[tuple[str, str]]) -> None:
+        """Records that could not be replayed: listed in a file beside the journal; then the start is
+        refused with what to do, or (``--recovery-skip-failed``) they are dropped, loudly."""
+        listing = self.journal.folder / f"unreplayed-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        write_private(
+            listing, (json.dumps([{"record": w, "error": e} for w, e in failures], indent=1) + "\n").encode()
+        )
+        named = "; ".join(f"{w}: {e}" for w, e in failures[:3]) + (
+            f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
+        )
+        if self.svc.settings.recovery_skip_failed:
+            log.error(
+                "recovery dropped %d acknowledged journal records it cannot replay (--recovery-skip-failed): "
+                "%s. Listed in %s",
+                len(failures),
+                named,
+                listing,
+            )
+            return
+        raise RecoveryRefused(
+            f"this release cannot replay {len(failures)} acknowledged journal record(s) of the data dir: {named}. "
+            f"They are listed in {listing}; nothing in the data dir was changed. Either start the release "
+            "that wrote them on this data dir and let its clients finish (or finish their sessions), then "
+            "upgrade; or start this release with --recovery-skip-failed (OPENRL_RECOVERY_SKIP_FAILED=1) to "
+            "drop them: the requests they record are lost (their clients see them fail or their ids unknown)"
+        )
 
     def _check_models(self, state: dict | None, records: list[tuple]) -> None:
         """Refuse, before anything is restored, a snapshot or journal holding runs or samplers of a
@@ -591,7 +630,8 @@ class Durability:
                 if request_id in seen or svc.futures.known(request_id):
                     return True
                 seen.add(request_id)
-                getattr(svc, method)(**{k: _decode(v) for k, v in args.items()})
+                declared = records.CALLS[method].fields
+                getattr(svc, method)(**{k: args[k] for k in declared if k in args})
             elif kind == "meta":
                 pass  # checked before the replay
             elif kind == "native":
@@ -603,7 +643,9 @@ class Durability:
                     self.pending[intent_id] = record
                 replay = self.intent_replayers.get(intent_kind)
                 if replay is None:
-                    log.warning("journal: no replayer for %s intent %s; skipped", intent_kind, intent_id)
+                    self.failures.append(
+                        (f"record {records.describe(record)}", "no replayer for this intent kind")
+                    )
                     return True
                 task = asyncio.ensure_future(replay(intent_id, inputs))
                 self._replay_tasks.add(task)
@@ -611,9 +653,12 @@ class Durability:
             elif kind in self.record_replayers:
                 self.record_replayers[kind](record)
             else:
-                log.warning("journal: unknown record kind %r skipped", kind)
+                self.failures.append((f"record {kind!r}", "no replayer for this record type in this release"))
         except ApiError as e:
             log.warning("journal: replaying a %s record was refused now (%s); skipped", kind, e.message)
+        except Exception as e:  # noqa: BLE001 - reported by name; the start is refused unless told
+            log.exception("journal: replaying %s failed", records.describe(record))
+            self.failures.append((f"record {records.describe(record)}", f"{type(e).__name__}: {e}"))
         finally:
             _REPLAYING.reset(token)
         return True

@@ -217,7 +217,15 @@ class TrainingService(Registry, Validation):
         user_metadata = self.check_metadata(user_metadata)
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         call = self.durability.call(
-            "create_model", locals()
+            "create_model",
+            tenant=tenant,
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            spec=spec,
+            seed=seed,
+            user_metadata=user_metadata,
+            idem=idem,
         )  # with the seed drawn: a replay makes the same weights
         run = self._register_run(tenant, sess, model_seq_id, spec, seed, user_metadata, base_model)
         trainer = self.models[base_model].trainer
@@ -241,7 +249,17 @@ class TrainingService(Registry, Validation):
         user_metadata: dict | None,
         idem: str | None,
     ) -> FutureRecord:
-        call = self.durability.call("create_from_state", locals())
+        call = self.durability.call(
+            "create_from_state",
+            tenant=tenant,
+            session_id=session_id,
+            model_seq_id=model_seq_id,
+            path=path,
+            optimizer=optimizer,
+            base_model=base_model,
+            user_metadata=user_metadata,
+            idem=idem,
+        )
         sess = self.session(tenant, session_id)
         user_metadata = self.check_metadata(user_metadata)
         ref = parse_tinker_path(path)
@@ -367,7 +385,17 @@ class TrainingService(Registry, Validation):
         forward_only: bool,
         idem: str | None,
     ) -> FutureRecord:
-        call = self.durability.call("forward_backward", locals())
+        call = self.durability.call(
+            "forward_backward",
+            tenant=tenant,
+            model_id=model_id,
+            seq_id=seq_id,
+            data=data,
+            loss_fn=loss_fn,
+            loss_fn_config=loss_fn_config,
+            forward_only=forward_only,
+            idem=idem,
+        )
 
         def prepare(run: RunState):
             if isinstance(data, UserError):
@@ -487,7 +515,9 @@ class TrainingService(Registry, Validation):
     def optim_step(
         self, tenant: str, model_id: str, seq_id: Any, adam: AdamParams | UserError, idem: str | None
     ) -> FutureRecord:
-        call = self.durability.call("optim_step", locals())
+        call = self.durability.call(
+            "optim_step", tenant=tenant, model_id=model_id, seq_id=seq_id, adam=adam, idem=idem
+        )
 
         def prepare(run: RunState):
             if isinstance(adam, UserError):
@@ -526,7 +556,18 @@ class TrainingService(Registry, Validation):
         """save_state. ``writer``: the id recorded in the manifest as the request that wrote it (the
         notebook API passes its request's; Tinker calls use their request_id), so a replay after a
         crash recognises a checkpoint it wrote itself."""
-        call = self.durability.call("save_state", locals())
+        call = self.durability.call(
+            "save_state",
+            tenant=tenant,
+            model_id=model_id,
+            seq_id=seq_id,
+            name=name,
+            overwrite=overwrite,
+            user_metadata=user_metadata,
+            idem=idem,
+            ttl_seconds=ttl_seconds,
+            writer=writer,
+        )
         request_id = call[1] if call else writer
 
         def prepare(run: RunState):
@@ -570,7 +611,15 @@ class TrainingService(Registry, Validation):
     def load_state(
         self, tenant: str, model_id: str, seq_id: Any, path: Any, optimizer: bool, idem: str | None
     ) -> FutureRecord:
-        call = self.durability.call("load_state", locals())
+        call = self.durability.call(
+            "load_state",
+            tenant=tenant,
+            model_id=model_id,
+            seq_id=seq_id,
+            path=path,
+            optimizer=optimizer,
+            idem=idem,
+        )
 
         def prepare(run: RunState):
             ref = parse_tinker_path(path)
@@ -623,7 +672,17 @@ class TrainingService(Registry, Validation):
         idem: str | None,
         ttl_seconds: Any = None,
     ) -> FutureRecord:
-        call = self.durability.call("save_for_sampler", locals())
+        call = self.durability.call(
+            "save_for_sampler",
+            tenant=tenant,
+            model_id=model_id,
+            seq_id=seq_id,
+            name=name,
+            sampling_session_seq_id=sampling_session_seq_id,
+            user_metadata=user_metadata,
+            idem=idem,
+            ttl_seconds=ttl_seconds,
+        )
 
         def prepare(run: RunState):
             if name is None:
@@ -664,7 +723,16 @@ class TrainingService(Registry, Validation):
         idem: str | None,
     ) -> FutureRecord:
         """save_weights_external: the adapter as a PEFT folder to download (external_weights checkpoint)."""
-        call = self.durability.call("save_external", locals())
+        call = self.durability.call(
+            "save_external",
+            tenant=tenant,
+            model_id=model_id,
+            seq_id=seq_id,
+            name=name,
+            ttl_seconds=ttl_seconds,
+            recipients=recipients,
+            idem=idem,
+        )
 
         def prepare(run: RunState):
             if recipients:
@@ -712,7 +780,9 @@ class TrainingService(Registry, Validation):
             j if j.params.seed is not None else dataclasses.replace(j, params=self.seeded(j.params))
             for j in jobs
         ]
-        call = self.durability.call("sample_run", locals())
+        call = self.durability.call(
+            "sample_run", tenant=tenant, model_id=model_id, seq_id=seq_id, jobs=jobs, idem=idem
+        )
 
         def prepare(run: RunState):
             def resolved() -> list[SampleJob]:  # on the worker: the adapter as of this seq_id
@@ -842,7 +912,18 @@ class TrainingService(Registry, Validation):
                 prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs, base=model.base
             )
         )
-        call = self.durability.call("sample", locals())
+        call = self.durability.call(
+            "sample",
+            tenant=tenant,
+            sampler_id=sampler_id,
+            prompt=prompt,
+            num_samples=num_samples,
+            params=params,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            idem=idem,
+        )
         job = SampleJob(
             prompt=prompt,
             num_samples=num_samples,

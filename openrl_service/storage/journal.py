@@ -34,7 +34,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAGIC = b"ORJ\x01"
-VERSION = 1
+VERSION = 2  # the frame version written: 2 = records as versioned dicts (engine/records.py)
+READS = (1, 2)  # 1: the first release's records (tuples, their data classes pickled)
 HEADER = struct.Struct("<4sBII")  # magic, version, payload length, crc32
 # No room: the volume is full, a quota is reached, or the file may not grow (RLIMIT_FSIZE).
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -53,6 +54,10 @@ _ALLOWED = {
     ("openrl_service.sampling.base", "SampledSequence"),
 }
 _NUMPY = {"_reconstruct", "_frombuffer", "ndarray", "dtype", "scalar"}
+
+
+class JournalFormatError(RuntimeError):
+    """A whole, checksummed record of a format this release does not read (a newer release wrote it)."""
 
 
 class JournalFull(OSError):
@@ -93,9 +98,15 @@ def read_records(path: Path) -> Iterator[Any]:
             return
         magic, version, length, crc = HEADER.unpack(head)
         payload = data[at + HEADER.size : at + HEADER.size + length]
-        if magic != MAGIC or version != VERSION or len(payload) < length or zlib.crc32(payload) != crc:
+        if magic == MAGIC and version not in READS and len(payload) == length and zlib.crc32(payload) == crc:
+            raise JournalFormatError(
+                f"journal {path}: the record at byte {at} is of format {version}, and this release reads "
+                f"formats {', '.join(map(str, READS))}: a newer release wrote it. Start that release (or a "
+                "later one) on this data dir; nothing was changed"
+            )
+        if magic != MAGIC or version not in READS or len(payload) < length or zlib.crc32(payload) != crc:
             why = "a torn last record" if len(payload) < length else "a record failing its checksum"
-            if magic != MAGIC or version != VERSION:
+            if magic != MAGIC or version not in READS:
                 why = f"a record of another format (version {version})"
             log.warning("journal %s: %s at byte %d; it and what follows were dropped", path.name, why, at)
             return

@@ -12,7 +12,16 @@ import httpx
 import numpy as np
 import pytest
 
-from openrl_service.storage.journal import HEADER, MAGIC, Journal, JournalFull, frame, loads, read_records
+from openrl_service.storage.journal import (
+    HEADER,
+    MAGIC,
+    Journal,
+    JournalFormatError,
+    JournalFull,
+    frame,
+    loads,
+    read_records,
+)
 from tests._support.raw import RawTinker, fb_body, sft_datum
 from tests._support.serve import finish, serving
 from tests.conftest import ALICE_KEY, free_port
@@ -61,14 +70,15 @@ def test_a_record_failing_its_checksum_and_what_follows_are_dropped(tmp_path, ca
     assert "checksum" in caplog.text
 
 
-def test_a_record_of_another_format_version_is_not_read(tmp_path, caplog):
+def test_a_record_of_a_later_format_stops_the_reading_and_says_which_release_reads_it(tmp_path):
+    """Never dropped as if torn: a newer release's records are acknowledged work."""
     path = tmp_path / "seg-00000001.log"
     good = frame(("r", 1))
     future = bytearray(frame(("r", 2)))
     future[4] = 99  # a later format
     path.write_bytes(good + bytes(future))
-    assert list(read_records(path)) == [("r", 1)]
-    assert "version 99" in caplog.text
+    with pytest.raises(JournalFormatError, match=r"format 99.*a newer release wrote it.*nothing was changed"):
+        list(read_records(path))
 
 
 def test_only_journal_types_load(tmp_path):

@@ -60,7 +60,7 @@ def test_an_earlier_release_s_data_dir_recovers_everything_acknowledged(recovere
 def test_an_earlier_release_s_run_continues_bit_for_bit(recovered):
     live, expected = recovered
     model_id = expected["model_id"]
-    assert adapter_digest(live.service, model_id) == expected["adapter_sha256"]
-    with live.client() as http:
+    with live.client() as http:  # after the replayed steps (one lane, in seq order)
         loss = loss_of(RawTinker(http), model_id, expected["next_seq_id"])
     assert loss == expected["next_loss"]
+    assert adapter_digest(live.service, model_id) == expected["adapter_sha256"]  # a forward_backward keeps it
