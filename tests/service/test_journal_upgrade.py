@@ -20,7 +20,7 @@ from tests.conftest import start_server
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-@pytest.fixture(params=["datadir-journal-v1"])
+@pytest.fixture(params=["datadir-journal-v1", "datadir-journal-v2"])
 def recovered(request, tmp_path, tiny_model_dir):
     fixture = FIXTURES / request.param
     expected = json.loads((fixture / "expected.json").read_text())
