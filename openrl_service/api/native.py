@@ -33,6 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
+from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.jobs import JOB_META_KEY
@@ -67,7 +68,7 @@ def build_native_router(svc: TrainingService) -> APIRouter:
 
     async def once(request: Request, make):
         """``make()``, or the first reply of this request's X-Idempotency-Key."""
-        return await replies.reply(request, tenant(request), make)
+        return await idempotent(replies, request, tenant(request), make)
 
     async def post(request: Request, run_id: str, op, status: int = 200):
         """An idempotent POST on a run: ``op(tenant, run_id, body, identity)`` as JSON."""

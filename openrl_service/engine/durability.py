@@ -42,23 +42,24 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from openrl_service.engine import records
 from openrl_service.engine.futures import FutureRecord
+from openrl_service.engine.state import RunState, SamplerEntry
 from openrl_service.errors import ApiError
 from openrl_service.storage.files import write_private
 from openrl_service.storage.journal import Journal, JournalFull
 
-if TYPE_CHECKING:
-    from openrl_service.engine.service import TrainingService
-
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+# 2: plain data (engine/records.py values), the runs' and samplers' tensors in snap-N.tensors
+# (safetensors) by reference; 1: the first release's, data classes pickled and tensors inline (read)
+STATE_VERSION = 2
+STATE_VERSIONS = (1, 2)
 
 # Set while a journal record is replayed: the record (so the call it makes is not journaled again).
 _REPLAYING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("openrl_replaying", default=None)
@@ -117,7 +118,7 @@ def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
 class Durability:
     """The journal, snapshots and recovery of one service (a no-op with ``--durability none``)."""
 
-    def __init__(self, svc: TrainingService):
+    def __init__(self, svc: Any):  # the TrainingService whose state it journals
         s = svc.settings
         self.svc = svc
         self.enabled = s.durability == "journal"
@@ -254,6 +255,56 @@ class Durability:
             and self.interval_s > 0
         )
 
+    def _write_snapshot(self, n: int, state: dict) -> int:
+        """Snapshot ``n`` as data: the runs' and samplers' tensors go to their own file (referenced by
+        key), everything else through the records' value codec."""
+        tensors: dict[str, np.ndarray] = {}
+
+        def refer(data: tuple[str, np.ndarray]) -> tuple[str, tuple]:
+            dtype, arr = data
+            key = f"t{len(tensors)}"
+            tensors[key] = np.ascontiguousarray(arr)
+            return dtype, (b"tensor", {"key": key})
+
+        def adapter(weights: dict) -> dict:
+            return {m: (refer(a), refer(b)) for m, (a, b) in weights.items()}
+
+        runs = []
+        for r in state["runs"]:
+            t = r["state"]
+            if t is not None:
+                t = {
+                    **t,
+                    "weights": adapter(t["weights"]),
+                    "grads": {k: refer(v) for k, v in t["grads"].items()},
+                    "optimizer": {k: refer(v) for k, v in t["optimizer"].items()},
+                }
+            runs.append({**r, "state": t})
+        samplers = [
+            {**e, "weights": None if e["weights"] is None else adapter(e["weights"])}
+            for e in state["samplers"]
+        ]
+        data = records.encode_value({**state, "runs": runs, "samplers": samplers})
+        return self.journal.write_snapshot(n, data, tensors)
+
+    def _read_snapshot(self, n: int, state: dict) -> dict:
+        """A snapshot's state as the restore takes it (tensors loaded from its file)."""
+        if state.get("version") not in STATE_VERSIONS:
+            raise RuntimeError(
+                f"snapshot {n} is of format {state.get('version')}; this release reads formats "
+                f"{', '.join(map(str, STATE_VERSIONS))} (a newer release wrote it): start that release "
+                "on this data dir; nothing was changed"
+            )
+        if state["version"] == 1:
+            return state  # inline tensors, its data classes unpickled as they are
+        path = self.journal.snapshot_tensors(n)
+        if not path.exists():
+            return records.decode_value(state)
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            return records.decode_value(state, tensors=f.get_tensor)
+
     async def snapshot(self, reason: str = "interval") -> bool:
         """Take a snapshot: capture on the worker (between ops) and on the loop, write it off both."""
         if not self.enabled or not self.recovered or not self._snap_lock.acquire(blocking=False):
@@ -267,7 +318,7 @@ class Durability:
             if captured is None:
                 return False
             n, state, appended = captured
-            size = await asyncio.to_thread(self.journal.write_snapshot, n, state)
+            size = await asyncio.to_thread(self._write_snapshot, n, state)
             self.snapshotted_at = appended
             log.info("snapshot %d (%s): %d bytes in %.2f s", n, reason, size, time.perf_counter() - t0)
             return True
@@ -401,6 +452,7 @@ class Durability:
         raw: list = []
         if snap is not None:
             first, state = snap
+            state = await asyncio.to_thread(self._read_snapshot, first, state)
             raw += state.get("pending", [])
         raw += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
         self.failures = []
@@ -540,11 +592,8 @@ class Durability:
             return None
 
     def _restore(self, state: dict) -> None:
-        from openrl_service.engine.registry import RunState, SamplerEntry
 
         svc = self.svc
-        if state.get("version") != STATE_VERSION:
-            raise RuntimeError(f"snapshot format {state.get('version')} is not {STATE_VERSION}")
         for fields in state["sessions"]:
             svc.restore_session(fields)
         svc._ended.update(state["ended"])

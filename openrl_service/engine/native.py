@@ -52,11 +52,11 @@ import anyio
 import numpy as np
 import orjson
 
-from openrl_service.api.idempotency import IdempotentReplies
 from openrl_service.checks import integer, number
 from openrl_service.engine.jobs import JOB_META_KEY, check_unlabelled
-from openrl_service.engine.registry import new_session_id
+from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
+from openrl_service.engine.state import new_session_id
 from openrl_service.errors import ApiError, Conflict, Forbidden, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.storage.checkpoints import check_name

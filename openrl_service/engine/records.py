@@ -141,9 +141,9 @@ UPGRADES: dict[tuple[str, int], Callable[[dict], dict]] = {}
 def encode_value(v: Any) -> Any:
     """A record's value as plain data (containers, numbers, strings, numpy arrays, tagged tuples)."""
     from openrl_service.errors import ApiError
-    from openrl_service.sampling.base import SampleJob, SamplingParams
+    from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays
+    from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if v is None or isinstance(v, (str, bool, int, float, np.ndarray, np.generic, bytes)):
         return v
@@ -153,6 +153,8 @@ def encode_value(v: Any) -> Any:
         return [encode_value(x) for x in v]
     if isinstance(v, tuple):
         return tuple(encode_value(x) for x in v)
+    if isinstance(v, (set, frozenset)):
+        return (b"set", [encode_value(x) for x in v])
     if isinstance(v, ApiError):
         return (b"error", {"json": v.to_json(), "status": v.status_code})
     if isinstance(v, LoraSpec):
@@ -180,25 +182,57 @@ def encode_value(v: Any) -> Any:
                 "topk_sample_logprobs": v.topk_sample_logprobs,
             },
         )
+    if isinstance(v, ForwardResult):
+        return (
+            b"forward_result",
+            {"logprobs": list(v.logprobs), "loss": v.loss, "tokens": v.tokens, "stats": v.stats},
+        )
+    if isinstance(v, SampleOutput):
+        return (
+            b"sample_output",
+            {
+                "sequences": [encode_value(q) for q in v.sequences],
+                "prompt_logprobs": v.prompt_logprobs,
+                "topk_prompt_ids": v.topk_prompt_ids,
+                "topk_prompt_logprobs": v.topk_prompt_logprobs,
+                "tokens": v.tokens,
+                "backend": v.backend,
+                "notice": v.notice,
+            },
+        )
+    if isinstance(v, SampledSequence):
+        return (
+            b"sampled_sequence",
+            {
+                "tokens": list(v.tokens),
+                "logprobs": list(v.logprobs),
+                "stop_reason": v.stop_reason,
+                "topk_ids": v.topk_ids,
+                "topk_logprobs": v.topk_logprobs,
+            },
+        )
     raise TypeError(f"journal: a {type(v).__name__} is not record data")
 
 
-def decode_value(v: Any) -> Any:
+def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> Any:
+    """The inverse of :func:`encode_value`; ``tensors`` resolves a snapshot's tensor references."""
     from openrl_service.errors import RestoredError
-    from openrl_service.sampling.base import SampleJob, SamplingParams
+    from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays
+    from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if isinstance(v, dict):
-        return {k: decode_value(x) for k, x in v.items()}
+        return {k: decode_value(x, tensors) for k, x in v.items()}
     if isinstance(v, list):
-        return [decode_value(x) for x in v]
+        return [decode_value(x, tensors) for x in v]
     if not isinstance(v, tuple):
         return v
     if len(v) == 2 and isinstance(v[0], bytes):
         tag, d = v
         if tag == b"error":
             return RestoredError(d["json"], d["status"])
+        if tag == b"set":
+            return {decode_value(x, tensors) for x in d}
         if tag == b"lora":
             return LoraSpec(
                 rank=d["rank"],
@@ -238,8 +272,34 @@ def decode_value(v: Any) -> Any:
                 topk_prompt_logprobs=d["topk_prompt_logprobs"],
                 topk_sample_logprobs=d["topk_sample_logprobs"],
             )
+        if tag == b"forward_result":
+            return ForwardResult(
+                logprobs=list(d["logprobs"]), loss=d["loss"], tokens=d["tokens"], stats=d["stats"]
+            )
+        if tag == b"sample_output":
+            return SampleOutput(
+                sequences=[decode_value(q) for q in d["sequences"]],
+                prompt_logprobs=d["prompt_logprobs"],
+                topk_prompt_ids=d["topk_prompt_ids"],
+                topk_prompt_logprobs=d["topk_prompt_logprobs"],
+                tokens=d["tokens"],
+                backend=d["backend"],
+                notice=d["notice"],
+            )
+        if tag == b"sampled_sequence":
+            return SampledSequence(
+                tokens=list(d["tokens"]),
+                logprobs=list(d["logprobs"]),
+                stop_reason=d["stop_reason"],
+                topk_ids=d["topk_ids"],
+                topk_logprobs=d["topk_logprobs"],
+            )
+        if tag == b"tensor":
+            if tensors is None:
+                raise UnknownRecord("a value", "a tensor reference outside a snapshot")
+            return tensors(d["key"])
         raise UnknownRecord("a value", f"unknown tag {tag!r}")
-    return tuple(decode_value(x) for x in v)
+    return tuple(decode_value(x, tensors) for x in v)
 
 
 # -- records -----------------------------------------------------------------------------------

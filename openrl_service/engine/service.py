@@ -41,8 +41,9 @@ from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
 from openrl_service.engine.futures import FutureRecord, FutureStore
-from openrl_service.engine.registry import Registry, RunState, SamplerEntry, ServedModel, spec_from_manifest
+from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine, Fusable, Op
+from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError
 from openrl_service.kube import launcher_from_settings

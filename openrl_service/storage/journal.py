@@ -142,9 +142,14 @@ class Journal:
     def _snap(self, n: int) -> Path:
         return self.folder / f"snap-{n:08d}.bin"
 
+    def snapshot_tensors(self, n: int) -> Path:
+        """Snapshot ``n``'s tensors (safetensors), beside it; absent when it has none."""
+        return self.folder / f"snap-{n:08d}.tensors"
+
     def _numbers(self, prefix: str) -> list[int]:
         out = []
-        for p in self.folder.glob(f"{prefix}-*"):
+        suffix = {"snap": ".bin", "seg": ".log"}[prefix]
+        for p in self.folder.glob(f"{prefix}-*{suffix}"):
             stem = p.name.split("-", 1)[1].split(".", 1)[0]
             if stem.isdigit() and not p.name.endswith(".tmp"):
                 out.append(int(stem))
@@ -239,9 +244,21 @@ class Journal:
             self._open(max(self.segment + 1, self.next_segment()))
             return self.segment
 
-    def write_snapshot(self, n: int, state: Any) -> int:
-        """Write snapshot ``n`` atomically (temp file, fsync, rename), then drop what it replaces:
-        segments before ``n`` and older snapshots. Returns its size in bytes."""
+    def write_snapshot(self, n: int, state: Any, tensors: dict | None = None) -> int:
+        """Write snapshot ``n`` atomically (temp file, fsync, rename) — its ``tensors`` first, to
+        ``snap-N.tensors`` (safetensors), the state that refers to them last — then drop what it
+        replaces: segments before ``n`` and older snapshots. Returns its size in bytes."""
+        size = 0
+        if tensors:
+            from safetensors.numpy import save_file
+
+            path = self.snapshot_tensors(n)
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(tensors, str(tmp))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            size += path.stat().st_size
         data = frame(state)
         tmp = self.folder / f"snap-{n:08d}.bin.tmp"
         with open(tmp, "wb") as f:
@@ -256,10 +273,14 @@ class Journal:
         for k in self._numbers("snap"):
             if k < n:
                 self._snap(k).unlink(missing_ok=True)
+        for p in self.folder.glob("snap-*.tensors"):  # older ones, and any a crash left without its snapshot
+            stem = p.name.split("-", 1)[1].split(".", 1)[0]
+            if stem.isdigit() and int(stem) < n:
+                p.unlink(missing_ok=True)
         for stale in self.folder.glob("*.tmp"):
             if stale != tmp:
                 stale.unlink(missing_ok=True)
-        return len(data)
+        return size + len(data)
 
     def close(self) -> None:
         with self._lock:

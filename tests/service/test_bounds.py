@@ -8,8 +8,9 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openrl_service.api.idempotency import HEADER, IdempotentReplies
+from openrl_service.api.idempotency import idempotent
 from openrl_service.config import Limits
+from openrl_service.engine.replies import HEADER, IdempotentReplies
 from tests._support.raw import RawTinker
 from tests.conftest import ALICE_KEY
 
@@ -110,10 +111,10 @@ def test_remembered_replies_are_bounded_in_count_and_bytes(limit):
 
     async def main():
         for i in range(10):
-            await store.reply(_request(f"k{i}"), "alice", lambda _, i=i: make(i))
+            await idempotent(store, _request(f"k{i}"), "alice", lambda _, i=i: make(i))
         assert len(store._entries) <= 3 and store.stored_bytes <= 3000
-        await store.reply(_request("k9"), "alice", lambda _: make(99))  # remembered
-        await store.reply(_request("k0"), "alice", lambda _: make(100))  # forgotten: runs again
+        await idempotent(store, _request("k9"), "alice", lambda _: make(99))  # remembered
+        await idempotent(store, _request("k0"), "alice", lambda _: make(100))  # forgotten: runs again
 
     asyncio.run(main())
     assert calls == [*range(10), 100]

@@ -10,8 +10,9 @@ import pytest
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from openrl_service.api import idempotency
-from openrl_service.api.idempotency import IdempotentReplies
+from openrl_service.api.idempotency import idempotent
+from openrl_service.engine import replies as idempotency
+from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.errors import UserError
 from tests.conftest import ALICE_KEY
 from tests.service.test_scheduling import held_worker, wait_for
@@ -50,7 +51,7 @@ def test_replies_expire_after_the_ttl_and_the_count_is_bounded(monkeypatch):
     calls, make = counting()
 
     async def send(key):
-        return (await replies.reply(request(key), "alice", make)).body
+        return (await idempotent(replies, request(key), "alice", make)).body
 
     async def scenario():
         assert await send("a") == b"reply 1"
@@ -71,11 +72,11 @@ def test_a_key_reused_for_another_body_is_refused():
     _, make = counting()
 
     async def scenario():
-        await replies.reply(request("k", b'{"a": 1}'), "alice", make)
+        await idempotent(replies, request("k", b'{"a": 1}'), "alice", make)
         with pytest.raises(UserError, match="X-Idempotency-Key 'k' was already used for a different request"):
-            await replies.reply(request("k", b'{"a": 2}'), "alice", make)
+            await idempotent(replies, request("k", b'{"a": 2}'), "alice", make)
         # another tenant's key is another key
-        assert (await replies.reply(request("k", b'{"a": 2}'), "bob", make)).status_code == 200
+        assert (await idempotent(replies, request("k", b'{"a": 2}'), "bob", make)).status_code == 200
 
     asyncio.run(scenario())
 

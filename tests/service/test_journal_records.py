@@ -16,7 +16,7 @@ from openrl_service.sampling.base import SampleJob, SamplingParams
 from openrl_service.storage.journal import HEADER, Journal, frame, loads
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import AdamParams, DatumArrays
-from tests._support.raw import RawTinker
+from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import start_server
 
 
@@ -139,3 +139,42 @@ def test_told_to_skip_it_the_service_starts_with_everything_else(tmp_path, tiny_
         assert next((tmp_path / "data" / "journal").glob("unreplayed-*.json")).exists()
     finally:
         live.stop()
+
+
+def test_a_snapshot_is_plain_data_with_its_tensors_in_a_file_beside_it(tmp_path, tiny_model_dir):
+    """No class of the service is pickled in a snapshot, and the adapters, gradients and Adam moments
+    are a safetensors file it refers to (full fine-tuning will make them gigabytes): a restart from it
+    has the run bit for bit."""
+    import asyncio
+
+    from safetensors import safe_open
+
+    from tests._support.datadir_fixture import adapter_digest, train_step
+
+    live = start_server(tmp_path / "data", tiny_model_dir, snapshot_interval_s=0)
+    try:
+        with live.client() as http:
+            raw = RawTinker(http)
+            model_id = raw.create_model(raw.session(), rank=4)
+            seq = train_step(raw, model_id, 1)
+            raw.result(raw.submit_fb(model_id, seq, [sft_datum([1, 2, 3], [4, 5])]))  # a gradient pending
+        svc = live.service
+        assert asyncio.run_coroutine_threadsafe(svc.durability.snapshot("test"), svc.futures.loop).result(60)
+        digest = adapter_digest(svc, model_id)
+        journal = tmp_path / "data" / "journal"
+        (snap,) = journal.glob("snap-*.bin")
+        assert b"openrl_service" not in snap.read_bytes()
+        with safe_open(str(snap.with_suffix(".tensors")), framework="numpy") as f:
+            keys = list(f.keys())
+        run = svc.runs[model_id]
+        per_run = 2 * len(run.state.adapter.weights)  # A and B of each module
+        assert len(keys) >= 4 * per_run  # weights, gradients, two Adam moments
+    finally:
+        live.stop()
+    again = start_server(tmp_path / "data", tiny_model_dir)
+    try:
+        assert adapter_digest(again.service, model_id) == digest
+        grads = [p.grad for _, p in again.service.runs[model_id].state.adapter.named_parameters()]
+        assert all(g is not None for g in grads), "the pending gradient was not restored"
+    finally:
+        again.stop()

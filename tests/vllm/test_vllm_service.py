@@ -120,7 +120,7 @@ def torch_base(tiny_model_dir):
 
 def torch_greedy(svc: Service, base, path: str, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the checkpoint at ``path`` from the torch sampler, here in-process."""
-    from openrl_service.engine.registry import spec_from_manifest
+    from openrl_service.engine.state import spec_from_manifest
     from openrl_service.sampling.base import SampleJob, SamplingParams
     from openrl_service.sampling.torch_sampler import TorchSampler
     from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
