@@ -15,11 +15,12 @@ from openrl_jupyter._exceptions import (
     ServerError,
     ServiceError,
     ServiceUnavailable,
+    UsageError,
 )
 from openrl_jupyter.client import AsyncClient, Client
 from openrl_jupyter.rewards import reward
 from openrl_jupyter.run import Run, RunState
-from openrl_jupyter.session import Session, UsageError, connect, disconnect, get_session
+from openrl_jupyter.session import Session, connect, disconnect, get_session
 
 __version__ = "0.1.0"
 

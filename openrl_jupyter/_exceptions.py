@@ -2,6 +2,7 @@
 "the service (or the way to it) failed":
 
     OpenRLError
+    ├── UsageError            the caller asked for something impossible (a bad flag, a missing extra)
     ├── RequestError          the service refused the request (4xx); the message names the field
     │   ├── AuthenticationError   missing or wrong key (401)
     │   └── NotFoundError         unknown or foreign run, sample or checkpoint (404)
@@ -21,6 +22,10 @@ class OpenRLError(Exception):
     def _render_traceback_(self) -> list[str]:
         """IPython shows an expected failure as one red line, not a traceback."""
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class UsageError(OpenRLError):
+    """The caller asked for something impossible (a bad flag, a missing extra, no URL)."""
 
 
 class RequestError(OpenRLError):

@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrl_common.checks import integer, number
+from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
-from openrl_jupyter.session import UsageError
-from openrl_service.checks import integer, number
 
 LOSSES = ("importance_sampling", "ppo")
 

@@ -22,10 +22,9 @@ from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub
-from openrl_jupyter._exceptions import OpenRLError
+from openrl_jupyter._exceptions import OpenRLError, UsageError
 from openrl_jupyter.config import LOSSES
 from openrl_jupyter.rewards import registry
-from openrl_jupyter.session import UsageError
 
 KEY_SOURCES = {
     "hub": "this JupyterHub server's own token (your hub user)",

@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from openrl_jupyter.session import UsageError
+from openrl_jupyter._exceptions import UsageError
 
 
 @dataclass(frozen=True)

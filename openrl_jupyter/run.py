@@ -49,17 +49,19 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from openrl_jupyter._exceptions import NotFoundError, OpenRLError, RequestError, ServiceUnavailable
+from openrl_jupyter._exceptions import (
+    NotFoundError,
+    OpenRLError,
+    RequestError,
+    ServiceUnavailable,
+    UsageError,
+)
 from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.config import TrainConfig
 from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
 from openrl_jupyter.runner import get_runner, notify
-from openrl_jupyter.session import UsageError
-
-if TYPE_CHECKING:
-    from openrl_jupyter.session import Session
 
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
@@ -155,7 +157,7 @@ class RunTimeout(OpenRLError, TimeoutError):
 class Run:
     """A background RL run; its methods are safe to call from any cell (any thread)."""
 
-    def __init__(self, session: Session, config: TrainConfig):
+    def __init__(self, session: Any, config: TrainConfig):
         self.session = session
         self.config = config
         self.name = config.name or f"run-{uuid.uuid4().hex[:6]}"

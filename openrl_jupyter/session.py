@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import OpenRLError
+from openrl_jupyter._exceptions import OpenRLError, UsageError
 from openrl_jupyter.client import AsyncClient, Client
 from openrl_jupyter.hub import hub_token, keep_alive
 from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, find_detached, start_service
@@ -34,10 +34,6 @@ if TYPE_CHECKING:
     from openrl_jupyter.sweep import Sweep
 
 DEFAULT_NAME = "default"
-
-
-class UsageError(OpenRLError):
-    """The caller asked for something impossible (a bad flag, a missing extra, no URL)."""
 
 
 @dataclass

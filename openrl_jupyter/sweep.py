@@ -38,12 +38,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from openrl_jupyter._exceptions import OpenRLError
-from openrl_jupyter.session import UsageError
+from openrl_jupyter._exceptions import OpenRLError, UsageError
 
 if TYPE_CHECKING:
     from openrl_jupyter.run import Run
-    from openrl_jupyter.session import Session
 
 GRID_KEYS = (
     "lr",
@@ -179,7 +177,7 @@ class Sweep:
 
     def __init__(
         self,
-        session: Session,
+        session: Any,
         *,
         reward: Any = None,
         prompts: Any,

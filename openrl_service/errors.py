@@ -23,6 +23,7 @@ from __future__ import annotations
 class ApiError(Exception):
     status_code = 500
     category = "server"
+    takes_field = True  # openrl_common.checks names the field it refuses
 
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)

@@ -7,6 +7,7 @@ FROM quay.io/jupyter/minimal-notebook:2025-10-06
 COPY --chown=1000:100 pyproject.toml README.md /tmp/openrl-jupyter/
 COPY --chown=1000:100 openrl_jupyter /tmp/openrl-jupyter/openrl_jupyter
 COPY --chown=1000:100 openrl_service /tmp/openrl-jupyter/openrl_service
+COPY --chown=1000:100 openrl_common /tmp/openrl-jupyter/openrl_common
 COPY --chown=1000:100 labextension /tmp/openrl-jupyter/labextension
 COPY --chown=1000:100 jupyter-config /tmp/openrl-jupyter/jupyter-config
 # Building the wheel builds the JupyterLab panel from labextension/ (its yarn.lock) with node from the

@@ -17,6 +17,7 @@ WORKDIR /build
 COPY pyproject.toml README.md constraints-cpu.txt ./
 COPY openrl_service ./openrl_service
 COPY openrl_jupyter ./openrl_jupyter
+COPY openrl_common ./openrl_common
 # (SKIP_JUPYTER_BUILDER: no Jupyter in this image, so the wheel is built without the lab extension and node.)
 # torch's CPU wheel first (the version constraints-cpu.txt pins), then the package with its service extra.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints-cpu.txt torch \

@@ -25,6 +25,7 @@ WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY openrl_service ./openrl_service
 COPY openrl_jupyter ./openrl_jupyter
+COPY openrl_common ./openrl_common
 # the service image has no Jupyter: the wheel is built without the lab extension (no node)
 RUN SKIP_JUPYTER_BUILDER=1 pip install ".[service,vllm,k8s]" && rm -rf /build
 

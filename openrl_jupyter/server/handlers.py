@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -29,9 +29,6 @@ from openrl_jupyter.server.connection import (
     unreachable,
 )
 
-if TYPE_CHECKING:
-    from openrl_jupyter.server.app import OpenRLServer
-
 API = "/openrl/v1"
 RUN_ID = r"[A-Za-z0-9_.:%\-]{1,300}"  # ":" may come percent-encoded
 ACTIONS = ("pause", "resume", "stop")
@@ -48,7 +45,7 @@ class OpenRLHandler(APIHandler):
     # idle server as idle). A control POST is activity (see ControlHandler).
     _track_activity = False
 
-    def initialize(self, ext: OpenRLServer) -> None:
+    def initialize(self, ext: Any) -> None:  # the OpenRLServer extension (app.py)
         self.ext = ext
 
     def target(self) -> Target:
@@ -298,7 +295,7 @@ def control_body(raw: bytes) -> dict:
     return out
 
 
-def routes(ext: OpenRLServer) -> list[tuple]:
+def routes(ext: Any) -> list[tuple]:  # ext: the OpenRLServer extension (app.py)
     """The extension's routes (ExtensionApp puts the server's base URL in front)."""
     kw = {"ext": ext}
     return [

@@ -23,6 +23,7 @@ import openrl_jupyter.session as sessions
 from openrl_jupyter import jobs
 from openrl_jupyter._exceptions import RequestError
 from openrl_jupyter.client import Client
+from openrl_jupyter.jobs import worker
 from openrl_jupyter.session import UsageError
 from tests._support.kernel import Kernel, of_type
 from tests.conftest import ALICE_KEY
@@ -289,7 +290,7 @@ def test_a_job_whose_run_stays_paused_on_an_error_fails_and_its_worker_exits(ses
     assert "paused on error" in str(err.value) and "broken in the job" in str(err.value), str(err.value)
     wait_for(lambda: job.state == "failed", 60, "the job to fail after OPENRL_JOB_PAUSED_ERROR_S")
     assert "paused on error" in job.entry["message"] and "OPENRL_JOB_PAUSED_ERROR_S" in job.entry["message"]
-    assert job.process.wait(30) == jobs.EXIT_FAILED, job.logs()
+    assert job.process.wait(30) == worker.EXIT_FAILED, job.logs()
 
 
 def test_deleting_a_running_local_job_ends_its_worker(session, jobs_dir):
@@ -298,7 +299,7 @@ def test_deleting_a_running_local_job_ends_its_worker(session, jobs_dir):
     # DELETE from elsewhere (not this handle, which would also signal its child): the worker finds
     # its key revoked and exits by itself
     session.client.delete_job(job.job_id)
-    assert job.process.wait(60) == jobs.EXIT_FAILED, job.logs()
+    assert job.process.wait(60) == worker.EXIT_FAILED, job.logs()
     assert "the job is gone" in job.logs()
 
 
@@ -322,7 +323,7 @@ def test_a_sigterm_without_a_stop_reports_nothing_so_a_retry_can_take_over(sessi
     job = local_job(session, "term")
     wait_for(lambda: job.runs, 120, "the run")
     job.process.send_signal(signal.SIGTERM)
-    assert job.process.wait(60) == jobs.EXIT_TERMINATED, job.logs()
+    assert job.process.wait(60) == worker.EXIT_TERMINATED, job.logs()
     with Client(session.url, token=ALICE_KEY) as c:
         assert c.get_job(job.job_id)["state"] == "running"  # not stopped: the key still works
     with pytest.warns(UserWarning, match="exited with code 143"):
@@ -345,7 +346,7 @@ def test_the_worker_skips_a_payload_version_it_cannot_load_and_keeps_the_noteboo
 
     from openrl_jupyter.rewards import registry
 
-    w = jobs._Worker("http://127.0.0.1:9", "tml-job-x", "job-x")
+    w = worker._Worker("http://127.0.0.1:9", "tml-job-x", "job-x")
     reported = []
     monkeypatch.setattr(w, "report", lambda state, message=None, **f: reported.append((state, message)))
     name = f"r_{uuid.uuid4().hex[:6]}"
@@ -372,10 +373,10 @@ def test_the_worker_refuses_a_payload_of_another_python_or_cloudpickle():
     import cloudpickle
 
     with pytest.raises(Exception, match=r"python 2\.7 \(the notebook\) vs 3\.\d+ \(this worker\)"):
-        jobs.check_versions({"python": "2.7.18", "cloudpickle": cloudpickle.__version__})
+        worker.check_versions({"python": "2.7.18", "cloudpickle": cloudpickle.__version__})
     with pytest.raises(Exception, match=r"cloudpickle 0\.1 \(the notebook\) vs"):
-        jobs.check_versions({"python": ".".join(map(str, sys.version_info[:3])), "cloudpickle": "0.1"})
-    jobs.check_versions(
+        worker.check_versions({"python": ".".join(map(str, sys.version_info[:3])), "cloudpickle": "0.1"})
+    worker.check_versions(
         {"python": ".".join(map(str, sys.version_info[:3])), "cloudpickle": cloudpickle.__version__}
     )
 

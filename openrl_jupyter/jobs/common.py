@@ -1,0 +1,36 @@
+"""What the parts of :mod:`openrl_jupyter.jobs` share: formats, names, timings."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+PAYLOAD_FORMAT = 1
+WHERE = ("local", "k8s")
+TERMINAL = ("finished", "failed", "stopped")
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+DUMMY_COMPLETION = "ok"  # what the proof scores: a short completion any reward must take
+PROOF_TIMEOUT_S = 120.0
+WORKER_POLL_S = 1.0  # the worker asks for new payload versions this often
+ATTACH_POLL_S = 1.0
+DELETE_WAIT_S = 15.0  # Job.delete waits this long for its own local worker to end after SIGTERM  # an attached view asks the service for new rows this often
+K8S_KEYS = ("image", "volumes", "cpu", "memory")
+# never by value: these are installed wherever a job runs (and are the code that runs it)
+ALWAYS_BY_REFERENCE = {"openrl_common", "openrl_jupyter", "openrl_service", "cloudpickle", "tests"}
+_pickle_lock = threading.Lock()
+EXIT_FAILED = 3  # reported failed: a retry cannot help (Kubernetes: podFailurePolicy FailJob)
+EXIT_TERMINATED = 143  # SIGTERM without a stop (preemption, node drain): a retry pod takes over
+
+
+def jobs_dir() -> str:
+    """Where local jobs' logs and working folders go: ``$OPENRL_JOBS_DIR``, else the Jupyter data
+    folder's ``openrl-jobs``."""
+    if os.environ.get("OPENRL_JOBS_DIR"):
+        return os.environ["OPENRL_JOBS_DIR"]
+    try:
+        from jupyter_core.paths import jupyter_data_dir
+
+        return os.path.join(jupyter_data_dir(), "openrl-jobs")
+    except ImportError:
+        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", "jobs")
