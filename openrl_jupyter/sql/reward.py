@@ -339,7 +339,7 @@ def sql_reward(prompt: str, completion: str, **info: Any) -> float:
     and ``info["seed"]`` (default 0): a detached run gets it back from the seed, not the kernel's file. The sqlite error of a failed query is printed, so it lands in the
     run's log.
     """
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     for key in ("sql", "db_id"):
         if key not in info and not (key == "db_id" and "db_path" in info):

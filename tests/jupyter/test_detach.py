@@ -541,7 +541,7 @@ def test_a_detached_run_outlives_its_kernel_and_a_new_kernel_attaches_to_its_who
 
 
 def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_its_runs(session, jobs_dir):
-    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter import sql as sql_data
     from openrl_jupyter.sql.reward import sql_reward
 
     examples = sql_data.generate(0, per_template=1).train[:2]
@@ -674,7 +674,7 @@ def test_k8s_detach_creates_the_kubernetes_job_and_its_pod_command_runs_with_the
 
 
 def test_the_sql_reward_rebuilds_a_database_the_job_does_not_have_from_its_seed(tmp_path):
-    from openrl_jupyter.sql import data as sql_data
+    from openrl_jupyter import sql as sql_data
     from openrl_jupyter.sql.reward import sql_reward
 
     example = sql_data.generate(0, per_template=1).train[0]

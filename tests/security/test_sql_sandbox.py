@@ -286,7 +286,7 @@ def host(tmp_path, monkeypatch):
 
 
 def db_name() -> str:
-    from openrl_jupyter.sql.data import GENERATOR_VERSION
+    from openrl_jupyter.sql.schemas import GENERATOR_VERSION
 
     return f"shop-v{GENERATOR_VERSION}-seed0.sqlite"
 
@@ -309,7 +309,7 @@ def plant(path: Path, owner: int | None = ATTACKER) -> Path:
 def fresh_digest(tmp_path: Path) -> str:
     import hashlib
 
-    from openrl_jupyter.sql.data import build_database
+    from openrl_jupyter.sql.schemas import build_database
 
     return hashlib.sha256(build_database("shop", 0, tmp_path / "fresh.sqlite").read_bytes()).hexdigest()
 
@@ -321,7 +321,7 @@ def digest(path: Path) -> str:
 
 
 def test_a_database_planted_in_the_shared_temp_folder_is_never_used(host):
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     folder = host.shared / "openrl-sql"  # where every account's rewards used to look
     plant(folder / db_name())
@@ -372,7 +372,7 @@ UNSAFE = [
 
 @pytest.mark.parametrize("case", UNSAFE)
 def test_an_unsafe_default_cache_is_refused_naming_the_path_and_why(host, case):
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     host.cache.parent.mkdir(parents=True, mode=0o700)
     where, why = _unsafe(case, host.cache)
@@ -397,7 +397,7 @@ def test_an_unsafe_explicit_directory_is_refused_naming_the_path_and_why(tmp_pat
 def test_a_tampered_database_of_the_same_owner_is_rebuilt_before_use(host, tmp_path, where):
     """Same owner, private modes, wrong content (a stale generator, a bad disk, a plant by a process
     of this user): not trusted; rebuilt from the seed, and scored against the rebuilt one."""
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     folder = host.cache if where == "default" else tmp_path / "explicit"
     folder.mkdir(parents=True, mode=0o700)
@@ -411,7 +411,7 @@ def test_a_tampered_database_of_the_same_owner_is_rebuilt_before_use(host, tmp_p
 
 
 def test_a_database_replaced_after_first_use_is_checked_again(host, tmp_path):
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     path = database_path("shop", 0)
     os.replace(plant(tmp_path / "new.sqlite", owner=None), path)

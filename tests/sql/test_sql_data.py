@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from openrl_jupyter.sql import SCHEMAS, generate, render_prompt, schema_text, skeleton
-from openrl_jupyter.sql.data import build_database
+from openrl_jupyter.sql.schemas import build_database
 
 MIN_SKELETONS = 25
 MIN_HELD_OUT = 300
@@ -159,7 +159,7 @@ def test_the_database_cache_is_private_to_its_user(tmp_path, monkeypatch):
     import stat
     import tempfile
 
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -186,7 +186,7 @@ def test_a_home_without_a_usable_cache_falls_back_to_a_private_temporary_folder(
     import stat
     import tempfile
 
-    from openrl_jupyter.sql.data import database_path
+    from openrl_jupyter.sql.cache import database_path
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir(mode=0o1777)
