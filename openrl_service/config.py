@@ -69,6 +69,8 @@ class Settings:
     insecure: bool = False
     allowed_hosts: list[str] = field(default_factory=list)
     device: str | None = None  # cuda | mps | cpu; auto when None
+    # OPENRL_TORCH_THREADS: the device worker's intra-op threads; unset, torch's default (one per core,
+    # or OMP_NUM_THREADS): on a quiet 2-core machine 2 threads trained 1.5x faster than 1
     torch_threads: int | None = None
     # Engine timing.
     long_poll_s: float = 25.0  # OPENRL_LONG_POLL_S: how long retrieve_future holds before try_again

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import random
 import time
 from collections.abc import Callable, Generator
@@ -75,18 +74,6 @@ from openrl_service.training.trainer import (
 log = logging.getLogger(__name__)
 
 
-def default_torch_threads() -> int | None:
-    """The device worker's intra-op threads when OPENRL_TORCH_THREADS is unset: 1 on a machine with
-    two cores or fewer, else torch's default. On a 2-core machine two OpenMP threads on a worker thread
-    ran a 32 x 128 forward/backward 2.3x slower than on the main thread, one thread at about the main
-    thread's speed (measured on the 2-core CI machines; `OPENRL_TORCH_THREADS=2 make bench` compares)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return 1 if cores <= 2 else None
-
-
 class TrainingService(Registry, Validation):
     """The engine's operations; sessions/runs/samplers from Registry, input checks from Validation."""
 
@@ -131,9 +118,8 @@ class TrainingService(Registry, Validation):
         """On the worker: check the memory budget, then load every model and make its trainer and
         sampler (a failure is reported by /readyz and the log)."""
         s = self.settings
-        threads = s.torch_threads or default_torch_threads()
-        if threads:
-            torch.set_num_threads(threads)
+        if s.torch_threads:  # else torch's default: the cores, or OMP_NUM_THREADS (bench/RESULTS.md, Threads)
+            torch.set_num_threads(s.torch_threads)
         entries = s.model_entries()
         preloaded = [self._preloaded] if self._preloaded is not None else []
         entries = entries[len(preloaded) :]

@@ -61,7 +61,7 @@ def write(out: Path, tiny_model_dir: Path) -> dict:
     from tests.conftest import ALICE_KEY, start_server
 
     work = Path(tempfile.mkdtemp(prefix="datadir-fixture-"))
-    live = start_server(work / "data", tiny_model_dir, snapshot_interval_s=0, fusion="off")
+    live = start_server(work / "data", tiny_model_dir, snapshot_interval_s=0, fusion=False, torch_threads=1)
     svc = live.service
     try:
         with live.client() as http:

@@ -25,7 +25,7 @@ def recovered(request, tmp_path, tiny_model_dir):
     fixture = FIXTURES / request.param
     expected = json.loads((fixture / "expected.json").read_text())
     shutil.copytree(fixture / "data", tmp_path / "data")
-    live = start_server(tmp_path / "data", tiny_model_dir)
+    live = start_server(tmp_path / "data", tiny_model_dir, torch_threads=1)  # as the fixtures were written
     yield live, expected
     live.stop()
 
