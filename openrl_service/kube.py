@@ -34,11 +34,12 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from openrl_common.protocol import WORKER_ARGV
 from openrl_service.errors import ApiError, UserError
 
 log = logging.getLogger("openrl_service.kube")
 
-JOB_COMMAND = ["python", "-m", "openrl_jupyter.jobs", "worker"]
+JOB_COMMAND = ["python", *WORKER_ARGV]
 SPEC_DIR = "/etc/openrl/job"
 SPEC_PATH = f"{SPEC_DIR}/spec.json"
 # The default job image is the notebook image (k8s/images/notebook.Dockerfile, docker-stacks):

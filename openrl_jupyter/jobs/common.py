@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
+
+from openrl_common.protocol import JOB_NAME_RE, TERMINAL_STATES
 
 PAYLOAD_FORMAT = 1
 WHERE = ("local", "k8s")
-TERMINAL = ("finished", "failed", "stopped")
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+TERMINAL = TERMINAL_STATES
+NAME_RE = JOB_NAME_RE
 DUMMY_COMPLETION = "ok"  # what the proof scores: a short completion any reward must take
 PROOF_TIMEOUT_S = 120.0
 WORKER_POLL_S = 1.0  # the worker asks for new payload versions this often

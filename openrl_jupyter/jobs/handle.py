@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from openrl_common.protocol import WORKER_ARGV
 from openrl_jupyter._exceptions import NotFoundError, OpenRLError, UsageError
 from openrl_jupyter.jobs.common import (
     ATTACH_POLL_S,
@@ -245,7 +246,7 @@ class Job:
         try:
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "openrl_jupyter.jobs", "worker"],
+                    [sys.executable, *WORKER_ARGV],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

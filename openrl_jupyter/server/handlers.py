@@ -19,6 +19,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.iostream import StreamClosedError
 
+from openrl_common.protocol import control_problem
 from openrl_jupyter.server.connection import (
     NOT_CONFIGURED,
     ServiceError,
@@ -31,8 +32,6 @@ from openrl_jupyter.server.connection import (
 
 API = "/openrl/v1"
 RUN_ID = r"[A-Za-z0-9_.:%\-]{1,300}"  # ":" may come percent-encoded
-ACTIONS = ("pause", "resume", "stop")
-MAX_REASON_CHARS = 200
 EVENTS_READ_TIMEOUT_S = 30.0  # the service ticks every second: this long silent means a dead stream
 MAX_SAMPLES = 20
 
@@ -283,16 +282,11 @@ def control_body(raw: bytes) -> dict:
         raise ServiceError(400, 'the body must be JSON: {"action": "pause"|"resume"|"stop"}') from None
     if not isinstance(body, dict):
         raise ServiceError(400, f"the body must be a JSON object; got {type(body).__name__}")
-    action = body.get("action")
-    if action not in ACTIONS:
-        raise ServiceError(400, f"action must be one of {', '.join(ACTIONS)}; got {repr(action)[:100]}")
-    out = {"action": action}
-    reason = body.get("reason") or None  # an empty reason box: the service's default reason
-    if reason is not None:
-        if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
-            raise ServiceError(400, f"reason must be a string of at most {MAX_REASON_CHARS} characters")
-        out["reason"] = reason
-    return out
+    body = {**body, "reason": body.get("reason") or None}  # an empty reason box: the service's default reason
+    problem = control_problem(body)
+    if problem is not None:
+        raise ServiceError(400, problem[1])
+    return {k: v for k, v in body.items() if k in ("action", "reason") and v is not None}
 
 
 def routes(ext: Any) -> list[tuple]:  # ext: the OpenRLServer extension (app.py)

@@ -23,9 +23,10 @@ import time
 import anyio
 from fastapi import APIRouter, Depends, Query, Request
 
+from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
-from openrl_service.engine.jobs import TERMINAL_STATES, Jobs
+from openrl_service.engine.jobs import Jobs
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
 log = logging.getLogger("openrl_service")
@@ -175,7 +176,7 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
         who = tenant(request)
         control = jobs.check_control(body)
         rec = jobs.find(who, job_id)
-        if rec["state"] in ("finished", "failed", "stopped"):
+        if rec["state"] in TERMINAL_STATES:
             raise Conflict(
                 f"job {rec['name']} is {rec['state']}; there is nothing to {control['action']}",
                 field="action",

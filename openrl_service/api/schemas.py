@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 
+from openrl_common.protocol import CONTROL_ACTIONS, JOB_NAME_PATTERN, JOB_STATES
 from openrl_service.config import Limits
 from openrl_service.storage.checkpoints import KINDS
 from openrl_service.training.losses import LOSSES
@@ -589,7 +590,7 @@ HEARTBEAT = obj(
 )
 RUN_CONTROL = obj(
     {
-        "action": {"type": "string", "enum": ["pause", "resume", "stop"]},
+        "action": {"type": "string", "enum": list(CONTROL_ACTIONS)},
         "reason": {"type": "string", "minLength": 1, "maxLength": 200},
     },
     "action",
@@ -597,7 +598,7 @@ RUN_CONTROL = obj(
 
 
 # -- detached jobs (/openrl/v1/jobs, api/jobs.py; the checks are engine/jobs.py's) -------------------
-JOB_NAME: dict = {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,64}$"}
+JOB_NAME: dict = {"type": "string", "pattern": JOB_NAME_PATTERN}
 SHA256: dict = {
     "type": "string",
     "pattern": "^[0-9a-fA-F]{64}$",
@@ -682,7 +683,7 @@ def add_job_payload(lim: Limits) -> dict:
 
 JOB_STATE = obj(
     {
-        "state": {"type": "string", "enum": ["running", "finished", "failed", "stopped"]},
+        "state": {"type": "string", "enum": list(JOB_STATES)},
         "pid": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
         "host": {"type": "string", "maxLength": 255},
         "message": {"type": "string", "maxLength": 2000},

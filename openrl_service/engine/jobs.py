@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from openrl_common.protocol import JOB_NAME_RE, JOB_STATES, TERMINAL_STATES, control_problem
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized, UserError
 from openrl_service.storage.files import write_private
@@ -40,12 +41,8 @@ log = logging.getLogger("openrl_service")
 
 JOB_KEY_PREFIX = "tml-job-"
 JOB_META_KEY = "openrl.job"  # user_metadata key of a job's runs
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 KINDS = ("run", "sweep")
 WHERES = ("local", "k8s")
-REPORTED_STATES = ("running", "finished", "failed", "stopped")  # what POST /jobs/{id}/state takes
-TERMINAL_STATES = ("finished", "failed", "stopped")
-CONTROL_ACTIONS = ("pause", "resume", "stop")
 K8S_FIELDS = ("image", "volumes", "cpu", "memory")
 MAX_META_VALUES = 32
 MAX_META_KEY_CHARS = 64
@@ -53,7 +50,6 @@ MAX_META_STR_CHARS = 256
 MAX_REWARD_CHARS = 128
 MAX_MESSAGE_CHARS = 2000
 MAX_HOST_CHARS = 255
-MAX_REASON_CHARS = 200
 MAX_PAYLOAD_VERSIONS = 100  # per job: each hot-swap stores a version
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 V1 = "/openrl/v1"
@@ -282,7 +278,7 @@ class Jobs:
     def check_submit(self, body: dict) -> dict:
         """A submit body checked (each error names its field and limit), the payload decoded."""
         name = body.get("name")
-        if not isinstance(name, str) or not NAME_RE.match(name):
+        if not isinstance(name, str) or not JOB_NAME_RE.match(name):
             raise UserError(
                 f"name must be 1-64 characters of A-Z a-z 0-9 . _ -; got {repr(name)[:100]}", field="name"
             )
@@ -481,7 +477,7 @@ class Jobs:
         """The job's worker (or the notebook) reports its state; a terminal one revokes the key. A
         repeat of the job's terminal state (a retried report) answers the job unchanged; with
         ``revoked_key`` (the job's own key, revoked by that state) nothing else is allowed."""
-        state = _choice(body, "state", REPORTED_STATES)
+        state = _choice(body, "state", JOB_STATES)
         pid, host, message = body.get("pid"), body.get("host"), body.get("message")
         if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
             raise UserError(
@@ -515,14 +511,10 @@ class Jobs:
         return rec
 
     def check_control(self, body: dict) -> dict:
-        action = _choice(body, "action", CONTROL_ACTIONS)
-        reason = body.get("reason")
-        if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
-            raise UserError(
-                f"reason must be a string of 1-{MAX_REASON_CHARS} characters; got {repr(reason)[:100]}",
-                field="reason",
-            )
-        return {"action": action, "reason": reason}
+        problem = control_problem(body)
+        if problem is not None:
+            raise UserError(problem[1], field=problem[0])
+        return {"action": body["action"], "reason": body.get("reason")}
 
     def set_control(self, rec: dict, control: dict) -> None:
         with self._lock:

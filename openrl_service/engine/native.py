@@ -52,6 +52,7 @@ import anyio
 import numpy as np
 import orjson
 
+from openrl_common.protocol import control_problem
 from openrl_service.checks import integer, number
 from openrl_service.engine.jobs import JOB_META_KEY, check_unlabelled
 from openrl_service.engine.replies import IdempotentReplies
@@ -76,8 +77,6 @@ RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 # gone or stuck); OPENRL_ORPHAN_AFTER_S overrides it.
 ORPHAN_AFTER_S = 30.0
 SHARE_WINDOW_S = 60.0  # a run's share of device time is measured over this window
-CONTROL_ACTIONS = ("pause", "resume", "stop")
-MAX_REASON_CHARS = 200
 DEFAULT_REASONS = {"pause": "paused from the panel", "stop": "stopped from the panel", "resume": None}
 # What a notebook kernel may report as its Run's state (openrl_jupyter.run.RunState's values).
 KERNEL_STATES = ("starting", "running", "pausing", "paused", "stopping", "stopped", "finished", "failed")
@@ -641,19 +640,11 @@ class NativeRuns:
 
     def control(self, tenant: str, run_id: str, body: dict) -> dict:
         """Pause, resume or stop a run (notebook or Tinker SDK) of ``tenant``; answers its entry."""
-        action = body.get("action")
-        if action not in CONTROL_ACTIONS:
-            raise UserError(
-                f"action must be one of {', '.join(CONTROL_ACTIONS)}; got {repr(action)[:100]}",
-                field="action",
-            )
-        reason = body.get("reason")
-        if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
-            raise UserError(
-                f"reason must be a string of 1-{MAX_REASON_CHARS} characters; got {repr(reason)[:100]}",
-                field="reason",
-            )
-        reason = reason or DEFAULT_REASONS[action]
+        problem = control_problem(body)
+        if problem is not None:
+            raise UserError(problem[1], field=problem[0])
+        action = body["action"]
+        reason = body.get("reason") or DEFAULT_REASONS[action]
         nr = self.runs.get(run_id)
         run = self.svc.runs.get(run_id)
         if run is None or run.tenant != tenant:

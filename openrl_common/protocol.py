@@ -1,0 +1,37 @@
+"""Names the service and the notebook side agree on for runs and detached jobs, written once.
+
+CONTROL_ACTIONS     what a run or a job can be told (POST .../control)
+JOB_STATES          what a job's worker reports (POST /jobs/{id}/state)
+TERMINAL_STATES     the job states that end it
+JOB_NAME_PATTERN    a job's name (a regular expression; JOB_NAME_RE compiled)
+WORKER_ARGV         the job worker's command after the interpreter (a local child and a pod run it)
+MAX_REASON_CHARS    the longest reason a control may carry
+"""
+
+from __future__ import annotations
+
+import re
+
+CONTROL_ACTIONS = ("pause", "resume", "stop")
+JOB_STATES = ("running", "finished", "failed", "stopped")
+TERMINAL_STATES = ("finished", "failed", "stopped")
+JOB_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+WORKER_ARGV = ("-m", "openrl_jupyter.jobs", "worker")
+MAX_REASON_CHARS = 200
+
+
+def control_problem(body: dict) -> tuple[str, str] | None:
+    """Why a control body (``{"action": ..., "reason": ...}``) is not one a run or a job takes, as
+    (field, message); None when it is. The service answers 400 naming the field, the lab's server
+    extension refuses it before it leaves the notebook server."""
+    action = body.get("action")
+    if action not in CONTROL_ACTIONS:
+        return "action", f"action must be one of {', '.join(CONTROL_ACTIONS)}; got {repr(action)[:100]}"
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or not 0 < len(reason) <= MAX_REASON_CHARS):
+        return (
+            "reason",
+            f"reason must be a string of 1-{MAX_REASON_CHARS} characters; got {repr(reason)[:100]}",
+        )
+    return None
