@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from httpx_sse import SSEError, aconnect_sse
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
@@ -136,18 +137,17 @@ class HealthHandler(OpenRLHandler):
     async def first_tick(self, target: Target) -> dict | None:
         """The event stream's first telemetry tick (it also proves the key is accepted)."""
         try:
-            async with self.ext.http.stream(
-                "GET", target.url + API + "/events", headers=headers(target)
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise refused(target, response)
-                event = None
-                async for line in response.aiter_lines():
-                    if line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:") and event == "tick":
-                        return json.loads(line[5:])
+            async with aconnect_sse(
+                self.ext.http, "GET", target.url + API + "/events", headers=headers(target)
+            ) as source:
+                if source.response.status_code != 200:
+                    await source.response.aread()
+                    raise refused(target, source.response)
+                async for sse in source.aiter_sse():
+                    if sse.event == "tick":
+                        return json.loads(sse.data)
+        except SSEError:
+            return None
         except httpx.HTTPError as exc:
             raise unreachable(target, exc) from None
         except ValueError:

@@ -19,7 +19,6 @@ same name is retired the same way, its files moved to ``<data>/retired/<when>/``
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -37,6 +36,7 @@ from openrl_service.config import TENANT_RE, folder_tenant, tenant_folder
 from openrl_service.engine.jobs import Jobs
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import Forbidden, NotFound
+from openrl_service.keydigest import key_digest
 from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
@@ -58,10 +58,10 @@ class AdminKey:
     """The one admin credential of this process, kept as a digest and compared in constant time."""
 
     def __init__(self, key: str):
-        self._digest = hashlib.sha256(key.encode()).digest()
+        self._digest = key_digest(key)
 
     def matches(self, key: str | None) -> bool:
-        return bool(key) and hmac.compare_digest(self._digest, hashlib.sha256(key.encode()).digest())
+        return bool(key) and hmac.compare_digest(self._digest, key_digest(key))
 
 
 class TenantAdmin:

@@ -13,7 +13,6 @@ CORS headers at all.
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import logging
 import os
@@ -35,6 +34,7 @@ from openrl_service.api.hubauth import (
 )
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
+from openrl_service.keydigest import key_digest
 
 log = logging.getLogger("openrl_service")
 
@@ -44,18 +44,14 @@ METRICS_PATH = "/metrics"  # key optional: an anonymous scrape sets no tenant
 DEFAULT_TENANT = "default"
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
 class KeyRing:
     def __init__(self, keys: dict[str, str]):
-        self._by_digest = {_digest(k): t for k, t in keys.items()}
+        self._by_digest = {key_digest(k): t for k, t in keys.items()}
 
     def tenant(self, key: str | None) -> str | None:
         if not key:
             return None
-        d = _digest(key)
+        d = key_digest(key)
         found = None
         for known, tenant in self._by_digest.items():
             if hmac.compare_digest(known, d):

@@ -38,7 +38,6 @@ request goes on. Without a service token, keys rely on their expiry alone.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import math
@@ -54,6 +53,7 @@ from urllib.parse import quote
 import httpx
 
 from openrl_service.config import HUB_TENANT_PREFIX, hub_tenant
+from openrl_service.keydigest import key_digest
 from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
@@ -103,10 +103,6 @@ class Throttled:
 
     message: str
     retry_after_s: int
-
-
-def _sha(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
 
 
 def has_access(scopes: list[str], service: str) -> bool:
@@ -185,7 +181,7 @@ class HubAuth:
     async def resolve(self, token: str, source: str | None = None) -> HubIdentity | Refusal | Throttled:
         """The identity ``token`` names at the hub, a :class:`Refusal`, or :class:`Throttled` when
         ``source`` (the client address; None: not limited) failed too often; raises HubUnavailable."""
-        digest = _sha(token)
+        digest = key_digest(token)
         now = time.monotonic()
         known = self._valid.get(digest)
         if known is not None:
@@ -249,7 +245,7 @@ class HubAuth:
     def bind(self, token: str, created: str) -> None:
         """Remember the account ``token`` was found valid for (its ``created``): once that account is
         gone, a token of it that is still cached cannot pass for a new account of the same name."""
-        digest = _sha(token)
+        digest = key_digest(token)
         hit = self._valid.get(digest)
         if hit is not None and hit[1].created is None:
             self._valid[digest] = (hit[0], replace(hit[1], created=created))
@@ -328,7 +324,7 @@ class MintedKeys:
             return None
         # A dict lookup by the key's SHA-256: timing tells at most how a digest begins, which says
         # nothing about any key.
-        key_id = self._by_digest.get(_sha(key))
+        key_id = self._by_digest.get(key_digest(key))
         rec = self._records.get(key_id) if key_id is not None else None
         return dict(rec) if rec is not None else None
 
@@ -359,7 +355,7 @@ class MintedKeys:
         key = "tml-" + secrets.token_urlsafe(32)
         rec = {
             "id": secrets.token_hex(8),
-            "digest": _sha(key),
+            "digest": key_digest(key),
             "tenant": tenant,
             "name": name,
             "created": round(time.time(), 3),

@@ -35,6 +35,7 @@ from typing import Any
 from openrl_common.protocol import JOB_NAME_RE, JOB_STATES, TERMINAL_STATES, control_problem
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import Conflict, Forbidden, NotFound, PayloadTooLarge, Unauthorized, UserError
+from openrl_service.keydigest import key_digest
 from openrl_service.storage.files import write_private
 
 log = logging.getLogger("openrl_service")
@@ -71,10 +72,6 @@ class JobRefusal:
 
     status: int
     message: str
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def decode_payload(value: Any, sha: Any, limit: int, field: str = "payload") -> bytes:
@@ -219,7 +216,7 @@ class Jobs:
     # -- keys -------------------------------------------------------------------------------------
     def access(self, key: str, method: str, path: str) -> JobAccess | JobRefusal | None:
         """What a ``tml-job-`` key may do here: its job (allowed), a refusal, or None (unknown key)."""
-        digest = _sha(key)
+        digest = key_digest(key)
         job_id = self._keys.get(digest)
         rec = self.jobs.get(job_id) if job_id is not None else None
         if rec is None:
@@ -331,7 +328,7 @@ class Jobs:
             "runs": [],
             "payload_versions": [],
             "key_id": secrets.token_hex(8),
-            "key_digest": _sha(key),
+            "key_digest": key_digest(key),
             "key_revoked": False,
             "k8s": None,
         }
