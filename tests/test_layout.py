@@ -29,7 +29,6 @@ OVER_THE_LIMIT = {
     "openrl_service/engine/jobs.py": "persistence, key scope, submit checks, reconcile, archive",
     "openrl_service/engine/durability.py": "recording, snapshots and recovery of the journal",
     "openrl_service/api/schemas.py": "the hand-written JSON Schemas (request models replace them)",
-    "openrl_service/api/hubauth.py": "hub identity: lookups, refusal cache, minted keys, rechecks",
 }
 
 
