@@ -115,7 +115,10 @@ def test_control_bodies_are_checked_with_the_field_named():
         (b"[1]", "the body must be a JSON object"),
         (b"nope", "the body must be JSON"),
         (b'{"action": "halt"}', "action must be one of pause, resume, stop; got 'halt'"),
-        (b'{"action": "stop", "reason": "' + b"x" * 201 + b'"}', "reason must be a string of 1-200 characters"),
+        (
+            b'{"action": "stop", "reason": "' + b"x" * 201 + b'"}',
+            "reason must be a string of 1-200 characters",
+        ),
     ]:
         with pytest.raises(ServiceError) as info:
             control_body(raw)
