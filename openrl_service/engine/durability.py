@@ -462,6 +462,8 @@ class Durability:
                 todo.append(records.decode(data))
             except records.UnknownRecord as e:
                 self.failures.append((e.what, e.why))
+        if self.failures and not self.svc.settings.recovery_skip_failed:
+            self._refuse_or_drop(self.failures)  # before anything is restored, replayed or written
         self._check_models(state if snap is not None else None, todo)
         if snap is not None:
             self._restore(state)
@@ -592,7 +594,6 @@ class Durability:
             return None
 
     def _restore(self, state: dict) -> None:
-
         svc = self.svc
         for fields in state["sessions"]:
             svc.restore_session(fields)
@@ -688,14 +689,14 @@ class Durability:
                 if intent_id in seen:
                     return True
                 seen.add(intent_id)
-                with self._plock:
-                    self.pending[intent_id] = record
                 replay = self.intent_replayers.get(intent_kind)
-                if replay is None:
+                if replay is None:  # not pending: dropped (--recovery-skip-failed) it must not come back
                     self.failures.append(
                         (f"record {records.describe(record)}", "no replayer for this intent kind")
                     )
                     return True
+                with self._plock:
+                    self.pending[intent_id] = record
                 task = asyncio.ensure_future(replay(intent_id, inputs))
                 self._replay_tasks.add(task)
                 task.add_done_callback(self._replay_tasks.discard)

@@ -178,3 +178,18 @@ def test_a_snapshot_is_plain_data_with_its_tensors_in_a_file_beside_it(tmp_path,
         assert all(g is not None for g in grads), "the pending gradient was not restored"
     finally:
         again.stop()
+
+
+def test_a_dropped_record_stays_dropped_after_the_next_restart(tmp_path, tiny_model_dir):
+    """Skipped once with --recovery-skip-failed, an intent nobody can replay is not kept as pending
+    work: the snapshot after recovery leaves it out, so a plain restart is not refused again."""
+    unknown_intent = {"type": "native", "v": 1, "id": "int-unknown", "kind": "teleport", "inputs": {}}
+    session_id = _data_dir_with(tmp_path, tiny_model_dir, unknown_intent)
+    live = start_server(tmp_path / "data", tiny_model_dir, recovery_skip_failed=True)
+    assert "int-unknown" not in live.service.durability.pending
+    live.stop()  # the drain takes a snapshot
+    again = start_server(tmp_path / "data", tiny_model_dir)
+    try:
+        assert session_id in again.service.sessions
+    finally:
+        again.stop()
