@@ -282,11 +282,14 @@ def control_body(raw: bytes) -> dict:
         raise ServiceError(400, 'the body must be JSON: {"action": "pause"|"resume"|"stop"}') from None
     if not isinstance(body, dict):
         raise ServiceError(400, f"the body must be a JSON object; got {type(body).__name__}")
-    body = {**body, "reason": body.get("reason") or None}  # an empty reason box: the service's default reason
-    problem = control_problem(body)
+    control = {"action": body.get("action")}
+    reason = body.get("reason") or None  # an empty reason box: the service's default reason
+    if reason is not None:
+        control["reason"] = reason
+    problem = control_problem(control)
     if problem is not None:
         raise ServiceError(400, problem[1])
-    return {k: v for k, v in body.items() if k in ("action", "reason") and v is not None}
+    return control
 
 
 def routes(ext: Any) -> list[tuple]:  # ext: the OpenRLServer extension (app.py)
