@@ -235,17 +235,23 @@ def find_detached(folder: str | None = None) -> LocalService | None:
     return None
 
 
-def detached_data_dir() -> str:
-    """Where a detached embedded service keeps its data: ``$OPENRL_LOCAL_DATA_DIR``, else the
-    Jupyter data folder's ``openrl-local`` (it must outlive the kernel, unlike a temporary one)."""
-    if os.environ.get("OPENRL_LOCAL_DATA_DIR"):
-        return os.environ["OPENRL_LOCAL_DATA_DIR"]
+def user_data_folder(variable: str, name: str) -> str:
+    """``$variable`` when set, else ``openrl-<name>`` in the Jupyter data folder (without
+    jupyter_core: ``~/.local/share/openrl/<name>``): a folder of this user's that outlives kernels."""
+    if os.environ.get(variable):
+        return os.environ[variable]
     try:
         from jupyter_core.paths import jupyter_data_dir
 
-        return os.path.join(jupyter_data_dir(), "openrl-local")
+        return os.path.join(jupyter_data_dir(), f"openrl-{name}")
     except ImportError:
-        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", "local")
+        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", name)
+
+
+def detached_data_dir() -> str:
+    """Where a detached embedded service keeps its data: ``$OPENRL_LOCAL_DATA_DIR``, else the
+    Jupyter data folder's ``openrl-local`` (it must outlive the kernel, unlike a temporary one)."""
+    return user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
 
 
 def _gone(pid: int) -> bool:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 from openrl_common.protocol import JOB_NAME_RE, TERMINAL_STATES
+from openrl_jupyter.local import user_data_folder
 
 PAYLOAD_FORMAT = 1
 WHERE = ("local", "k8s")
@@ -27,11 +27,4 @@ EXIT_TERMINATED = 143  # SIGTERM without a stop (preemption, node drain): a retr
 def jobs_dir() -> str:
     """Where local jobs' logs and working folders go: ``$OPENRL_JOBS_DIR``, else the Jupyter data
     folder's ``openrl-jobs``."""
-    if os.environ.get("OPENRL_JOBS_DIR"):
-        return os.environ["OPENRL_JOBS_DIR"]
-    try:
-        from jupyter_core.paths import jupyter_data_dir
-
-        return os.path.join(jupyter_data_dir(), "openrl-jobs")
-    except ImportError:
-        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", "jobs")
+    return user_data_folder("OPENRL_JOBS_DIR", "jobs")
