@@ -39,7 +39,9 @@ help: ## list the targets
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# the Makefile builds and links the lab extension itself (labextension, labextension-link)
+	# the Makefile builds and links the lab extension itself (labextension, labextension-link); unlink it
+	# first, or pip writes the wheel's install.json through the link into openrl_jupyter/labextension
+	rm -f $(LABEXT_LINK)
 	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
