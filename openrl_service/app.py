@@ -33,7 +33,7 @@ from openrl_service.api.native import build_native_router
 from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
-from openrl_service.engine.jobs import Jobs
+from openrl_service.container import Container
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
 from openrl_service.lifecycle import Lifecycle
@@ -42,13 +42,13 @@ log = logging.getLogger("openrl_service")
 
 
 def create_app(settings: Settings, *, service: TrainingService | None = None) -> FastAPI:
-    svc = service or TrainingService(settings)
+    parts = Container.build(settings, service)
+    svc = parts.service
     life = Lifecycle(svc, grace_s=settings.drain_grace_s)
     minted = MintedKeys(
         settings.data_dir / "minted-keys.json", settings.max_keys_per_user, settings.minted_key_ttl_s
     )
-    jobs = Jobs(settings.data_dir, settings.limits, svc.runs)
-    admin = TenantAdmin(svc, jobs, minted)
+    admin = TenantAdmin(parts, minted)
 
     def retire_tenant(tenant: str, reason: str) -> None:
         """Retire the tenant of a JupyterHub account that was deleted and created again under the same
@@ -154,12 +154,13 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         description="Self-hosted LoRA training and sampling; speaks the Tinker wire protocol.",
     )
     app.state.service = svc
+    app.state.parts = parts
     app.state.lifecycle = life
     app.include_router(build_router(svc))
     app.include_router(build_hub_router(svc))
     app.include_router(build_rest_router(svc))
-    app.include_router(build_native_router(svc))
-    app.include_router(build_jobs_router(svc, jobs))
+    app.include_router(build_native_router(parts))
+    app.include_router(build_jobs_router(parts))
     app.include_router(build_metrics_router(svc))
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
     app.state.admin = admin
@@ -204,7 +205,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         keys=KeyRing(settings.api_keys),
         minted=minted,
         hub=hub,
-        jobs=jobs,
+        jobs=parts.jobs,
         accounts=accounts,
         admin=AdminKey(write_admin_key(settings.data_dir)),
     )

@@ -285,7 +285,7 @@ def load_api_client():
 
 
 def launcher_from_settings(settings) -> KubeLauncher | None:
-    """The service's launcher (``svc.kube``), or None when --jobs-namespace is unset."""
+    """The service's launcher (``Container.kube``), or None when --jobs-namespace is unset."""
     kube = KubeSettings.from_settings(settings)
     return None if kube is None else KubeLauncher(kube)
 

@@ -37,6 +37,11 @@ class LiveServer:
     server: object
     thread: threading.Thread
 
+    @property
+    def parts(self):
+        """The service's Container (openrl_service/container.py): its jobs, native runs, launcher."""
+        return self.server.config.app.state.parts
+
     def client(self, key: str | None = ALICE_KEY, **kw) -> httpx.Client:
         headers = {"X-API-Key": key} if key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kw)

@@ -33,8 +33,7 @@ from fastapi import APIRouter, Request
 from openrl_service.api import schemas as S
 from openrl_service.api.http import json_response
 from openrl_service.config import TENANT_RE, folder_tenant, tenant_folder
-from openrl_service.engine.jobs import Jobs
-from openrl_service.engine.service import TrainingService
+from openrl_service.container import Container
 from openrl_service.errors import Forbidden, NotFound
 from openrl_service.keydigest import key_digest
 from openrl_service.storage.files import write_private
@@ -67,9 +66,10 @@ class AdminKey:
 class TenantAdmin:
     """What the operator sees of each tenant, and the removal across the engine, jobs and minted keys."""
 
-    def __init__(self, svc: TrainingService, jobs: Jobs, minted: Any):
-        self.svc = svc
-        self.jobs = jobs
+    def __init__(self, parts: Container, minted: Any):
+        self.parts = parts
+        self.svc = parts.service
+        self.jobs = parts.jobs
         self.minted = minted
 
     def _folder_tenant(self, folder: Path) -> str | None:
@@ -122,7 +122,7 @@ class TenantAdmin:
         jobs_deleted = 0
         for rec in [r for r in list(self.jobs.jobs.values()) if r["tenant"] == tenant]:
             k8s = rec.get("k8s") or {}
-            kube = getattr(self.svc, "kube", None)
+            kube = self.parts.kube
             if k8s.get("job") and kube is not None:
                 try:
                     kube.delete(k8s["job"])

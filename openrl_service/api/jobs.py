@@ -10,7 +10,7 @@
     GET    /openrl/v1/jobs/{job}/payloads        ?after=N: the versions after N, with their bytes (base64)
     DELETE /openrl/v1/jobs/{job}                 forget it, revoke its key, delete its Kubernetes Job
 
-where=k8s goes through the service's KubeLauncher (``svc.kube``, openrl_service/kube.py; None unless
+where=k8s goes through the service's KubeLauncher (``Container.kube``, openrl_service/kube.py; None unless
 the service runs with --jobs-namespace): ``validate`` before the key is minted, ``submit`` after
 (the key goes into a Secret and is never returned), ``status`` for entries, ``delete`` on DELETE.
 """
@@ -26,14 +26,16 @@ from fastapi import APIRouter, Depends, Query, Request
 from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
-from openrl_service.engine.jobs import Jobs
+from openrl_service.container import Container
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
 log = logging.getLogger("openrl_service")
 PHASE_TTL_S = 5.0
 
 
-def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
+def build_jobs_router(c: Container) -> APIRouter:
+    svc, jobs = c.service, c.jobs
+
     def with_keys() -> None:
         """Without keys every caller is the same tenant: anyone on the machine could send a running
         worker code (a payload it unpickles) or read its payloads. Jobs need a keyed service."""
@@ -56,21 +58,12 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
     max_body = lim.max_body_bytes
 
     def launcher():
-        return getattr(svc, "kube", None)
+        return c.kube
 
     def job_of(request: Request) -> str | None:
         return getattr(request.state, "job_id", None)
 
     phases: dict[str, tuple[float, str, str | None]] = {}  # Job name → (when asked, phase, reason)
-
-    def kube_status(job_name: str) -> dict:
-        kube = launcher()
-        return kube.status(job_name) if kube is not None else {}
-
-    jobs.kube_status = kube_status  # the housekeeping round reconciles Kubernetes jobs too
-    svc.jobs = jobs  # NativeRuns: a job's recorded control and its runs kept after their session
-    if jobs.sweep not in svc.sweepers:
-        svc.sweepers.append(jobs.sweep)
 
     async def phase_of(job_name: str) -> tuple[str, str | None]:
         """The Kubernetes Job's phase (and why), asked at most every PHASE_TTL_S (a worker polls
@@ -181,7 +174,7 @@ def build_jobs_router(svc, jobs: Jobs) -> APIRouter:
                 f"job {rec['name']} is {rec['state']}; there is nothing to {control['action']}",
                 field="action",
             )
-        native = svc.native_runs
+        native = c.native
         sent = {k: v for k, v in control.items() if v is not None}
         # Recorded first: a run created from now on obeys it at creation (NativeRuns.create reads it);
         # one created before is in runs_of below.

@@ -35,25 +35,24 @@ from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
 from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
+from openrl_service.container import Container
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.jobs import JOB_META_KEY
-from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS, NativeRuns
-from openrl_service.engine.service import TrainingService
+from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
 from openrl_service.errors import UserError
 from openrl_service.lifecycle import State
 
 TICK_S = 1.0
 
 
-def build_native_router(svc: TrainingService) -> APIRouter:
+def build_native_router(c: Container) -> APIRouter:
+    svc, native = c.service, c.native
     r = APIRouter(
         prefix="/openrl/v1",
         tags=["native"],
         route_class=BackpressureRoute,
         generate_unique_id_function=S.operation_ids("native"),
     )
-    native = NativeRuns(svc)
-    svc.native_runs = native  # the jobs router fans job control out to its runs
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
     lim, ttl = svc.limits, svc.settings.min_ttl_s

@@ -54,7 +54,7 @@ import orjson
 
 from openrl_common.protocol import control_problem
 from openrl_service.checks import integer, number
-from openrl_service.engine.jobs import JOB_META_KEY, check_unlabelled
+from openrl_service.engine.jobs import JOB_META_KEY, Jobs, check_unlabelled
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
@@ -197,8 +197,9 @@ SEQ_SLOTS = {"sample": 1, "train_step": 2, "checkpoint": 1}  # seq_ids an intent
 
 
 class NativeRuns:
-    def __init__(self, svc: TrainingService):
+    def __init__(self, svc: TrainingService, jobs: Jobs | None = None):
         self.svc = svc
+        self.jobs = jobs  # detached jobs: a run's recorded control, runs kept after their session
         self.runs: dict[str, NativeRunState] = {}
         self.samples: OrderedDict[str, StoredSample] = OrderedDict()
         self.sample_counts: Counter[str] = Counter()  # tenant -> samples it has in self.samples
@@ -449,7 +450,7 @@ class NativeRuns:
         obeys at its first step). The job records its control before fanning it out to the runs it
         has, so a run is either among those or finds the record here."""
         job_id = (meta or {}).get(JOB_META_KEY)
-        jobs = getattr(self.svc, "jobs", None)
+        jobs = self.jobs
         if job_id is None or jobs is None:  # a replayed creation too: the job record is on disk
             return
         control = jobs.control_of(tenant, job_id)
@@ -545,7 +546,7 @@ class NativeRuns:
                 for run in list(self.svc.runs.values())
                 if run.tenant == tenant and run.run_id not in self.runs
             ]
-            jobs = getattr(self.svc, "jobs", None)
+            jobs = self.jobs
             for run_id in jobs.archived_of(tenant) if jobs is not None else []:
                 kept = None if run_id in self.svc.runs else jobs.archived(tenant, run_id)
                 if kept is not None:
@@ -554,7 +555,7 @@ class NativeRuns:
 
     def _kept(self, tenant: str, run_id: str) -> dict | None:
         """A job's ended run's entry, kept after its session (engine/jobs.py)."""
-        jobs = getattr(self.svc, "jobs", None)
+        jobs = self.jobs
         return jobs.archived(tenant, run_id) if jobs is not None and run_id not in self.svc.runs else None
 
     def entry(self, tenant: str, run_id: str) -> dict:
@@ -575,7 +576,7 @@ class NativeRuns:
         """The run's metric rows (a job's ended run: the rows kept with it; a Tinker-SDK run: none)."""
         entry = self.entry(tenant, run_id)
         if entry.get("ended"):
-            jobs = getattr(self.svc, "jobs", None)
+            jobs = self.jobs
             return jobs.archived_metrics(tenant, run_id) if jobs is not None else []
         if entry["kind"] == "sdk":
             return []
@@ -691,7 +692,7 @@ class NativeRuns:
         """Forget the runs of a finished session (deleted, or reaped when idle), their metric rows
         and their stored samples; a job's run is kept first (its entry and rows, in the job's folder)."""
         gone = set(run_ids)
-        jobs = getattr(self.svc, "jobs", None)
+        jobs = self.jobs
         for r in run_ids:
             nr = self.runs.get(r)
             job_id = (nr.run.user_metadata or {}).get(JOB_META_KEY) if nr is not None else None

@@ -45,7 +45,6 @@ from openrl_service.engine.scheduler import Engine, Fusable, Op
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError
-from openrl_service.kube import launcher_from_settings
 from openrl_service.models.loading import BaseModel, check_memory_budget, estimate_need, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
 from openrl_service.sampling.factory import CountingSampler, make_sampler
@@ -103,8 +102,6 @@ class TrainingService(Registry, Validation):
         # the last forward_backward loss of each run, for the runs list.
         self.refused_runs: dict[str, UserError] = {}
         self.last_loss: dict[str, float] = {}
-        # Kubernetes Jobs for detached runs (openrl_service/kube.py); None without --jobs-namespace
-        self.kube = launcher_from_settings(settings)
         self._init_registry()
         self.durability = Durability(self)
         self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant

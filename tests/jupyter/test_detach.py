@@ -621,9 +621,7 @@ def test_k8s_detach_creates_the_kubernetes_job_and_its_pod_command_runs_with_the
     api = KubeAPI()
     try:
         settings = KubeSettings(namespace="openrl", images=[image], service_url=server.url)
-        monkeypatch.setattr(
-            server.service, "kube", KubeLauncher(settings, api_client=api.client), raising=False
-        )
+        monkeypatch.setattr(server.parts, "kube", KubeLauncher(settings, api_client=api.client))
         fn = dynamic("def reward(prompt, completion, **info):\n    return len(completion) / 10\n")["reward"]
         with pytest.raises(RequestError) as err:  # the service checks the request, not the notebook
             session.train(reward=fn, prompts=PROMPTS, steps=2, detach="k8s", k8s={"image": "evil/img:1"})

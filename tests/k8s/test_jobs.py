@@ -647,12 +647,13 @@ def test_readme_sets_the_api_server_address_the_policy_uses():
 
 
 def test_the_service_builds_its_launcher_from_its_settings(api, tmp_path, monkeypatch):
-    """svc.kube: None without --jobs-namespace; with it, a launcher that reaches the API server the
-    kubeconfig names (outside a pod) and submits with the configured images and volumes."""
+    """The service's launcher (Container.kube): None without --jobs-namespace; with it, a launcher that
+    reaches the API server the kubeconfig names (outside a pod) and submits with the configured images
+    and volumes."""
     from openrl_service import config
-    from openrl_service.engine.service import TrainingService
+    from openrl_service.container import Container
 
-    assert TrainingService(config.Settings(data_dir=tmp_path / "off")).kube is None
+    assert Container.build(config.Settings(data_dir=tmp_path / "off")).kube is None
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -675,11 +676,11 @@ def test_the_service_builds_its_launcher_from_its_settings(api, tmp_path, monkey
         "OPENRL_JOB_QUEUE": "openrl-jobs",
         "OPENRL_JOB_MAX_CPU": "2",
     }
-    svc = TrainingService(config.from_env(env, data_dir=tmp_path / "on"))
-    assert isinstance(svc.kube, KubeLauncher)
+    kube = Container.build(config.from_env(env, data_dir=tmp_path / "on")).kube
+    assert isinstance(kube, KubeLauncher)
     with pytest.raises(UserError, match=r"<= 2 \(OPENRL_JOB_MAX_CPU\)"):
-        svc.kube.validate({"cpu": "3"})
-    out = submit(svc.kube, {"volumes": ["datasets"]})
+        kube.validate({"cpu": "3"})
+    out = submit(kube, {"volumes": ["datasets"]})
     job = api.objects("jobs")[out["job"]]
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
     assert job["spec"]["template"]["spec"]["containers"][0]["env"][0] == {
@@ -723,7 +724,7 @@ def test_the_jobs_api_creates_the_kubernetes_job_with_a_working_job_key(server, 
     field, the Job and its Secret are created, the key in the Secret (never in the reply) is the
     job's credential, the entry shows the Job's phase, DELETE deletes the Job and revokes the key;
     a Kubernetes refusal leaves no job, no object."""
-    monkeypatch.setattr(server.service, "kube", launcher(api), raising=False)
+    monkeypatch.setattr(server.parts, "kube", launcher(api))
     name = "kube-" + uuid.uuid4().hex[:8]
     with server.client(ALICE_KEY) as c:
         r = c.post("/openrl/v1/jobs", json=job_body(name, k8s={"volumes": [{"hostPath": {"path": "/"}}]}))

@@ -18,7 +18,6 @@ import pytest
 import tinker
 
 from openrl_service.engine import native as native_module
-from openrl_service.engine.native import NativeRuns
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 from tests.security.conftest import V1, refused, sse_until
 
@@ -189,19 +188,12 @@ def test_another_tenants_events_never_reach_my_event_stream(live, alice, alices)
     assert all(set(d["runs"]) <= {marker} for kind, d in events if kind == "tick")
 
 
-def native_runs(svc) -> NativeRuns:
-    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
-    return next(
-        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
-    )
-
-
 def test_my_idempotent_posts_do_not_evict_another_tenants_remembered_reply(live, alice, bob, monkeypatch):
     """Attack: bob sends many idempotent POSTs (each with a new X-Idempotency-Key) until the service's
     store of remembered replies is full, so that alice's retry of a request whose reply she lost is
     run again instead of answered. The store's bound is made small here (3) instead of sending
     10,000 requests."""
-    monkeypatch.setattr(native_runs(live.service).replies, "max_entries", 3)
+    monkeypatch.setattr(live.parts.native.replies, "max_entries", 3)
     key = {"X-Idempotency-Key": "alice-create-0001"}
     body = {"name": "alice-once", "seed": 5, "rank": 4}
     first = alice.post(f"{V1}/runs", json=body, headers=key)

@@ -381,7 +381,7 @@ class FakeKube:
 
 def test_k8s_jobs_go_through_the_launcher_and_the_key_is_never_returned(server, alice, monkeypatch):
     kube = FakeKube()
-    monkeypatch.setattr(server.service, "kube", kube, raising=False)
+    monkeypatch.setattr(server.parts, "kube", kube)
     name = unique("kube")
     before = len(alice.get(f"{V1}/jobs").json()["jobs"])
     refused(
@@ -423,7 +423,7 @@ def test_a_k8s_job_whose_kubernetes_job_ended_without_a_report_fails(server, ali
     failed with Kubernetes' reason when read and on the housekeeping round, and its key revoked; a job
     that is over is not asked about again."""
     kube = FakeKube()
-    monkeypatch.setattr(server.service, "kube", kube, raising=False)
+    monkeypatch.setattr(server.parts, "kube", kube)
     monkeypatch.setattr("openrl_service.api.jobs.PHASE_TTL_S", 0.0)  # no cached phase: every read asks
     a, b = (submit(alice, unique(n), where="k8s") for n in ("podgone", "sweep"))
     kube.phase, kube.reason = phase, "BackoffLimitExceeded: Job has reached the specified backoff limit"
@@ -431,10 +431,10 @@ def test_a_k8s_job_whose_kubernetes_job_ended_without_a_report_fails(server, ali
         entry = alice.get(f"{V1}/jobs/{a['job_id']}").json()  # read: reconciled
         assert entry["state"] == "failed" and "Kubernetes Job" in entry["message"]
         assert "BackoffLimitExceeded" in entry["message"]
-        assert server.service.jobs.jobs[b["job_id"]]["state"] == "submitted"
-        server.service.jobs.poll_kube()  # the status poll (on its own thread in the service)...
-        server.service.jobs.sweep(time.time())  # ...whose answers the next housekeeping round applies
-        assert server.service.jobs.jobs[b["job_id"]]["state"] == "failed"
+        assert server.parts.jobs.jobs[b["job_id"]]["state"] == "submitted"
+        server.parts.jobs.poll_kube()  # the status poll (on its own thread in the service)...
+        server.parts.jobs.sweep(time.time())  # ...whose answers the next housekeeping round applies
+        assert server.parts.jobs.jobs[b["job_id"]]["state"] == "failed"
         keys = {sent["job_id"]: sent["key"] for sent in kube.submitted}
         for j in (a, b):
             with keyed(server.url, keys[j["job_id"]]) as jk:
@@ -451,7 +451,7 @@ def test_a_k8s_job_waits_while_its_kubernetes_job_is_pending(server, alice, monk
     """A preempted pod's retry may wait in Kueue longer than OPENRL_JOB_LOST_AFTER_S: while Kubernetes
     says pending, the silent job is not failed; once Kubernetes says running and nothing asks, it is."""
     kube = FakeKube()
-    monkeypatch.setattr(server.service, "kube", kube, raising=False)
+    monkeypatch.setattr(server.parts, "kube", kube)
     job = submit(alice, unique("queued"), where="k8s")
     try:
         with keyed(server.url, kube.submitted[0]["key"]) as jk:
@@ -460,13 +460,13 @@ def test_a_k8s_job_waits_while_its_kubernetes_job_is_pending(server, alice, monk
         # real time, must not fail the job meanwhile)
         later = time.time() + server.service.limits.job_lost_after_s + 1
         kube.phase = "pending"
-        server.service.jobs.poll_kube()
-        server.service.jobs.sweep(later)
-        assert server.service.jobs.jobs[job["job_id"]]["state"] == "running"
+        server.parts.jobs.poll_kube()
+        server.parts.jobs.sweep(later)
+        assert server.parts.jobs.jobs[job["job_id"]]["state"] == "running"
         kube.phase = "running"
-        server.service.jobs.poll_kube()
-        server.service.jobs.sweep(later)
-        assert server.service.jobs.jobs[job["job_id"]]["state"] == "failed"
+        server.parts.jobs.poll_kube()
+        server.parts.jobs.sweep(later)
+        assert server.parts.jobs.jobs[job["job_id"]]["state"] == "failed"
     finally:
         alice.delete(f"{V1}/jobs/{job['job_id']}")
 
@@ -632,7 +632,7 @@ def test_a_job_whose_worker_stopped_reporting_fails_and_its_key_is_revoked(serve
     """A worker SIGKILLed (or OOM-killed) never reports: after OPENRL_JOB_LOST_AFTER_S without a request
     from its key, a running job (and a local job still submitted) is failed on the housekeeping round
     and when read, its key revoked and its name free again; a job whose key keeps asking stays."""
-    jobs = server.service.jobs
+    jobs = server.parts.jobs
     monkeypatch.setattr(server.service.limits, "job_lost_after_s", 2)
     dead, never, alive_job = (submit(alice, unique(n)) for n in ("dead", "never", "alive"))
     try:

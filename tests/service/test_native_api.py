@@ -188,15 +188,6 @@ def test_nvml_utilisation_is_reported_where_a_gpu_exists_else_engine_busy(monkey
     assert reading["memory_used_bytes"] == 3 << 30 and reading["device"] == "FakeGPU"
 
 
-def _native_runs(svc):
-    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
-    from openrl_service.engine.native import NativeRuns
-
-    return next(
-        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
-    )
-
-
 def test_heartbeat_keeps_an_idle_run_alive_and_a_reaped_run_leaves_memory(make_server):
     """A paused notebook heartbeats its run; a run nobody heartbeats is finished by the idle reaper
     and forgotten (its metric rows and samples too)."""
@@ -221,7 +212,7 @@ def test_heartbeat_keeps_an_idle_run_alive_and_a_reaped_run_leaves_memory(make_s
         assert c.get(f"{V1}/runs/{kept['run_id']}").status_code == 200
         assert c.get(f"{V1}/runs/{lost['run_id']}").status_code == 404
         assert c.post(f"{V1}/runs/{lost['run_id']}/heartbeat").status_code == 404
-        native = _native_runs(svc)
+        native = live.parts.native
         assert set(native.runs) == {kept["run_id"]}
         assert {s.run_id for s in native.samples.values()} == {kept["run_id"]}
         c.delete(f"{V1}/runs/{kept['run_id']}")

@@ -88,6 +88,15 @@ class Clients:
     def running(self) -> bool:
         return self.sdk.poll() is None or not self.run.done
 
+    def report(self) -> str:
+        """Where both loops stand, for a failure message: the SDK's exit code and log, the Run's state."""
+        self.log.flush()
+        tail = (ROOT / self.log.name).read_text()[-3000:]
+        return (
+            f"SDK loop exit code {self.sdk.poll()}, Run {self.run.state} after {len(self.run.history)} steps"
+            f" ({self.run!r}; stop reason: {self.run.stop_reason!r})\n--- SDK log (tail) ---\n{tail}"
+        )
+
     def finish(self) -> dict:
         """Wait for both loops; what they trained: the SDK's output, the Run's history and run id."""
         try:
@@ -104,8 +113,17 @@ class Clients:
                 "run_final": path,
             }
         finally:
-            self.log.close()
-            sess.disconnect(self.name)
+            self.close()
+
+    def close(self) -> None:
+        """Stop what still runs (after a failure: no SDK loop outlives the test) and disconnect; once."""
+        if self.log.closed:
+            return
+        if self.sdk.poll() is None:
+            self.sdk.kill()
+            self.sdk.wait(30)
+        self.log.close()
+        sess.disconnect(self.name)
 
 
 def adapter(data_dir: Path, tinker_path: str) -> tuple[dict, dict]:
@@ -113,6 +131,14 @@ def adapter(data_dir: Path, tinker_path: str) -> tuple[dict, dict]:
     run_id, _, rest = tinker_path.removeprefix("tinker://").partition("/")
     folder = next(data_dir.glob(f"tenants/*/runs/{run_id.replace(':', '~')}/{rest}"))
     return load_file(folder / "adapter_model.safetensors"), json.loads((folder / "manifest.json").read_text())
+
+
+def stand(clients: Clients, served: Served) -> str:
+    """Where the loops and the service stand, for a failure message."""
+    return (
+        clients.report()
+        + f"\n--- service (exit code {served.proc.poll()}), stderr tail ---\n{served.stderr[-6000:]}"
+    )
 
 
 def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -> tuple[dict, list[str]]:
@@ -138,8 +164,11 @@ def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -
             marker = workdir / f"crash-{k}"
             deadline = time.monotonic() + HANG_GUARD_S
             while not marker.exists():
-                assert clients.running(), f"both loops ended before the crash point {point!r} was reached"
-                assert time.monotonic() < deadline, f"crash point {point!r} not reached"
+                where = f"the crash point {point!r} (fired so far: {fired})"
+                assert clients.running(), f"both loops ended before {where}\n" + stand(clients, served)
+                assert time.monotonic() < deadline, f"no {where} in {HANG_GUARD_S} s\n" + stand(
+                    clients, served
+                )
                 time.sleep(0.05)
             assert finish(served, 30) == -9, served.stderr  # SIGKILL: no drain, no snapshot
             fired.append(marker.read_text())
@@ -150,6 +179,7 @@ def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -
         outcome["data_dir"] = data
         return outcome, fired
     finally:
+        clients.close()
         if served.proc.poll() is None:
             served.proc.terminate()
             finish(served, 30)

@@ -81,13 +81,6 @@ def first_tick(server, key: str) -> dict:
     raise AssertionError("no tick")
 
 
-def native_runs(svc) -> NativeRuns:
-    """The NativeRuns behind /openrl/v1 (it listens for finished sessions)."""
-    return next(
-        f.__self__ for f in svc.session_listeners if isinstance(getattr(f, "__self__", None), NativeRuns)
-    )
-
-
 def test_tick_schema_2_fields_and_labels_on_cpu(server, runs):
     tick = first_tick(server, ALICE_KEY)  # through the event stream: shape and labels
     assert tick["schema"] == EVENTS_SCHEMA_VERSION == 2 and tick["type"] == "tick"
@@ -102,7 +95,7 @@ def test_tick_schema_2_fields_and_labels_on_cpu(server, runs):
     t0 = time.time()
     with server.client(ALICE_KEY) as alice:
         rl_step(alice, runs["alice"])
-    tick = native_runs(server.service).tick("alice", window_s=time.time() - t0 + 0.5)
+    tick = server.parts.native.tick("alice", window_s=time.time() - t0 + 0.5)
     assert 0.0 < tick["utilisation"]["value"] <= 1.0
     # this tenant's runs only, with their share of the engine's busy time
     assert runs["alice"] in tick["runs"] and runs["bob"] not in tick["runs"]
@@ -122,7 +115,7 @@ def test_tick_reports_the_queue_depth(server, runs):
             t = threading.Thread(target=lambda: alice.post(f"{V1}/runs/{runs['alice']}/sample", json=body))
             t.start()
             wait_for(lambda: svc.engine.queue_depth() == before + 1)
-            assert native_runs(svc).tick("alice")["queue_depth"] == before + 1
+            assert server.parts.native.tick("alice")["queue_depth"] == before + 1
         t.join(60)
 
 
