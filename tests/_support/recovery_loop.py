@@ -6,7 +6,8 @@ Everything is seeded (the LoRA init, every sampling call), so two runs of it aga
 fusion off train bit-identical adapters, whether or not the service was killed and restarted on
 the way. It saves a ``weights`` checkpoint (``save_state``) after RL step ``--checkpoint-at`` and at
 the end (``final``), and writes {"means", "sft_losses", "final_path", "model_id"} to OUT.json. The
-SDK's own retries carry it through a restart (TINKER_API_KEY in the environment).
+SDK's own retries carry it through a restart (TINKER_API_KEY in the environment); it prints
+``ready <model_id>`` once its training client exists.
 """
 
 from __future__ import annotations
@@ -41,10 +42,17 @@ def main() -> int:
     args = p.parse_args()
 
     import tinker
+    import tinker._client
     from tinker import types
 
+    # The SDK gives a request 10 tries (~60 s of backoff capped at 10 s) and ServiceClient has no
+    # option for more. The test kills the service five times, at times seconds apart while the
+    # notebook Run drives the crash points, so one request may have to ride through several restarts:
+    # the same retry loop, with more tries.
+    tinker._client.AsyncTinker.__init__.__kwdefaults__["max_retries"] = 1_000
     service = tinker.ServiceClient(base_url=args.url)
     tc = service.create_lora_training_client(base_model="openrl/tiny", rank=4, seed=7).result()
+    print(f"ready {tc.model_id}", flush=True)
     sft_losses = []
     for step in range(args.sft):
         data = [sft_datum(f"{p} letters only") for p in PROMPTS[:4]]

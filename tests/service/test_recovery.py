@@ -7,7 +7,8 @@ times, each time by a crash hook at a different point (mid forward_backward, bet
 forward_backward and its optim_step, mid sampling, right after an acknowledged reply, mid checkpoint
 save); the hook writes a marker before it fires, so the test knows each point was reached, and each
 restart on the same port and data dir arms the next one. Both clients ride through on their own
-retries. Then: both loops finished, every run took exactly its number of optimizer steps, and the
+retries (the SDK's with more tries than its default ten: one request may span several restarts a
+few seconds apart), and the Run starts once the SDK loop has its training client. Then: both loops finished, every run took exactly its number of optimizer steps, and the
 final adapters are bit-identical to those of the same two loops against a service never killed.
 """
 
@@ -72,6 +73,13 @@ class Clients:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
+        # The Run starts once the SDK loop has its training client: the Run alone reaches the first
+        # crash points within a second, and an SDK loop still starting would meet only restarts.
+        deadline = time.monotonic() + HANG_GUARD_S
+        while "ready " not in (workdir / "sdk.log").read_text():
+            assert self.sdk.poll() is None, (workdir / "sdk.log").read_text()
+            assert time.monotonic() < deadline, "the SDK loop did not create its training client"
+            time.sleep(0.05)
         self.name = name
         self.session = sess.connect(url, token=ALICE_KEY, name=name)
         self.run = self.session.train(
