@@ -15,7 +15,7 @@ comm message: re-assigning one plotly trace costs 4 messages carrying the whole 
 * ``flush()`` folds the buffered events into a Python-side history (full resolution, deduplicated
   by step, and it stays there), then redraws inside ``fig.batch_update()`` and every small widget's
   ``hold_sync()``: one batch of messages per flush, and none for traces whose data did not change.
-* Each trace gets at most ``max_points`` points: ``downsample`` keeps the recent half at full
+* Each trace gets at most ``max_points`` points: ``downsample`` (series.py) keeps the recent half at full
   resolution and each older bucket's minimum and maximum, so spikes and the first point survive.
 * One ``FigureWidget`` per dashboard (``make_subplots``), never one per metric.
 * ``_repr_mimebundle_`` adds ``text/plain`` and ``text/html`` summaries next to the widget view,
@@ -30,7 +30,6 @@ the utilisation panel through ``_LiveDashboard``.
 from __future__ import annotations
 
 import abc
-import bisect
 import contextlib
 import html
 import logging
@@ -39,143 +38,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from openrl_jupyter.summary import STATE_COLOURS, clip, fmt, missing, plural, summary_pair
+from openrl_jupyter.series import Rows, Utilisation, downsample, downsample_indices
+from openrl_jupyter.summary import STATE_COLOURS, clip, fmt, plural, summary_pair
 
 __all__ = ["RunDashboard", "ServiceDashboard", "downsample"]
 
 log = logging.getLogger(__name__)
 
-X = TypeVar("X")
 CallLater = Callable[[float, Callable[[], None]], Any]
 
 LOG_LINES = 200
-UTIL_WINDOW = 900  # ticks (one a second): the utilisation panel shows the last 15 to 30 minutes
 SAMPLE_ROWS = 8
 ACTIVE_STATES = ("starting", "running", "pausing", "paused")
 BAR_STYLES = {"finished": "success", "failed": "danger", "paused": "warning", "stopped": "warning"}
-
-
-def _downsample_indices(ys: Sequence[float | None], max_points: int) -> list[int]:
-    """The indices ``downsample`` keeps, in order; shared so that stacked traces keep the same x."""
-    if max_points < 2:
-        raise ValueError(f"max_points must be ≥ 2 (the first and the last point); got {max_points}")
-    n = len(ys)
-    if n <= max_points:
-        return list(range(n))
-    recent = max_points // 2
-    split = n - recent
-    n_buckets = (max_points - recent - 1) // 2
-    older = split - 1
-    keep = [0]
-    for b in range(n_buckets):
-        lo, hi = 1 + b * older // n_buckets, 1 + (b + 1) * older // n_buckets
-        lo_i = hi_i = -1
-        for i in range(lo, hi):
-            v = ys[i]
-            if missing(v):
-                continue
-            if lo_i < 0 or v < ys[lo_i]:
-                lo_i = i
-            if hi_i < 0 or v > ys[hi_i]:
-                hi_i = i
-        if lo_i < 0:
-            if lo < hi:
-                keep.append(lo)
-        elif lo_i == hi_i:
-            keep.append(lo_i)
-        else:
-            keep.extend((min(lo_i, hi_i), max(lo_i, hi_i)))
-    keep.extend(range(split, n))
-    return keep
-
-
-def downsample(
-    xs: Sequence[X], ys: Sequence[float | None], max_points: int
-) -> tuple[list[X], list[float | None]]:
-    """At most ``max_points`` points of a line, for the browser.
-
-    Short lines come back unchanged. Longer ones keep their last ``max_points // 2`` points as they
-    are and split the older ones into buckets of which only the minimum and the maximum survive (in
-    x order), so a spike in old history stays visible; the very first point is always kept. Missing
-    values (None, NaN) never win a bucket; a bucket with nothing else keeps one, as a gap.
-    """
-    if len(xs) != len(ys):
-        raise ValueError(f"xs and ys must have the same length; got {len(xs)} and {len(ys)}")
-    idx = _downsample_indices(ys, max_points)
-    if len(idx) == len(ys):
-        return list(xs), list(ys)
-    return [xs[i] for i in idx], [ys[i] for i in idx]
-
-
-class _Rows:
-    """Rows keyed by an increasing number (the step), in order; a repeated key replaces its row."""
-
-    def __init__(self) -> None:
-        self.keys: list[float] = []
-        self.rows: list[dict] = []
-
-    def put(self, key: float, row: dict) -> None:
-        if not self.keys or key > self.keys[-1]:
-            self.keys.append(key)
-            self.rows.append(row)
-            return
-        i = bisect.bisect_left(self.keys, key)
-        if self.keys[i] == key:
-            self.rows[i] = row
-        else:
-            self.keys.insert(i, key)
-            self.rows.insert(i, row)
-
-    def column(self, name: str) -> list[Any]:
-        return [r.get(name) for r in self.rows]
-
-    def last(self) -> dict:
-        return self.rows[-1] if self.rows else {}
-
-
-class _Utilisation:
-    """Telemetry ticks as columns: total utilisation, and each run's part of it (value × share).
-
-    A tick no newer than the last one (a replay after the feed reconnects) is ignored.
-    """
-
-    def __init__(self) -> None:
-        self.label: str | None = None
-        self.value: float | None = None
-        self.queue_depth: int | None = None
-        self.fused_share: float | None = None
-        self.times: list[float] = []
-        self.total: list[float] = []
-        self.by_run: dict[str, list[float]] = {}
-
-    def add(self, tick: dict) -> bool:
-        t = tick.get("time")
-        if not isinstance(t, (int, float)) or (self.times and t <= self.times[-1]):
-            return False
-        util = tick.get("utilisation") or {}
-        value = float(util.get("value") or 0.0)
-        shares = tick.get("runs") or {}
-        self.label = util.get("label") or self.label
-        self.value = value
-        self.queue_depth = tick.get("queue_depth")
-        self.fused_share = tick.get("fused_share")
-        for run_id in shares:
-            self.by_run.setdefault(run_id, [0.0] * len(self.times))
-        self.times.append(float(t))
-        self.total.append(value)
-        for run_id, column in self.by_run.items():
-            column.append(value * float(shares.get(run_id) or 0.0))
-        if len(self.times) > 2 * UTIL_WINDOW:  # keep a recent window, trimmed in batches
-            del self.times[:-UTIL_WINDOW], self.total[:-UTIL_WINDOW]
-            for column in self.by_run.values():
-                del column[:-UTIL_WINDOW]
-        return True
 
 
 class _LiveDashboard(abc.ABC):
@@ -207,7 +88,7 @@ class _LiveDashboard(abc.ABC):
         self._closed = False
         self._last_flush = clock()
         self._traces: dict[str, int] = {}
-        self._util = _Utilisation()
+        self._util = Utilisation()
         self._util_dirty = False
         self._unsubscribe: Callable[[], None] | None = None
         self.fig: go.FigureWidget
@@ -315,7 +196,7 @@ class _LiveDashboard(abc.ABC):
         if not self._util_dirty:
             return
         self._util_dirty = False
-        idx = _downsample_indices(util.total, self.max_points)
+        idx = downsample_indices(util.total, self.max_points)
         xs = [datetime.fromtimestamp(util.times[i]) for i in idx]
         for run_id, column in util.by_run.items():
             trace = self._trace(
@@ -358,7 +239,7 @@ class RunDashboard(_LiveDashboard):
     ) -> None:
         super().__init__(interval_s=interval_s, max_points=max_points, clock=clock, call_later=call_later)
         self.run = run
-        self._rows = _Rows()
+        self._rows = Rows()
         self._state = str(run.state)
         self._error: str | None = run.last_error
         self._action_error: str | None = None
@@ -616,7 +497,7 @@ class ServiceDashboard(_LiveDashboard):
     ) -> None:
         super().__init__(interval_s=interval_s, max_points=max_points, clock=clock, call_later=call_later)
         self._runs: dict[str, dict] = {}
-        self._rewards: dict[str, _Rows] = {}
+        self._rewards: dict[str, Rows] = {}
         self._dirty: set[str] = set()
         for r in runs or ():
             if r.get("run_id"):
@@ -668,7 +549,7 @@ class ServiceDashboard(_LiveDashboard):
             metrics = event.get("metrics") or {}
             step = metrics.get("step")
             if isinstance(step, int) and not isinstance(step, bool):
-                rows = self._rewards.setdefault(run_id, _Rows())
+                rows = self._rewards.setdefault(run_id, Rows())
                 rows.put(step, metrics)
                 run["reward_mean"] = rows.last().get("reward_mean")
                 self._dirty.add(run_id)

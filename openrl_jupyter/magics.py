@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import html
 import os
-import re
 import shlex
 import time
 from collections.abc import Callable
 
 from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import MagicArgumentParser
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub
 from openrl_jupyter._exceptions import OpenRLError, UsageError
-from openrl_jupyter.config import LOSSES
+from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers
 from openrl_jupyter.rewards import registry
 
 KEY_SOURCES = {
@@ -34,222 +32,6 @@ KEY_SOURCES = {
     "local": "the embedded service's",
     "none": "none",
 }
-
-
-def _parser(prog: str, description: str) -> MagicArgumentParser:
-    return MagicArgumentParser(prog=f"%openrl {prog}", description=description, add_help=True)
-
-
-def _detach_options(parser: MagicArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--detach",
-        nargs="?",
-        const="local",
-        default=None,
-        choices=("local", "k8s"),
-        help=f"run the {what} in a process that outlives this kernel: local (a process here, the "
-        "default) or k8s (a Kubernetes Job the service submits); returns its job",
-    )
-    parser.add_argument(
-        "--image", default=None, help="with --detach k8s: one of the service's allowed images"
-    )
-    parser.add_argument(
-        "--volume",
-        action="append",
-        default=None,
-        dest="volumes",
-        metavar="NAME",
-        help="with --detach k8s: a volume the service allows (repeatable)",
-    )
-    parser.add_argument("--cpu", default=None, help="with --detach k8s: CPU for the reward work, e.g. 2")
-    parser.add_argument("--memory", default=None, help="with --detach k8s: memory, e.g. 4Gi")
-
-
-def _detach_kwargs(a) -> dict:
-    """``detach=`` and ``k8s=`` for train/sweep from the parsed magic line."""
-    k8s = {"image": a.image, "volumes": a.volumes, "cpu": a.cpu, "memory": a.memory}
-    k8s = {k: v for k, v in k8s.items() if v}
-    if k8s and a.detach != "k8s":
-        flags = {"image": "--image", "volumes": "--volume", "cpu": "--cpu", "memory": "--memory"}
-        raise UsageError(f"{'/'.join(flags[k] for k in k8s)} go with --detach k8s")
-    if a.detach is None:
-        return {}
-    return {"detach": a.detach, **({"k8s": k8s} if k8s else {})}
-
-
-def _parsers() -> dict[str, MagicArgumentParser]:
-    p: dict[str, MagicArgumentParser] = {}
-    c = p["connect"] = _parser("connect", "Connect to a service, or start an embedded one with --local.")
-    c.add_argument("url", nargs="?", help="service URL (default: $OPENRL_URL, then c.OpenRLMagics.url)")
-    c.add_argument("--local", action="store_true", help="start an embedded service in a child process")
-    c.add_argument(
-        "--model",
-        default=None,
-        help="base model for this session's runs, one the service serves (default: its first); "
-        "with --local, the model to serve (openrl/tiny, HF dir, GGUF)",
-    )
-    c.add_argument("--name", default=None, help="session name (several sessions can be open)")
-    c.add_argument(
-        "--detached",
-        action="store_true",
-        help="with --local: a service that outlives this kernel (for --detach local runs); a later "
-        "kernel's %%openrl connect --local --detached finds it again",
-    )
-    t = p["train"] = _parser(
-        "train",
-        "Start a background RL run (--prompts: a notebook variable or a .txt/.jsonl path); returns at once.",
-    )
-    t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
-    t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
-    t.add_argument("--model", default=None, help="a model the service serves (default: the session's)")
-    t.add_argument("--steps", type=int, default=60)
-    t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
-    t.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
-    t.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
-    t.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the model's)")
-    t.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
-    t.add_argument("--temperature", type=float, default=None)
-    t.add_argument("--loss", default="importance_sampling", choices=LOSSES)
-    t.add_argument("--normalize-std", action="store_true", dest="normalize_std", help="divide by group std")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument(
-        "--load-from",
-        default=None,
-        dest="load_from",
-        help="a tinker:// checkpoint whose LoRA weights the run starts from (e.g. an SFT run's save_state)",
-    )
-    t.add_argument(
-        "--overlap",
-        type=int,
-        default=0,
-        choices=(0, 1),
-        help="1: sample step k+1 while step k is scored (one step off-policy, corrected by the ratio)",
-    )
-    t.add_argument("--name", default=None, help="run name (default: generated)")
-    _detach_options(t, "run")
-    t.add_argument("--session", default=None)
-    w = p["sweep"] = _parser(
-        "sweep",
-        "Start one run per combination of the listed values at once, stopping the worse half at each "
-        "rung (successive halving); returns the sweep. Lists are comma-separated: --lr 1e-4,3e-4.",
-    )
-    w.add_argument("--reward", required=True, help="registered reward name(s), comma-separated")
-    w.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
-    for flag, what in (
-        ("--lr", "learning rates"),
-        ("--rank", "LoRA ranks"),
-        ("--loss", f"losses ({', '.join(LOSSES)})"),
-        ("--temperature", "sampling temperatures"),
-        ("--seed", "seeds"),
-    ):
-        w.add_argument(flag, default=None, help=f"{what}, comma-separated")
-    w.add_argument("--steps", type=int, default=60)
-    w.add_argument("--budget", type=int, default=None, help="the most steps of all runs together")
-    w.add_argument("--rungs", type=int, default=None, help="how many halvings (default: down to one run)")
-    w.add_argument("--keep", type=float, default=0.5, help="the share kept at each rung")
-    w.add_argument("--metric", default="reward_mean", help="the history column runs are ranked by")
-    w.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
-    w.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
-    w.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
-    w.add_argument("--name", default=None, help="sweep name (its runs are NAME-lr1e-4-r8-...)")
-    _detach_options(w, "sweep")
-    w.add_argument("--session", default=None)
-    for verb, desc in (
-        ("pause", "Pause a run (it finishes its current step first)."),
-        ("resume", "Resume a paused run (a step that paused on an error is retried)."),
-        ("stop", "Stop a run (it finishes its current step first)."),
-    ):
-        v = p[verb] = _parser(verb, desc)
-        v.add_argument(
-            "run",
-            nargs="?",
-            default=None,
-            help="run name, or a detached run's (default: the latest run of this kernel)",
-        )
-        v.add_argument("--session", default=None)
-        if verb != "resume":
-            v.add_argument("--wait", action="store_true", help="return once no step is in flight")
-    s = p["save"] = _parser("save", "Save a run's weights and optimizer; prints the tinker:// path.")
-    s.add_argument("run", nargs="?", default=None)
-    s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name")
-    s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
-    s.add_argument("--session", default=None)
-    for verb, desc in (
-        (
-            "runs",
-            "This session's runs, the detached runs (where they run: local pid, k8s) and the other "
-            "runs the service has for this key.",
-        ),
-        ("dashboard", "The service-wide dashboard: every run of this key plus device utilisation."),
-        ("sessions", "The open connections."),
-    ):
-        v = p[verb] = _parser(verb, desc)
-        v.add_argument("--session", default=None)
-    st = p["status"] = _parser("status", "The service, or one run, in a few lines.")
-    st.add_argument("run", nargs="?", default=None)
-    st.add_argument("--session", default=None)
-    k = p["token"] = _parser(
-        "token",
-        "Mint a tml- key for the Tinker SDK as your JupyterHub user and export it in this kernel as "
-        "TINKER_API_KEY (never shown); 'list' your keys, 'revoke ID' one.",
-    )
-    k.add_argument(
-        "action", nargs="?", default="mint", choices=("mint", "list", "revoke"), metavar="mint|list|revoke"
-    )
-    k.add_argument(
-        "id", nargs="?", default=None, metavar="ID", help="the key id to revoke (see %%openrl token list)"
-    )
-    k.add_argument("--name", default=None, help="a label for the new key")
-    k.add_argument("--session", default=None)
-    at = p["attach"] = _parser(
-        "attach",
-        "A detached run (by its name, or a sweep's job), or any run of this key: its whole history "
-        "from the service and a live dashboard.",
-    )
-    at.add_argument("name", help="the detached run's (job's) name, as %%openrl runs lists it")
-    at.add_argument("--session", default=None)
-    d = p["disconnect"] = _parser("disconnect", "Close a connection (an embedded service stops).")
-    d.add_argument("name", nargs="?", default=None)
-    p["help"] = _parser("help", "This text.")
-    return p
-
-
-HELP_INTRO = """Train LLMs with RL from this notebook against an openrl service.
-
-Subcommands (``%openrl VERB --help`` shows each one's options):
-"""
-REWARD_CELL = """  %%openrl reward NAME
-        run the cell and register its reward(prompt, completion, **info) -> float (or
-        reward_group(prompts, completions, infos) -> list) as the next version of NAME"""
-HELP_OUTRO = "\n\nOptions that pick a connection: --session NAME (the only open one is the default).\n"
-
-
-def help_text(parsers: dict[str, MagicArgumentParser]) -> str:
-    """The ``%openrl`` manual, written from the parsers themselves (so it names every option)."""
-    parts = [HELP_INTRO]
-    for verb, parser in parsers.items():
-        # IPython's parsers write usage as reST (":: %%openrl ..."); the manual shows what one types
-        usage = " ".join(parser.format_usage().split()).removeprefix("usage: ").removeprefix(":: ")
-        usage = usage.replace("%%openrl", "%openrl").replace(" [-h]", "")
-        if verb == "train":
-            usage = "run = " + usage
-        if verb == "sweep":
-            usage = "sweep = " + usage
-        parts.append(_wrap(re.findall(r"\[[^\]]*\]|\S+", usage), 100, "  ", "      "))
-        parts.append("        " + (parser.description or ""))
-        if verb == "connect":
-            parts.append(REWARD_CELL)
-    return "\n".join(parts) + HELP_OUTRO
-
-
-def _wrap(tokens: list[str], width: int, first: str, rest: str) -> str:
-    """Join ``tokens`` with spaces into lines of at most ``width`` (an option never splits)."""
-    lines = [first]
-    for token in tokens:
-        if len(lines[-1]) + 1 + len(token) > width and lines[-1].strip():
-            lines.append(rest)
-        lines[-1] += ("" if lines[-1] in (first, rest) else " ") + token
-    return "\n".join(lines)
 
 
 class Table:
@@ -294,7 +76,7 @@ class OpenRLMagics(Magics):
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
-        self._parsers = _parsers()
+        self._parsers = parsers()
         self._service_dashboard = None
         self._verbs: dict[str, Callable] = {
             "connect": self._connect,
@@ -334,7 +116,7 @@ class OpenRLMagics(Magics):
         except SystemExit:  # argparse after printing --help
             return None
 
-    openrl.__doc__ = help_text(_parsers())
+    openrl.__doc__ = help_text(parsers())
 
     # -- verbs ----------------------------------------------------------------------------------------
     def _connect(self, a):
@@ -398,7 +180,7 @@ class OpenRLMagics(Magics):
             seed=a.seed,
             overlap=a.overlap,
             load_from=a.load_from,
-            **_detach_kwargs(a),
+            **detach_kwargs(a),
         )
 
     def _sweep(self, a):
@@ -436,7 +218,7 @@ class OpenRLMagics(Magics):
             metric=a.metric,
             name=a.name,
             **options,
-            **_detach_kwargs(a),
+            **detach_kwargs(a),
         )
 
     def _resolve_prompts(self, src: str):

@@ -16,7 +16,8 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from openrl_jupyter.dashboard import CallLater, _LiveDashboard, _Rows
+from openrl_jupyter.dashboard import CallLater, _LiveDashboard
+from openrl_jupyter.series import Rows
 
 PALETTE = ("#636efa", "#ef553b", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff")
 DROPPED = "#b0b0b0"
@@ -37,7 +38,7 @@ class SweepDashboard(_LiveDashboard):
     ) -> None:
         super().__init__(interval_s=interval_s, max_points=max_points, clock=clock, call_later=call_later)
         self.sweep = sweep
-        self._rows: dict[str, _Rows] = {run.name: _Rows() for run in sweep.runs}
+        self._rows: dict[str, Rows] = {run.name: Rows() for run in sweep.runs}
         fig = self.fig = go.Figure()
         fig.update_layout(
             height=420,

@@ -24,10 +24,6 @@ OVER_THE_LIMIT = {
     "openrl_service/engine/service.py": "lifecycle, run ops, samplers and sampling on one class",
     "openrl_jupyter/run.py": "the Run loop, its state machine and its history",
     "openrl_service/engine/scheduler.py": "lanes, fusion choice, idempotency, gap timeouts, the worker",
-    "openrl_jupyter/magics.py": "every %openrl subcommand's parser and handler",
-    "openrl_jupyter/dashboard.py": "the run dashboard's model, layout and throttled updates",
-    "openrl_service/engine/jobs.py": "persistence, key scope, submit checks, reconcile, archive",
-    "openrl_service/engine/durability.py": "recording, snapshots and recovery of the journal",
     "openrl_service/api/schemas.py": "the hand-written JSON Schemas (request models replace them)",
 }
 

@@ -37,7 +37,7 @@ from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
 from openrl_service.container import Container
 from openrl_service.engine.catalog import Catalog
-from openrl_service.engine.jobs import JOB_META_KEY
+from openrl_service.engine.job_checks import JOB_META_KEY
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
 from openrl_service.errors import UserError
 from openrl_service.lifecycle import State

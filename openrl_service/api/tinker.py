@@ -37,7 +37,7 @@ from openrl_service.api.http import (
 )
 from openrl_service.api.schemas import body
 from openrl_service.checks import integer
-from openrl_service.engine.jobs import check_unlabelled
+from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
 from openrl_service.training.trainer import adam_params

@@ -44,11 +44,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
-
 from openrl_service.engine import records
 from openrl_service.engine.futures import FutureRecord
+from openrl_service.engine.snapshots import (
+    STATE_VERSION,
+    adapter_data,
+    adapter_from,
+    read_snapshot,
+    tensor_data,
+    tensor_from,
+    write_snapshot,
+)
 from openrl_service.engine.state import RunState, SamplerEntry
 from openrl_service.errors import ApiError
 from openrl_service.storage.files import write_private
@@ -56,10 +62,6 @@ from openrl_service.storage.journal import Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
-# 2: plain data (engine/records.py values), the runs' and samplers' tensors in snap-N.tensors
-# (safetensors) by reference; 1: the first release's, data classes pickled and tensors inline (read)
-STATE_VERSION = 2
-STATE_VERSIONS = (1, 2)
 
 # Set while a journal record is replayed: the record (so the call it makes is not journaled again).
 _REPLAYING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("openrl_replaying", default=None)
@@ -76,43 +78,6 @@ class InsufficientStorage(ApiError):
 
     status_code = 507
     category = "server"
-
-
-def tensor_data(t: torch.Tensor) -> tuple[str, np.ndarray]:
-    """A tensor as (dtype, numpy copy); bfloat16 travels as its bits."""
-    t = t.detach().to("cpu")
-    if t.dtype == torch.bfloat16:
-        return "bfloat16", t.view(torch.int16).numpy().copy()
-    return str(t.dtype).removeprefix("torch."), t.numpy().copy()
-
-
-def tensor_from(data: tuple[str, np.ndarray], device: Any) -> torch.Tensor:
-    dtype, arr = data
-    t = torch.from_numpy(np.array(arr))
-    if dtype == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t.to(device)
-
-
-def adapter_data(adapter) -> dict:
-    """An adapter's weights as journal data: {module: (A, B)}."""
-    return {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in adapter.weights.items()}
-
-
-def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
-    """The inverse of :func:`adapter_data`."""
-    from openrl_service.training.lora import Adapter
-
-    return Adapter(
-        spec,
-        {
-            n: (
-                tensor_from(a, device).requires_grad_(trainable),
-                tensor_from(b, device).requires_grad_(trainable),
-            )
-            for n, (a, b) in data.items()
-        },
-    )
 
 
 class Durability:
@@ -255,56 +220,6 @@ class Durability:
             and self.interval_s > 0
         )
 
-    def _write_snapshot(self, n: int, state: dict) -> int:
-        """Snapshot ``n`` as data: the runs' and samplers' tensors go to their own file (referenced by
-        key), everything else through the records' value codec."""
-        tensors: dict[str, np.ndarray] = {}
-
-        def refer(data: tuple[str, np.ndarray]) -> tuple[str, tuple]:
-            dtype, arr = data
-            key = f"t{len(tensors)}"
-            tensors[key] = np.ascontiguousarray(arr)
-            return dtype, (b"tensor", {"key": key})
-
-        def adapter(weights: dict) -> dict:
-            return {m: (refer(a), refer(b)) for m, (a, b) in weights.items()}
-
-        runs = []
-        for r in state["runs"]:
-            t = r["state"]
-            if t is not None:
-                t = {
-                    **t,
-                    "weights": adapter(t["weights"]),
-                    "grads": {k: refer(v) for k, v in t["grads"].items()},
-                    "optimizer": {k: refer(v) for k, v in t["optimizer"].items()},
-                }
-            runs.append({**r, "state": t})
-        samplers = [
-            {**e, "weights": None if e["weights"] is None else adapter(e["weights"])}
-            for e in state["samplers"]
-        ]
-        data = records.encode_value({**state, "runs": runs, "samplers": samplers})
-        return self.journal.write_snapshot(n, data, tensors)
-
-    def _read_snapshot(self, n: int, state: dict) -> dict:
-        """A snapshot's state as the restore takes it (tensors loaded from its file)."""
-        if state.get("version") not in STATE_VERSIONS:
-            raise RuntimeError(
-                f"snapshot {n} is of format {state.get('version')}; this release reads formats "
-                f"{', '.join(map(str, STATE_VERSIONS))} (a newer release wrote it): start that release "
-                "on this data dir; nothing was changed"
-            )
-        if state["version"] == 1:
-            return state  # inline tensors, its data classes unpickled as they are
-        path = self.journal.snapshot_tensors(n)
-        if not path.exists():
-            return records.decode_value(state)
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as f:
-            return records.decode_value(state, tensors=f.get_tensor)
-
     async def snapshot(self, reason: str = "interval") -> bool:
         """Take a snapshot: capture on the worker (between ops) and on the loop, write it off both."""
         if not self.enabled or not self.recovered or not self._snap_lock.acquire(blocking=False):
@@ -318,7 +233,7 @@ class Durability:
             if captured is None:
                 return False
             n, state, appended = captured
-            size = await asyncio.to_thread(self._write_snapshot, n, state)
+            size = await asyncio.to_thread(write_snapshot, self.journal, n, state)
             self.snapshotted_at = appended
             log.info("snapshot %d (%s): %d bytes in %.2f s", n, reason, size, time.perf_counter() - t0)
             return True
@@ -452,7 +367,7 @@ class Durability:
         raw: list = []
         if snap is not None:
             first, state = snap
-            state = await asyncio.to_thread(self._read_snapshot, first, state)
+            state = await asyncio.to_thread(read_snapshot, self.journal, first, state)
             raw += state.get("pending", [])
         raw += await asyncio.to_thread(lambda: list(self.journal.records_since(first)))
         self.failures = []

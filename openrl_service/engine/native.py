@@ -54,7 +54,8 @@ import orjson
 
 from openrl_common.protocol import control_problem
 from openrl_service.checks import integer, number
-from openrl_service.engine.jobs import JOB_META_KEY, Jobs, check_unlabelled
+from openrl_service.engine.job_checks import JOB_META_KEY, check_unlabelled
+from openrl_service.engine.jobs import Jobs
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id

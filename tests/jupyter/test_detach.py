@@ -384,11 +384,11 @@ def test_the_worker_refuses_a_payload_of_another_python_or_cloudpickle():
 def test_the_volume_flag_is_named_as_typed():
     from types import SimpleNamespace
 
-    from openrl_jupyter.magics import _detach_kwargs
+    from openrl_jupyter.magic_args import detach_kwargs
 
     a = SimpleNamespace(image=None, volumes=["data"], cpu=None, memory=None, detach="local")
     with pytest.raises(UsageError, match=r"^--volume go with --detach k8s"):
-        _detach_kwargs(a)
+        detach_kwargs(a)
 
 
 def test_the_jobs_posts_that_must_not_be_resent_are_not_and_names_are_quoted():

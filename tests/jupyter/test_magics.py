@@ -78,11 +78,11 @@ def test_help_and_docstring(shell):
 
 def test_the_help_names_every_option_of_every_subcommand(shell):
     """The manual is written from the parsers, so an option added to one cannot be missing from it."""
-    from openrl_jupyter.magics import _parsers
+    from openrl_jupyter.magic_args import parsers
 
     manual = shell.find_line_magic("openrl").__doc__
     printed = run(shell, "%openrl help").out
-    for verb, parser in _parsers().items():
+    for verb, parser in parsers().items():
         assert f"%openrl {verb}" in manual, verb
         for action in parser._actions:
             names = action.option_strings or [action.metavar or action.dest]

@@ -243,7 +243,7 @@ def shell(server, monkeypatch):
 def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
     from IPython.core.error import UsageError as IPythonUsageError
 
-    from openrl_jupyter.magics import _parsers, help_text
+    from openrl_jupyter.magic_args import help_text, parsers
 
     registry.register("sweep_letters", letters)
     shell.user_ns["P"] = PROMPTS
@@ -256,4 +256,4 @@ def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
     assert sweep.best.step == 2 and sweep.best.name not in sweep.stopped_at_rung
     with pytest.raises(IPythonUsageError, match="--lr takes comma-separated float values"):
         shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,fast")
-    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(_parsers())
+    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(parsers())
