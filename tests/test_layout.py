@@ -23,8 +23,6 @@ OVER_THE_LIMIT = {
     "openrl_service/engine/native.py": "control, event bus, sample store, intents, run ops, metrics",
     "openrl_service/engine/service.py": "lifecycle, run ops, samplers and sampling on one class",
     "openrl_jupyter/run.py": "the Run loop, its state machine and its history",
-    "openrl_service/engine/scheduler.py": "lanes, fusion choice, idempotency, gap timeouts, the worker",
-    "openrl_service/api/schemas.py": "the hand-written JSON Schemas (request models replace them)",
 }
 
 

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from openrl_service import crashpoints
-from openrl_service.engine.scheduler import QueueFull
+from openrl_service.engine.ops import QueueFull
 from openrl_service.errors import PayloadTooLarge, UnsupportedMediaType, UserError
 
 

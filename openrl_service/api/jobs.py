@@ -24,6 +24,7 @@ import anyio
 from fastapi import APIRouter, Depends, Query, Request
 
 from openrl_common.protocol import TERMINAL_STATES
+from openrl_service.api import links as L
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
 from openrl_service.container import Container
@@ -97,7 +98,7 @@ def build_jobs_router(c: Container) -> APIRouter:
             phase = phases[k8s["job"]][1]
         return jobs.entry(rec, phase)
 
-    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=S.SUBMIT_JOB_LINKS)
+    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=L.SUBMIT_JOB_LINKS)
     async def submit_job(request: Request):
         """Submit a detached job: its payload is stored (never unpickled) and a job-scoped key minted;
         where=local answers the key, where=k8s hands it to a Kubernetes Job's Secret."""

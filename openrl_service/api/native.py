@@ -31,6 +31,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from openrl_service.api import links as L
 from openrl_service.api import schemas as S
 from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
 from openrl_service.api.idempotency import idempotent
@@ -82,7 +83,7 @@ def build_native_router(c: Container) -> APIRouter:
         "/runs",
         status_code=201,
         openapi_extra=body(S.create_run(lim), required=False),
-        responses=S.CREATE_RUN_LINKS,
+        responses=L.CREATE_RUN_LINKS,
     )
     @new_work
     async def create_run(request: Request):
@@ -132,7 +133,7 @@ def build_native_router(c: Container) -> APIRouter:
         return json_response({"run_id": run_id, "deleted": True})
 
     @r.post(
-        "/runs/{run_id}/sample", openapi_extra=body(S.native_sample(lim)), responses=S.NATIVE_SAMPLE_LINKS
+        "/runs/{run_id}/sample", openapi_extra=body(S.native_sample(lim)), responses=L.NATIVE_SAMPLE_LINKS
     )
     @new_work
     async def sample(run_id: str, request: Request):
@@ -149,7 +150,7 @@ def build_native_router(c: Container) -> APIRouter:
         "/runs/{run_id}/checkpoints",
         status_code=201,
         openapi_extra=body(S.save_checkpoint(lim, ttl)),
-        responses=S.NATIVE_SAVE_LINKS,
+        responses=L.NATIVE_SAVE_LINKS,
     )
     @new_work
     async def save(run_id: str, request: Request):

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 from starlette.concurrency import run_in_threadpool
 
+from openrl_service.api import links as L
 from openrl_service.api import proto
 from openrl_service.api import schemas as S
 from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config, prompt_tokens
@@ -79,7 +80,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
         )
 
-    @r.post("/create_session", openapi_extra=body(S.create_session(lim)), responses=S.CREATE_SESSION_LINKS)
+    @r.post("/create_session", openapi_extra=body(S.create_session(lim)), responses=L.CREATE_SESSION_LINKS)
     @new_work
     async def create_session(request: Request):
         """Start a session (one ServiceClient)."""
@@ -126,7 +127,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({"supported_models": svc.capabilities()})
 
     # -- training ------------------------------------------------------------------------------
-    @r.post("/create_model", openapi_extra=body(S.create_model(lim)), responses=S.CREATE_MODEL_LINKS)
+    @r.post("/create_model", openapi_extra=body(S.create_model(lim)), responses=L.CREATE_MODEL_LINKS)
     @new_work
     async def create_model(request: Request):
         """Create a LoRA training run; future → {model_id}."""
@@ -165,7 +166,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         body = await read_json(request, max_body)
         return json_response(svc.get_info(tenant(request), field(body, "model_id", str)))
 
-    @r.post("/forward_backward", openapi_extra=S.PROTOBUF_BODY, responses=S.SUBMIT_LINKS)
+    @r.post("/forward_backward", openapi_extra=S.PROTOBUF_BODY, responses=L.SUBMIT_LINKS)
     @new_work
     async def forward_backward(request: Request):
         """Protobuf ForwardBackwardRequest; future → protobuf ForwardBackwardOutput."""
@@ -202,7 +203,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/optim_step", openapi_extra=body(S.OPTIM_STEP), responses=S.SUBMIT_LINKS)
+    @r.post("/optim_step", openapi_extra=body(S.OPTIM_STEP), responses=L.SUBMIT_LINKS)
     @new_work
     async def optim_step(request: Request):
         """AdamW step over the run's accumulated gradients; future → {metrics}."""
@@ -216,7 +217,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         rec = svc.optim_step(tenant(request), model_id, seq_id, adam, idem(request))
         return json_response(rec.reply())
 
-    @r.post("/save_weights", openapi_extra=body(S.save_weights(lim, ttl)), responses=S.SAVE_WEIGHTS_LINKS)
+    @r.post("/save_weights", openapi_extra=body(S.save_weights(lim, ttl)), responses=L.SAVE_WEIGHTS_LINKS)
     @new_work
     async def save_weights(request: Request):
         """save_state: adapter + optimizer under tinker://<run>/weights/<name>."""
@@ -236,7 +237,7 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post(
         "/save_weights_external",
         openapi_extra=body(S.save_weights_external(lim, ttl)),
-        responses=S.SUBMIT_LINKS,
+        responses=L.SUBMIT_LINKS,
     )
     @new_work
     async def save_weights_external(request: Request):
@@ -253,7 +254,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/load_weights", openapi_extra=body(S.LOAD_WEIGHTS), responses=S.CREATE_MODEL_LINKS)
+    @r.post("/load_weights", openapi_extra=body(S.LOAD_WEIGHTS), responses=L.CREATE_MODEL_LINKS)
     @new_work
     async def load_weights(request: Request):
         """load_state (model_id + seq_id) or create-via-load (session_id + model_seq_id)."""
@@ -285,7 +286,7 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post(
         "/save_weights_for_sampler",
         openapi_extra=body(S.save_for_sampler(lim, ttl)),
-        responses=S.SAVE_FOR_SAMPLER_LINKS,
+        responses=L.SAVE_FOR_SAMPLER_LINKS,
     )
     @new_work
     async def save_for_sampler(request: Request):
@@ -307,7 +308,7 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post(
         "/create_sampling_session",
         openapi_extra=body(S.CREATE_SAMPLING_SESSION),
-        responses=S.SAMPLING_SESSION_LINKS,
+        responses=L.SAMPLING_SESSION_LINKS,
     )
     @new_work
     async def create_sampling_session(request: Request):
@@ -334,7 +335,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             out["sampler_notice"] = svc.sample_notices[sampler_id]
         return json_response(out)
 
-    @r.post("/asample", openapi_extra=body(S.asample(lim)), responses=S.SUBMIT_LINKS)
+    @r.post("/asample", openapi_extra=body(S.asample(lim)), responses=L.SUBMIT_LINKS)
     @new_work
     async def asample(request: Request):
         """Queue a sample request; the reply carries one sequence id per sample."""
@@ -371,7 +372,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({k: v for k, v in rec.reply().items() if not k.startswith("_")})
 
     # -- futures -------------------------------------------------------------------------------
-    @r.post("/retrieve_future", openapi_extra=body(S.REQUEST_ID), responses=S.RESULT_LINKS)
+    @r.post("/retrieve_future", openapi_extra=body(S.REQUEST_ID), responses=L.RESULT_LINKS)
     async def retrieve_future(request: Request):
         """Long-poll a future: the result, an error result, or try_again."""
         body = await read_json(request, max_body)

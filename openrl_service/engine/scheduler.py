@@ -47,79 +47,16 @@ import traceback
 import types
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_service.engine.futures import FutureRecord, FutureStore
+from openrl_service.engine.ops import Fusable, Op, OpLog, QueueFull, WorkerStopped, tokens_of
 from openrl_service.errors import ApiError, InternalError, UserError
 from openrl_service.telemetry import OpRecorder
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(ApiError):
-    """A request refused because a queue is at its limit (HTTP 429 with Retry-After); nothing was queued,
-    so resubmitting it later is safe."""
-
-    status_code = 429
-    category = "server"
-
-    def __init__(self, message: str, *, field: str, limit: str, retry_after_s: float):
-        super().__init__(message, field=field)
-        self.limit = limit
-        self.retry_after_s = retry_after_s
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), "limit": self.limit, "retry_after_s": self.retry_after_s}
-
-
-class WorkerStopped(ApiError):
-    """The device-worker thread has died: nothing queued will run until the service restarts (503)."""
-
-    status_code = 503
-    category = "server"
-
-
-@dataclass
-class Fusable:
-    """How an op joins a fused call: ops with the same ``key`` can share one call of that key's fuser.
-
-    ``size``: tokens it adds (the fused op's budget); ``rows``/``width``: its rows (datums, or
-    samples) and longest row, when the fused call pads every row to the longest of all members (then
-    rows × width is what counts);
-    ``prepare()`` (on the worker) returns its part of the fuser's input; ``finish(part)`` turns its
-    part of the fuser's output into the op's result."""
-
-    key: str
-    size: int
-    prepare: Callable[[], Any]
-    finish: Callable[[Any], Any] = lambda part: part
-    rows: int = 0
-    width: int = 0
-    limit: int | None = None  # the most padded tokens a call holding it may cover (e.g. one micro-batch)
-    decode: int = 0  # sampling: tokens it decodes (members differ at most 2x, so none waits long)
-
-
-@dataclass
-class Op:
-    kind: str
-    lane: str  # "run:<id>" or "sampler:<id>" or "control"
-    fn: Callable[[], Any] | None  # runs on the worker; None when ``error`` is set
-    future: FutureRecord
-    run_id: str | None = None
-    seq_id: int | None = None
-    error: ApiError | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
-    tokens: Callable[[Any], int] | None = None
-    # Refused with QueueFull (rather than queued) when its lane or the engine is at its limit.
-    refuse_when_full: bool = False
-    # A chunked op's generator once its first slice ran; each later turn runs ``next(steps)``.
-    steps: Generator[int, None, Any] | None = None
-    sliced_tokens: int = 0  # tokens of the slices already recorded
-    queued_since: float = field(default_factory=time.monotonic)  # submission, or requeue after a slice
-    fuse: Fusable | None = None  # set when the op may run as part of a fused call (fusion on)
-    companions: list[Op] | None = None  # the other members of its fused call, chosen by the worker
 
 
 @dataclass
@@ -167,7 +104,7 @@ class Engine:
         self._queued = 0  # ops in all lanes' ready + waiting
         self._queued_by: Counter[str] = Counter()  # the same, per tenant (fair refusals when full)
         # The op whose slices ran last and are not recorded yet: [op, start, end, tokens, queued_s].
-        self._open_record: list | None = None
+        self.oplog = OpLog(recorder)  # every executed op, for telemetry
         self._idem: dict[tuple[str, str], FutureRecord] = {}
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -613,8 +550,7 @@ class Engine:
             self._execute_fused(members)
             return
         now = time.monotonic()
-        if self._open_record is not None and self._open_record[0] is not op:
-            self._flush_record()
+        self.oplog.close_unless(op)
         start = time.time()
         result, error, more, sliced = None, op.error, False, 0
         if error is None:
@@ -639,7 +575,7 @@ class Engine:
         queued_s = max(0.0, now - op.queued_since)
         if more:
             op.sliced_tokens += sliced
-            self._note(op, start, end, sliced, queued_s)
+            self.oplog.note(op, start, end, sliced, queued_s)
             with self._cv:
                 lane = self._lanes.get(op.lane) if op.seq_id is not None else self._new_lane(op.lane)
                 if lane is not None:
@@ -650,10 +586,10 @@ class Engine:
                     return
             op.steps.close()  # the lane was closed between two slices: the op's cleanup runs
             result, error = None, UserError(f"{op.lane} was closed before this request finished")
-        tokens = max(0, _tokens(op, result) - op.sliced_tokens)
+        tokens = max(0, tokens_of(op, result) - op.sliced_tokens)
         if op.error is None:
-            self._note(op, start, end, tokens, queued_s)
-            self._flush_record(ok=error is None)
+            self.oplog.note(op, start, end, tokens, queued_s)
+            self.oplog.flush(ok=error is None)
         self.futures.complete(op.future, result=result, error=error)
 
     def _internal(self, op: Op, e: Exception) -> InternalError:
@@ -680,7 +616,7 @@ class Engine:
                     self.futures.complete(op.future, error=error)
 
     def _run_fused(self, ops: list[Op]) -> None:
-        self._flush_record()
+        self.oplog.flush()
         now = time.monotonic()
         start = time.time()
         parts, live = [], []
@@ -719,79 +655,10 @@ class Engine:
         end = time.time()
         for op, (result, error) in zip(live, results, strict=True):
             self.futures.complete(op.future, result=result, error=error)
-        self._record_fused(live, results, start, end, now)
+        self.oplog.record_fused(live, results, start, end, now)
 
     def _fail_prepare(self, op: Op, error: ApiError, now: float) -> None:
         """A member that could not join its fused call: an error result, recorded as a failed op."""
         self.futures.complete(op.future, error=error)
         t = time.time()
-        self._record(op, t, t, 0, False, max(0.0, now - op.queued_since))
-
-    def _record_fused(
-        self,
-        ops: list[Op],
-        results: list[tuple[Any, ApiError | None]],
-        start: float,
-        end: float,
-        now: float,
-    ) -> None:
-        """One record per member, back to back within [start, end], each lasting its share of the tokens."""
-        tokens = [max(0, _tokens(op, result)) for op, (result, _) in zip(ops, results, strict=True)]
-        weights = [t or op.fuse.size or 1 for t, op in zip(tokens, ops, strict=True)]  # type: ignore[union-attr]
-        total = float(sum(weights))
-        fused_id = uuid.uuid4().hex[:12] if len(ops) > 1 else None
-        runs = tuple(dict.fromkeys(op.run_id or op.lane for op in ops)) if len(ops) > 1 else ()
-        t = start
-        for op, (_, error), n, w in zip(ops, results, tokens, weights, strict=True):
-            t_end = end if op is ops[-1] else t + (end - start) * w / total
-            self._record(
-                op,
-                t,
-                t_end,
-                n,
-                error is None,
-                max(0.0, now - op.queued_since),
-                fused_id=fused_id,
-                fused_runs=runs,
-            )
-            t = t_end
-
-    def _note(self, op: Op, start: float, end: float, tokens: int, queued_s: float) -> None:
-        """Add a slice to the open record: contiguous slices of one op make one record."""
-        rec = self._open_record
-        if rec is not None and rec[0] is op:
-            rec[2] = end
-            rec[3] += tokens
-        else:
-            self._open_record = [op, start, end, tokens, queued_s]
-
-    def _flush_record(self, ok: bool = True) -> None:
-        rec, self._open_record = self._open_record, None
-        if rec is None:
-            return
-        op, start, end, tokens, queued_s = rec
-        self._record(op, start, end, tokens, ok, queued_s)  # queued: submission (or requeue) → start
-
-    def _record(
-        self, op: Op, start: float, end: float, tokens: int, ok: bool, queued_s: float, **fused
-    ) -> None:
-        self.recorder.record(
-            run=op.run_id or op.lane,
-            kind=op.kind,
-            start=start,
-            end=end,
-            tokens=tokens,
-            ok=ok,
-            queued_s=queued_s,
-            **fused,
-        )
-
-
-def _tokens(op: Op, result: Any) -> int:
-    """The tokens ``op``'s result reports (0 when it has none or counting them fails)."""
-    if result is None or op.tokens is None:
-        return 0
-    try:
-        return int(op.tokens(result))
-    except Exception:  # noqa: BLE001 - telemetry must never fail an op
-        return 0
+        self.oplog.record(op, t, t, 0, False, max(0.0, now - op.queued_since))

@@ -2,7 +2,7 @@
 checkpoints of runs.
 
 Each public method runs on the event loop: it checks ownership and input cheaply, then queues the
-tensor work as an :class:`~openrl_service.engine.scheduler.Op` for the device worker and returns the
+tensor work as an :class:`~openrl_service.engine.ops.Op` for the device worker and returns the
 future. Who owns what (sessions, runs, samplers) lives in :mod:`~openrl_service.engine.registry`, the
 input checks in :mod:`~openrl_service.engine.validation`; both are mixed into ``TrainingService``.
 
@@ -40,8 +40,9 @@ from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
 from openrl_service.engine.futures import FutureRecord, FutureStore
+from openrl_service.engine.ops import Fusable, Op
 from openrl_service.engine.registry import Registry
-from openrl_service.engine.scheduler import Engine, Fusable, Op
+from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Validation
 from openrl_service.errors import NotReady, UserError

@@ -369,7 +369,7 @@ def fused_engine(key: str = "k", **kw):
 
 
 def fusable_op(futures, lane: str, value, *, size: int = 1, key: str = "k", seq_id=None):
-    from openrl_service.engine.scheduler import Fusable, Op
+    from openrl_service.engine.ops import Fusable, Op
 
     def prepare():
         if isinstance(value, Exception):
@@ -488,7 +488,7 @@ def test_sampling_members_are_budgeted_by_padded_rows_and_similar_length(tmp_pat
     twice as long as another's (the short one would wait for it); a prompt-logprob request runs alone.
     The Fusables come from the service's own producer (``sample_fusable``), as in production."""
     from openrl_service.config import Settings
-    from openrl_service.engine.scheduler import Op
+    from openrl_service.engine.ops import Op
     from openrl_service.engine.service import TrainingService
     from openrl_service.sampling.base import SampleJob, SamplingParams
 

@@ -22,7 +22,8 @@ import torch
 
 from openrl_service.config import Limits
 from openrl_service.engine.futures import FutureStore
-from openrl_service.engine.scheduler import Engine, Op, QueueFull
+from openrl_service.engine.ops import Op, QueueFull
+from openrl_service.engine.scheduler import Engine
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import DatumArrays
