@@ -6,9 +6,12 @@
     ├── RequestError          the service refused the request (4xx); the message names the field
     │   ├── AuthenticationError   missing or wrong key (401)
     │   └── NotFoundError         unknown or foreign run, sample or checkpoint (404)
-    └── ServiceError          the service failed or could not be reached
-        ├── ServiceUnavailable    connection refused / timed out / 503, after retries
-        └── ServerError           5xx with an incident id
+    ├── ServiceError          the service failed or could not be reached
+    │   ├── ServiceUnavailable    connection refused / timed out / 503, after retries
+    │   └── ServerError           5xx with an incident id
+    ├── RunPaused             wait() on a run that paused on an error (fix it, then resume())
+    ├── RunFailed             wait() on a run that cannot continue
+    └── RunTimeout            wait() gave up after its timeout (also a TimeoutError); the run goes on
 
 Every message says which service, what failed and, where there is one, what to do.
 """
@@ -55,3 +58,15 @@ class ServiceUnavailable(ServiceError):
 
 class ServerError(ServiceError):
     """The service answered 5xx."""
+
+
+class RunPaused(OpenRLError):
+    """``wait()`` on a run that paused on an error (its message is the error); fix, then resume()."""
+
+
+class RunFailed(OpenRLError):
+    """``wait()`` on a run that cannot continue (e.g. the service lost it)."""
+
+
+class RunTimeout(OpenRLError, TimeoutError):
+    """``wait()``/``pause(wait=True)`` gave up after its timeout; the run goes on."""

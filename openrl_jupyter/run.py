@@ -41,27 +41,29 @@ import asyncio
 import contextlib
 import enum
 import random
-import statistics
 import threading
 import time
 import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from openrl_jupyter._exceptions import (
     NotFoundError,
     OpenRLError,
     RequestError,
+    RunFailed,
+    RunPaused,
+    RunTimeout,
     ServiceUnavailable,
     UsageError,
 )
-from openrl_jupyter.advantages import group_advantages
+from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
 from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
 from openrl_jupyter.runner import get_runner, notify
+from openrl_jupyter.steps import REPORTED, PreparedStep, step_row
 
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
@@ -101,57 +103,8 @@ class RunState(str, enum.Enum):
 ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
 
 
-REPORTED = (  # stored with the run on the service: what an attached view (another kernel) draws
-    "reward_mean",
-    "reward_std",
-    "reward_min",
-    "reward_max",
-    "reward_name",
-    "reward_version",
-    "failed",
-    "n",
-    "trained",
-    "loss",
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
-    "kl",
-    "clip_fraction",
-    "grad_norm",
-    "tokens",
-    "elapsed_s",
-)
-
-
-@dataclass
-class _Prepared:
-    """A step sampled and scored, waiting for (or re-sending) its train_step."""
-
-    step: int
-    version: RewardVersion
-    n: int  # samples drawn
-    scored: Scored
-    chosen: list[dict]  # {"sample_id", "advantage"} of the samples the update trains on
-    off_policy: int
-    next_prompts: list[dict] | None  # already being sampled (overlap)
-    times: tuple[float, float, float]  # started, sampled, scored
-    key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
-
-
 class _StepPaused(Exception):
     """Internal: the step cannot complete; pause with this message."""
-
-
-class RunPaused(OpenRLError):
-    """``wait()`` on a run that paused on an error (its message is the error); fix, then resume()."""
-
-
-class RunFailed(OpenRLError):
-    """``wait()`` on a run that cannot continue (e.g. the service lost it)."""
-
-
-class RunTimeout(OpenRLError, TimeoutError):
-    """``wait()``/``pause(wait=True)`` gave up after its timeout; the run goes on."""
 
 
 class Run:
@@ -189,7 +142,7 @@ class Run:
         self._runner = get_runner()
         self._future = None
         self._heartbeat_s = HEARTBEAT_MAX_S
-        self._pending: _Prepared | None = None  # a step whose train_step has not been answered
+        self._pending: PreparedStep | None = None  # a step whose train_step has not been answered
         self._outages = 0  # consecutive attempts the service was unavailable for
         self.stop_reason: str | None = None  # why it stopped: run.stop(), or the panel's reason
         self._control_at: float | None = None  # the service's control state last obeyed (its "at")
@@ -359,10 +312,10 @@ class Run:
         )
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from openrl_jupyter.summary import summary_html
+        from openrl_jupyter.summary import summary_html, widgets_frontend
 
         bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
-        if _widgets_frontend():
+        if widgets_frontend():
             try:
                 bundle = {**self.dashboard()._repr_mimebundle_(), **bundle}
             except Exception as exc:  # noqa: BLE001 - the fallback repr still shows the run
@@ -606,12 +559,12 @@ class Run:
             pending = self._pending = await self._prepare(client, step, prompts)
         trained = await self._train(client, pending)
         self._pending = None
-        row = self._row(pending, trained)
+        row = step_row(pending, trained, self.started_at)
         await self._report(client, row)
         self._record(row, pending.version)
         return pending.next_prompts
 
-    async def _prepare(self, client, step: int, prompts: list[dict]) -> _Prepared:
+    async def _prepare(self, client, step: int, prompts: list[dict]) -> PreparedStep:
         """Sample, score and compute advantages: everything of a step before its update."""
         t0 = time.time()
         version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
@@ -623,12 +576,12 @@ class Run:
         for i, s in enumerate(samples):
             groups.setdefault(s["prompt_index"], []).append(i)
         scored = await self._score(version, step, prompts, samples, list(groups.values()))
-        return _Prepared(
+        return PreparedStep(
             step=step,
             version=version,
             n=len(samples),
             scored=scored,
-            chosen=self._advantages(samples, scored, groups.values()),
+            chosen=chosen_samples(samples, scored.rewards, groups.values(), self.config.normalize_std),
             off_policy=off_policy,
             next_prompts=next_prompts,
             times=(t0, t_sampled, time.time()),
@@ -686,22 +639,7 @@ class Run:
             self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
         return scored
 
-    def _advantages(self, samples: list[dict], scored: Scored, groups) -> list[dict]:
-        """The samples worth training on, each with its group-relative advantage (non-zero)."""
-        advantages: list[float] = [0.0] * len(samples)
-        for idx in groups:
-            rewards = [scored.rewards[i] for i in idx]
-            for i, a in zip(
-                idx, group_advantages(rewards, normalize_std=self.config.normalize_std), strict=True
-            ):
-                advantages[i] = a
-        return [
-            {"sample_id": s["sample_id"], "advantage": a}
-            for s, a in zip(samples, advantages, strict=True)
-            if a != 0.0 and s["tokens"]
-        ]
-
-    async def _train(self, client, pending: _Prepared) -> dict:
+    async def _train(self, client, pending: PreparedStep) -> dict:
         """The step's update (none when no sample carries an advantage). A refusal (4xx) drops the
         prepared step, so a retry samples afresh; a lost or failed reply keeps it for re-sending."""
         if not pending.chosen:
@@ -718,39 +656,6 @@ class Run:
         except RequestError:
             self._pending = None
             raise
-
-    def _row(self, pending: _Prepared, trained: dict) -> dict:
-        """The step's history row: reward statistics, the update's statistics, timings."""
-        t0, t_sampled, t_scored = pending.times
-        t_trained = time.time()
-        scored, version = pending.scored, pending.version
-        valid = [r for r in scored.rewards if r is not None]
-        return {
-            "step": pending.step,
-            "reward_mean": statistics.fmean(valid),
-            "reward_std": statistics.pstdev(valid) if len(valid) > 1 else 0.0,
-            "reward_min": min(valid),
-            "reward_max": max(valid),
-            "reward_name": version.name,
-            "reward_version": version.version,
-            "failed": len(scored.rewards) - len(valid),
-            "n": pending.n,
-            "off_policy": pending.off_policy,
-            "trained": len(pending.chosen),
-            "loss": trained.get("loss"),
-            "ratio_mean": trained.get("ratio_mean"),
-            "ratio_min": trained.get("ratio_min"),
-            "ratio_max": trained.get("ratio_max"),
-            "kl": trained.get("kl"),
-            "clip_fraction": trained.get("clip_fraction"),
-            "grad_norm": trained.get("grad_norm"),
-            "tokens": trained.get("tokens", 0),
-            "sample_s": t_sampled - t0,
-            "score_s": t_scored - t_sampled,
-            "train_s": t_trained - t_scored,
-            "time": t_trained,
-            "elapsed_s": t_trained - self.started_at,
-        }
 
     async def _report(self, client, row: dict) -> None:
         """Store the step's reward statistics with the run on the service."""
@@ -779,21 +684,3 @@ def _from_panel(verb: str, reason: Any) -> str:
 def _one_line(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if isinstance(exc, OpenRLError) else f"{type(exc).__name__}: {text}"
-
-
-def _widgets_frontend() -> bool:
-    """True inside a Jupyter kernel (where a widget can be drawn) with ipywidgets importable."""
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    except ImportError:
-        return False
-    if shell is None or not hasattr(shell, "kernel"):
-        return False
-    try:
-        import ipywidgets  # noqa: F401
-        import plotly  # noqa: F401
-    except ImportError:
-        return False
-    return True

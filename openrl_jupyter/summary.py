@@ -77,3 +77,21 @@ def summary_text(run: Any) -> str:
 def summary_html(run: Any) -> str:
     """The same summary as a small HTML block (escaped), for frontends without widgets."""
     return _run_summary(run)[1]
+
+
+def widgets_frontend() -> bool:
+    """True inside a Jupyter kernel (where a widget can be drawn) with ipywidgets importable."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        return False
+    if shell is None or not hasattr(shell, "kernel"):
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError:
+        return False
+    return True

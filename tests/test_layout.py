@@ -22,7 +22,6 @@ MAX_LINES = 700
 OVER_THE_LIMIT = {
     "openrl_service/engine/native.py": "control, event bus, sample store, intents, run ops, metrics",
     "openrl_service/engine/service.py": "lifecycle, run ops, samplers and sampling on one class",
-    "openrl_jupyter/run.py": "the Run loop, its state machine and its history",
 }
 
 

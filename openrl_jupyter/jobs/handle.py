@@ -457,11 +457,10 @@ class Attached:
         return f"<attached {summary_text(self)}{where}>"
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        from openrl_jupyter.run import _widgets_frontend
-        from openrl_jupyter.summary import summary_html
+        from openrl_jupyter.summary import summary_html, widgets_frontend
 
         bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
-        if _widgets_frontend():
+        if widgets_frontend():
             with contextlib.suppress(Exception):
                 bundle = {**self.dashboard()._repr_mimebundle_(), **bundle}
         return bundle

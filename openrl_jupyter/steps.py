@@ -1,0 +1,81 @@
+"""One RL step's data on the notebook side: the step sampled and scored (:class:`PreparedStep`), its
+history row, and which of its fields are stored with the run on the service (``REPORTED``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from openrl_jupyter.rewards import RewardVersion, Scored
+
+REPORTED = (  # stored with the run on the service: what an attached view (another kernel) draws
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "reward_name",
+    "reward_version",
+    "failed",
+    "n",
+    "trained",
+    "loss",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "kl",
+    "clip_fraction",
+    "grad_norm",
+    "tokens",
+    "elapsed_s",
+)
+
+
+@dataclass
+class PreparedStep:
+    """A step sampled and scored, waiting for (or re-sending) its train_step."""
+
+    step: int
+    version: RewardVersion
+    n: int  # samples drawn
+    scored: Scored
+    chosen: list[dict]  # {"sample_id", "advantage"} of the samples the update trains on
+    off_policy: int
+    next_prompts: list[dict] | None  # already being sampled (overlap)
+    times: tuple[float, float, float]  # started, sampled, scored
+    key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
+
+
+def step_row(pending: PreparedStep, trained: dict, started_at: float) -> dict:
+    """The step's history row: reward statistics, the update's statistics, timings."""
+    t0, t_sampled, t_scored = pending.times
+    t_trained = time.time()
+    scored, version = pending.scored, pending.version
+    valid = [r for r in scored.rewards if r is not None]
+    return {
+        "step": pending.step,
+        "reward_mean": statistics.fmean(valid),
+        "reward_std": statistics.pstdev(valid) if len(valid) > 1 else 0.0,
+        "reward_min": min(valid),
+        "reward_max": max(valid),
+        "reward_name": version.name,
+        "reward_version": version.version,
+        "failed": len(scored.rewards) - len(valid),
+        "n": pending.n,
+        "off_policy": pending.off_policy,
+        "trained": len(pending.chosen),
+        "loss": trained.get("loss"),
+        "ratio_mean": trained.get("ratio_mean"),
+        "ratio_min": trained.get("ratio_min"),
+        "ratio_max": trained.get("ratio_max"),
+        "kl": trained.get("kl"),
+        "clip_fraction": trained.get("clip_fraction"),
+        "grad_norm": trained.get("grad_norm"),
+        "tokens": trained.get("tokens", 0),
+        "sample_s": t_sampled - t0,
+        "score_s": t_scored - t_sampled,
+        "train_s": t_trained - t_scored,
+        "time": t_trained,
+        "elapsed_s": t_trained - started_at,
+    }
