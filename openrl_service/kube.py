@@ -30,7 +30,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +75,6 @@ API_VERBS = {
 
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
-QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([A-Za-z]*)$")
-QUANTITY_SUFFIX = {
-    "": Decimal(1),
-    "m": Decimal("0.001"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
-}
 
 
 class KubernetesError(ApiError):
@@ -103,15 +86,18 @@ class KubernetesError(ApiError):
 
 
 def parse_quantity(value: Any, name: str) -> Decimal:
-    """A Kubernetes resource quantity ("500m", "2", "4Gi") -> its value; ValueError naming ``name``."""
+    """A Kubernetes resource quantity ("500m", "2", "4Gi") -> its value, parsed the way the Kubernetes
+    client parses it (``kubernetes.utils.parse_quantity``); ValueError naming ``name``."""
+    from kubernetes.utils import parse_quantity as kube_quantity
+
     text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
-    m = QUANTITY_RE.match(text)
-    if not m or m.group(2) not in QUANTITY_SUFFIX:
-        raise ValueError(f"{name} must be a Kubernetes quantity such as 500m, 2, 512Mi or 4Gi; got {value!r}")
     try:
-        return Decimal(m.group(1)) * QUANTITY_SUFFIX[m.group(2)]
-    except InvalidOperation:
-        raise ValueError(f"{name} must be a Kubernetes quantity; got {value!r}") from None
+        amount = kube_quantity(text) if text else None
+    except (ValueError, ArithmeticError):
+        amount = None
+    if amount is None or not amount.is_finite():  # the client's parser takes "NaN" and "inf"
+        raise ValueError(f"{name} must be a Kubernetes quantity such as 500m, 2, 512Mi or 4Gi; got {value!r}")
+    return amount
 
 
 def dns_slug(text: str) -> str:

@@ -244,6 +244,10 @@ def test_object_names_are_dns_labels_of_at_most_63_characters(name):
         ({"memory": "17Gi"}, "k8s.memory", ["16Gi", "OPENRL_JOB_MAX_MEMORY"]),
         ({"memory": "lots"}, "k8s.memory", ["quantity"]),
         ({"cpu": "0"}, "k8s.cpu", ["above 0"]),
+        ({"cpu": "-1"}, "k8s.cpu", ["above 0"]),
+        ({"cpu": "NaN"}, "k8s.cpu", ["quantity"]),  # the client's parser takes it; Kubernetes would not
+        ({"memory": "inf"}, "k8s.memory", ["quantity"]),
+        ({"cpu": True}, "k8s.cpu", ["quantity"]),
     ],
 )
 def test_a_request_outside_what_the_admin_allows_is_refused_naming_the_field(api, request_, field, words):
