@@ -20,7 +20,7 @@ MAX_LINES = 700
 # Modules still over MAX_LINES, each to be split by what it owns (issue 22, part 3). The list only
 # shrinks: a module split below the limit must leave it (the test says so).
 OVER_THE_LIMIT = {
-    "openrl_service/engine/native.py": "control, event bus, sample store, intents, run ops, metrics",
+    "openrl_service/engine/native.py": "the notebook API's runs: registry, journaled intents, control, ops",
     "openrl_service/engine/service.py": "lifecycle, run ops, samplers and sampling on one class",
 }
 

@@ -155,3 +155,19 @@ def check_control(body: dict) -> dict:
     if problem is not None:
         raise UserError(problem[1], field=problem[0])
     return {"action": body["action"], "reason": body.get("reason")}
+
+
+def job_label(meta: dict, job: str | None) -> dict:
+    """A run created by a job's key carries ``user_metadata["openrl.job"] = job``; another job's
+    label is refused (403)."""
+    if job is None:
+        check_unlabelled(meta)
+        return meta
+    claimed = meta.get(JOB_META_KEY, job)
+    if claimed != job:
+        raise Forbidden(
+            f'user_metadata["{JOB_META_KEY}"] is {repr(claimed)[:100]}, but this key belongs to job {job}: '
+            "its runs are labelled with that job",
+            field=f"user_metadata.{JOB_META_KEY}",
+        )
+    return {**meta, JOB_META_KEY: job}

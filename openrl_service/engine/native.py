@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -54,17 +54,28 @@ import orjson
 
 from openrl_common.protocol import control_problem
 from openrl_service.checks import integer, number
-from openrl_service.engine.job_checks import JOB_META_KEY, check_unlabelled
+from openrl_service.engine.events import EVENTS_SCHEMA_VERSION, EventBus
+from openrl_service.engine.job_checks import JOB_META_KEY, job_label
 from openrl_service.engine.jobs import Jobs
+from openrl_service.engine.native_checks import adam_of, flag, loss_config
+from openrl_service.engine.native_state import (
+    DEFAULT_REASONS,
+    KERNEL_DONE,
+    KERNEL_STATES,
+    Control,
+    NativeRunState,
+    RunControlled,
+    StoredSample,
+)
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
-from openrl_service.errors import ApiError, Conflict, Forbidden, NotFound, UserError
+from openrl_service.errors import ApiError, Conflict, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.storage.checkpoints import check_name
 from openrl_service.telemetry import NvmlReader
-from openrl_service.training.losses import LOSSES, check_loss
-from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult, adam_params
+from openrl_service.training.losses import LOSSES
+from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
 log = logging.getLogger(__name__)
 
@@ -72,124 +83,11 @@ SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
 MAX_METRIC_KEYS = 64  # values per metric row (step excluded)
 MAX_METRIC_KEY_CHARS = 128
-EVENTS_SCHEMA_VERSION = 2  # 2: ticks add memory, queue_wait_s and tokens_per_s
 RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 # A notebook run without a heartbeat or request for this long is listed as orphaned (its kernel is
 # gone or stuck); OPENRL_ORPHAN_AFTER_S overrides it.
 ORPHAN_AFTER_S = 30.0
 SHARE_WINDOW_S = 60.0  # a run's share of device time is measured over this window
-DEFAULT_REASONS = {"pause": "paused from the panel", "stop": "stopped from the panel", "resume": None}
-# What a notebook kernel may report as its Run's state (openrl_jupyter.run.RunState's values).
-KERNEL_STATES = ("starting", "running", "pausing", "paused", "stopping", "stopped", "finished", "failed")
-KERNEL_DONE = ("stopped", "finished", "failed")
-
-
-@dataclass
-class Control:
-    """A run's control state as the panel set it (and the kernel confirmed): running |
-    pause_requested | stop_requested | paused | stopped, why, and since when."""
-
-    state: str = "running"
-    reason: str | None = None
-    at: float = field(default_factory=time.time)
-
-    def to_json(self) -> dict:
-        return {"state": self.state, "reason": self.reason, "at": self.at}
-
-
-class RunControlled(Conflict):
-    """A paused or stopped (from the panel) Tinker-SDK run's op: 409, naming the run and why."""
-
-    def __init__(self, run_id: str, control: Control):
-        verb = "stopped" if control.state == "stopped" else "paused"
-        text = f"training run {run_id} was {verb} from the panel"
-        if control.reason and control.reason != DEFAULT_REASONS["stop" if verb == "stopped" else "pause"]:
-            text += f": {control.reason}"
-        super().__init__(
-            f"{text}; resume it from the panel (POST /openrl/v1/runs/{run_id}/control "
-            '{"action": "resume"}) to continue',
-            field="model_id",
-        )
-
-
-@dataclass
-class StoredSample:
-    """A completion kept for a later train step to name by its sample id."""
-
-    run_id: str
-    tenant: str
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    created_at: float = field(default_factory=time.time)
-
-
-@dataclass
-class NativeRunState:
-    """What the notebook API keeps beside an engine run: its name, seq counter, steps and metrics."""
-
-    run: RunState
-    name: str
-    seq: int = 0
-    steps: int = 0
-    metrics: list[dict] = field(default_factory=list)  # the newest OPENRL_MAX_METRIC_ROWS rows
-    metrics_dropped: int = 0  # older rows dropped to keep that bound
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    planned: int | None = None  # the steps the notebook plans ("steps" at create), if it said
-    kernel_state: str = "running"  # what the kernel last reported of its Run
-
-    def next_seq(self, n: int = 1) -> int:
-        """The first of ``n`` consecutive seq_ids of the run's lane (nothing else can come between)."""
-        with self.lock:
-            self.seq += n
-            return self.seq - n + 1
-
-    def give_back(self, first: int, n: int = 1) -> bool:
-        """Return the ``n`` seq_ids from ``first`` (a request refused before it was queued) if no
-        later one was taken meanwhile; False when one was (the caller fills the slots instead)."""
-        with self.lock:
-            if self.seq != first + n - 1:
-                return False
-            self.seq = first - 1
-            return True
-
-    def bump(self, last: int) -> None:
-        """A replayed request used seq_ids up to ``last``: later requests come after it."""
-        with self.lock:
-            self.seq = max(self.seq, last)
-
-
-class EventBus:
-    """Run events fan out to every open SSE stream of the tenant (bounded queues; slow readers drop)."""
-
-    def __init__(self) -> None:
-        self._subs: list[tuple[str, asyncio.Queue, asyncio.AbstractEventLoop]] = []
-        self._lock = threading.Lock()
-
-    def subscribe(self, tenant: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue(maxsize=1000)
-        with self._lock:
-            self._subs.append((tenant, q, asyncio.get_running_loop()))
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        with self._lock:
-            self._subs = [s for s in self._subs if s[1] is not q]
-
-    def publish(self, tenant: str, event: dict) -> None:
-        """Thread-safe: callable from the worker thread or the event loop."""
-        event = {"schema": EVENTS_SCHEMA_VERSION, "type": "run", "time": time.time(), **event}
-        with self._lock:
-            subs = [s for s in self._subs if s[0] == tenant]
-        for _, q, loop in subs:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_offer, q, event)
-
-
-def _offer(q: asyncio.Queue, event: dict) -> None:
-    if q.full():
-        q.get_nowait()  # drop the oldest: a stalled reader must not hold memory
-    q.put_nowait(event)
 
 
 # The notebook API's requests that change state, journaled as intents, and the status of their reply.
@@ -374,7 +272,7 @@ class NativeRuns:
             "base_model": model.name,
             "spec": spec,
             "seed": seed,
-            "user_metadata": _job_label(self.svc.check_metadata(body.get("user_metadata")), job),
+            "user_metadata": job_label(self.svc.check_metadata(body.get("user_metadata")), job),
             "session_id": new_session_id(),
             "idem": idem,
         }
@@ -861,10 +759,10 @@ class NativeRuns:
         loss = body.get("loss", "importance_sampling")
         if loss not in RL_LOSSES:
             raise UserError(f"loss must be one of {', '.join(RL_LOSSES)}; got {loss!r}", field="loss")
-        config = _loss_config(loss, body.get("loss_config"))
+        config = loss_config(loss, body.get("loss_config"))
         base = self.svc.model_of(nr.run).base
         optimizer = body.get("optimizer")
-        adam = _adam({} if optimizer is None else optimizer, base.defaults)
+        adam = adam_of({} if optimizer is None else optimizer, base.defaults)
         data = []
         for i, item in enumerate(items):
             where = f"samples[{i}]"
@@ -978,7 +876,7 @@ class NativeRuns:
             "tenant": tenant,
             "run_id": run_id,
             "name": name,
-            "overwrite": _flag(body, "overwrite"),
+            "overwrite": flag(body, "overwrite"),
             "user_metadata": body.get("user_metadata"),
             "ttl_seconds": body.get("ttl_seconds"),
             "idem": idem,
@@ -1086,54 +984,3 @@ class NativeRuns:
         if rec.error is not None:
             raise rec.error
         return rec.result
-
-
-def _job_label(meta: dict, job: str | None) -> dict:
-    """A run created by a job's key carries ``user_metadata["openrl.job"] = job``; another job's
-    label is refused (403)."""
-    if job is None:
-        check_unlabelled(meta)
-        return meta
-    claimed = meta.get(JOB_META_KEY, job)
-    if claimed != job:
-        raise Forbidden(
-            f'user_metadata["{JOB_META_KEY}"] is {repr(claimed)[:100]}, but this key belongs to job {job}: '
-            "its runs are labelled with that job",
-            field=f"user_metadata.{JOB_META_KEY}",
-        )
-    return {**meta, JOB_META_KEY: job}
-
-
-def _flag(body: dict, name: str, default: bool = False) -> bool:
-    """A true/false field (absent or null: ``default``); anything else is refused, not read as truthy."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise UserError(
-            f"{name} must be true or false; got {type(value).__name__} {repr(value)[:100]}", field=name
-        )
-    return value
-
-
-def _loss_config(loss: str, raw: Any) -> dict:
-    """The loss's config (absent or null: its defaults), each refusal naming ``loss_config`` (the
-    Tinker API's own check calls it loss_fn_config)."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(
-            f"loss_config must be an object of named numbers; got {type(raw).__name__}", field="loss_config"
-        )
-    try:
-        return check_loss(loss, raw)
-    except UserError as e:
-        field = (e.field or "loss_config").replace("loss_fn_config", "loss_config", 1)
-        raise UserError(e.message.replace("loss_fn_config", "loss_config"), field=field) from None
-
-
-def _adam(raw: dict, defaults: dict) -> AdamParams:
-    """The optimizer block of a train step; lr defaults to the model's capability entry."""
-    if not isinstance(raw, dict):
-        raise UserError("optimizer must be an object of AdamW params", field="optimizer")
-    return adam_params({"adam_params": {"learning_rate": defaults.get("learning_rate", 1e-4), **raw}})

@@ -11,7 +11,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from openrl_service.api.metrics import EngineCollector
-from openrl_service.engine.native import EVENTS_SCHEMA_VERSION, NativeRuns
+from openrl_service.engine.events import EVENTS_SCHEMA_VERSION
+from openrl_service.engine.native import NativeRuns
 from openrl_service.telemetry import OpRecorder, percentile, token_direction
 from tests.conftest import ALICE_KEY, BOB_KEY, fake_pynvml
 from tests.service.test_scheduling import held_worker, wait_for
