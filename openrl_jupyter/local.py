@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from openrl_common.files import write_atomic
 from openrl_jupyter._exceptions import ServiceUnavailable
 
 READY_TIMEOUT_S = 300.0
@@ -151,11 +152,7 @@ def advertise(service: LocalService) -> str | None:
     if service.detached:
         info.update(detached=True, data_dir=service.data_dir)
     body = json.dumps(info)
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(body)
-    os.replace(tmp, path)  # readers never see a half-written file
+    write_atomic(path, body, mode=0o600)  # readers never see a half-written file
     service.discovery_path = path
     return path
 

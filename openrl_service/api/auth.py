@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-import os
 import secrets
-import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import orjson
 
+from openrl_common.files import write_atomic
 from openrl_service.api.admin import ADMIN_KEY_PREFIX, ADMIN_PREFIX, ADMIN_TENANT, AdminKey
 from openrl_service.api.hubauth import (
     HubAccounts,
@@ -74,17 +73,7 @@ def ensure_generated_key(data_dir: Path) -> tuple[str, Path, bool]:
     key = "tml-" + secrets.token_urlsafe(32)
     # A new file (mode 0600 from the start) renamed over the old name: a crash leaves the old file or
     # the whole new key, never an empty one, and a second name for the old file is not written through.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".api-key.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(path, key + "\n", mode=0o600)
     return key, path, True
 
 

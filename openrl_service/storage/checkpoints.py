@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
+from openrl_common.files import fsync_dir, write_atomic
 from openrl_service import crashpoints
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import NotFound, QuotaExceeded, UserError
@@ -145,7 +146,7 @@ class CheckpointStore:
     def write_run_meta(self, tenant: str, run_id: str, meta: dict) -> None:
         d = self.run_dir(tenant, run_id)
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(d / "run.json", json.dumps(meta, indent=2, sort_keys=True))
+        write_atomic(d / "run.json", json.dumps(meta, indent=2, sort_keys=True))
         with self._lock:
             self._runs.setdefault(tenant, {})[run_id] = dict(meta)
 
@@ -185,6 +186,7 @@ class CheckpointStore:
                     _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
                 else:
                     os.replace(tmp, final)
+                fsync_dir(final.parent)  # the rename survives a power cut too
                 if tenant in self._usage:
                     self._usage[tenant] += new - old
         finally:
@@ -240,7 +242,7 @@ class CheckpointStore:
 
     def update_manifest(self, tenant: str, ref: CheckpointRef, **changes) -> dict:
         manifest = {**self.manifest(tenant, ref), **changes}
-        _atomic_write_text(
+        write_atomic(
             self._ckpt_dir(tenant, ref) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
         )
         self._changed(tenant, ref.run_id)
@@ -428,7 +430,7 @@ class CheckpointStore:
     def write_session(self, tenant: str, record: dict) -> None:
         d = self._tenant_root(tenant) / "sessions"
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(d / f"{record['session_id']}.json", json.dumps(record, indent=2, sort_keys=True))
+        write_atomic(d / f"{record['session_id']}.json", json.dumps(record, indent=2, sort_keys=True))
         with self._lock:
             self._sessions.setdefault(tenant, {})[record["session_id"]] = dict(record)
 
@@ -578,19 +580,6 @@ def _dirs(root: Path):
 def _expired(manifest: dict, now: float | None = None) -> bool:
     exp = manifest.get("expires_at")
     return exp is not None and (time.time() if now is None else now) >= exp
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _fsync_dir(d: Path) -> None:

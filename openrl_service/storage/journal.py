@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from openrl_common.files import fsync_dir, write_atomic
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"ORJ\x01"
@@ -112,14 +114,6 @@ def read_records(path: Path) -> Iterator[Any]:
             return
         yield loads(payload)
         at += HEADER.size + length
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -260,13 +254,7 @@ class Journal:
             os.replace(tmp, path)
             size += path.stat().st_size
         data = frame(state)
-        tmp = self.folder / f"snap-{n:08d}.bin.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._snap(n))
-        fsync_dir(self.folder)
+        write_atomic(self._snap(n), data)  # the folder fsynced: the tensors' rename is durable too
         for k in self._numbers("seg"):
             if k < n:
                 self._seg(k).unlink(missing_ok=True)
