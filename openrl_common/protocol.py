@@ -19,6 +19,9 @@ JOB_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
 WORKER_ARGV = ("-m", "openrl_jupyter.jobs", "worker")
 MAX_REASON_CHARS = 200
+# The losses of a notebook-API train step (the service's RL losses: every built-in one but
+# cross_entropy; tests/test_layout.py holds it equal to openrl_service.training.losses).
+RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
 def control_problem(body: dict) -> tuple[str, str] | None:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_common.checks import integer, number
+from openrl_common.protocol import RL_LOSSES
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
 
-LOSSES = ("importance_sampling", "ppo")
+LOSSES = RL_LOSSES  # what a train step takes (openrl_common.protocol)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 
-from openrl_common.protocol import CONTROL_ACTIONS, JOB_NAME_PATTERN, JOB_STATES
+from openrl_common.protocol import CONTROL_ACTIONS, JOB_NAME_PATTERN, JOB_STATES, RL_LOSSES
 from openrl_service.config import Limits
 from openrl_service.storage.checkpoints import KINDS
 from openrl_service.training.losses import LOSSES
@@ -31,7 +31,6 @@ TINKER_PATH_PATTERN = (
     + r")/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 )
 FLOAT32_MAX = 3.4028234663852886e38  # AdamW holds its parameters as float32
-RL_LOSSES = [name for name in LOSSES if name != "cross_entropy"]
 
 STR: dict = {"type": "string"}
 BOOL: dict = {"type": "boolean"}
@@ -392,7 +391,7 @@ TRAIN_STEP = obj(
             "minItems": 1,
             "items": obj({"sample_id": STR, "advantage": {"type": "number"}}, "sample_id", "advantage"),
         },
-        "loss": {"enum": RL_LOSSES},
+        "loss": {"enum": list(RL_LOSSES)},
         "loss_config": {
             "type": "object",
             "description": "the loss's own keys; clip_low_threshold <= clip_high_threshold",

@@ -52,7 +52,7 @@ import anyio
 import numpy as np
 import orjson
 
-from openrl_common.protocol import control_problem
+from openrl_common.protocol import RL_LOSSES, control_problem
 from openrl_service.checks import integer, number
 from openrl_service.engine.events import EVENTS_SCHEMA_VERSION, EventBus
 from openrl_service.engine.job_checks import JOB_META_KEY, job_label
@@ -74,7 +74,6 @@ from openrl_service.errors import ApiError, Conflict, NotFound, UserError
 from openrl_service.sampling.base import SampleJob
 from openrl_service.storage.checkpoints import check_name
 from openrl_service.telemetry import NvmlReader
-from openrl_service.training.losses import LOSSES
 from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,6 @@ SAMPLE_TTL_S = 1800.0
 MAX_STORED_SAMPLES = 200_000
 MAX_METRIC_KEYS = 64  # values per metric row (step excluded)
 MAX_METRIC_KEY_CHARS = 128
-RL_LOSSES = tuple(name for name in LOSSES if name != "cross_entropy")
 # A notebook run without a heartbeat or request for this long is listed as orphaned (its kernel is
 # gone or stuck); OPENRL_ORPHAN_AFTER_S overrides it.
 ORPHAN_AFTER_S = 30.0

@@ -212,6 +212,18 @@ def test_async_rewards_are_awaited(session):
     assert run.state == RunState.FINISHED and run.history[-1]["failed"] == 0
 
 
+@pytest.mark.parametrize("loss", ["cispo", "gspo"])
+def test_every_rl_loss_of_the_service_trains_from_the_notebook(session, loss):
+    """The notebook offers the losses a train step takes (one shared list, openrl_common.protocol),
+    not a shorter copy of it: each one trains."""
+    name = unique(loss)
+    registry.register(name, letters)
+    run = session.train(reward=name, prompts=PROMPTS, steps=1, loss=loss, **SMALL)
+    run.wait(120)
+    assert run.state == RunState.FINISHED and run.history[-1]["trained"] > 0
+    assert run.history[-1]["loss"] is not None
+
+
 def test_info_fields_reach_the_reward(session, tmp_path):
     name = unique("info")
     seen = []
@@ -241,7 +253,7 @@ def test_info_fields_reach_the_reward(session, tmp_path):
         ({"lr": -1.0}, r"lr must be a finite number in \(0, 1\]; got -1.0"),
         ({"lr": 0}, r"lr must be a finite number in \(0, 1\]; got 0"),
         ({"batch": 2.5}, r"batch must be an integer in \[1, 1024\]; got 2.5"),
-        ({"loss": "sft"}, "loss must be one of importance_sampling, ppo"),
+        ({"loss": "sft"}, "loss must be one of importance_sampling, ppo, cispo, dro, gspo"),
         ({"temperature": 99}, r"temperature must be a finite number in \[0, 10\]; got 99"),
     ],
 )
