@@ -136,6 +136,7 @@ SERVICE_MODULES = [
     ("platformdirs", "platformdirs"),
     ("httpx", "httpx"),
     ("httpx_sse", "httpx-sse"),
+    ("tenacity", "tenacity"),
     ("prometheus_client", "prometheus-client"),
     ("google.protobuf", "protobuf"),
 ]

@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import tenacity
 
 from openrl_jupyter._exceptions import (
     AuthenticationError,
@@ -177,18 +178,31 @@ class _Base:
             raise ServerError(f"{where}: the service failed ({message}); see the service log")
         raise RequestError(f"{where}: {message}", status=status, field=field)
 
-    def _next_attempt(
-        self, method: str, path: str, attempt: int, response: httpx.Response | None, exc: Exception | None
-    ) -> float | None:
-        """After one attempt: the delay before the next one, or None when done (errors raised here)."""
-        if self._should_retry(method, attempt, exc, response.status_code if response is not None else None):
-            return self._delay(attempt, response)
-        if exc is not None:
-            raise self._unreachable(method, path, exc) from None
-        self._raise_for(method, path, response)
-        return None
+    def _policy(self, call: Call) -> dict[str, Any]:
+        """tenacity's rules for sending ``call``: which outcome is tried again (``_should_retry``), after
+        how long (``_delay``: the reply's Retry-After, else the backoff), and that the last failure
+        is raised as itself (a connection error) or returned (a reply, checked by ``_result``)."""
+
+        def outcome(state: tenacity.RetryCallState) -> tuple[httpx.Response | None, BaseException | None]:
+            assert state.outcome is not None  # decided after an attempt
+            exc = state.outcome.exception()
+            return (None, exc) if exc is not None else (state.outcome.result(), None)
+
+        def retry(state: tenacity.RetryCallState) -> bool:
+            response, exc = outcome(state)
+            if exc is not None and not isinstance(exc, httpx.TransportError):
+                return False  # a bug, not the network: raised at once
+            attempt = _attempt(self, call, state.attempt_number - 1, exc)
+            status = response.status_code if response is not None else None
+            return self._should_retry(call.method, attempt, exc, status)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            return self._delay(state.attempt_number - 1, outcome(state)[0])
+
+        return {"retry": retry, "wait": wait, "reraise": True}
 
     def _result(self, call: Call, response: httpx.Response) -> Any:
+        self._raise_for(call.method, call.path, response)
         body = self._decode(call.method, call.path, response)
         return body[call.field] if call.field is not None else body
 
@@ -428,20 +442,12 @@ class Client(_Base):
 
     def send(self, call: Call) -> Any:
         """Send one request of the API (retried as the class docstring says); the decoded reply."""
-        attempt = 0
-        while True:
-            response, exc = None, None
-            try:
-                response = self._http.request(call.method, call.path, **self._request(call))
-            except httpx.TransportError as e:
-                exc = e
-            delay = self._next_attempt(
-                call.method, call.path, _attempt(self, call, attempt, exc), response, exc
-            )
-            if delay is None:
-                return self._result(call, response)
-            time.sleep(delay)
-            attempt += 1
+        retrying = tenacity.Retrying(sleep=lambda s: time.sleep(s), **self._policy(call))
+        try:
+            response = retrying(self._http.request, call.method, call.path, **self._request(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(call.method, call.path, e) from None
+        return self._result(call, response)
 
     def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
         """Any path of the service, with the same retries and errors as the API methods."""
@@ -485,20 +491,12 @@ class AsyncClient(_Base):
 
     async def send(self, call: Call) -> Any:
         """Send one request of the API (retried as ``Client.send``); the decoded reply."""
-        attempt = 0
-        while True:
-            response, exc = None, None
-            try:
-                response = await self._http.request(call.method, call.path, **self._request(call))
-            except httpx.TransportError as e:
-                exc = e
-            delay = self._next_attempt(
-                call.method, call.path, _attempt(self, call, attempt, exc), response, exc
-            )
-            if delay is None:
-                return self._result(call, response)
-            await asyncio.sleep(delay)
-            attempt += 1
+        retrying = tenacity.AsyncRetrying(sleep=lambda s: asyncio.sleep(s), **self._policy(call))
+        try:
+            response = await retrying(self._http.request, call.method, call.path, **self._request(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(call.method, call.path, e) from None
+        return self._result(call, response)
 
     async def request(self, method: str, path: str, json: Any = None, params: dict | None = None) -> Any:
         """Any path of the service, with the same retries and errors as the API methods."""
