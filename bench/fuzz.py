@@ -6,7 +6,8 @@ Method.
 1. One ``openrl-service serve`` child (the tiny model, a temporary data dir, a free loopback port;
    ``openrl_jupyter.local.start_service``) with two tenants, ``fuzz`` and ``good``, and the fuzz
    profile of ``SERVICE_ENV``: ``retrieve_future`` holds 0.5 s (``OPENRL_LONG_POLL_S``), a gap a
-   generated ``seq_id`` left never expires (see the known bug noted there), no cap on runs, and
+   generated ``seq_id`` left never expires (see the known bug noted there), no cap on runs or live
+   sessions, and
    small sampling limits (the schema publishes them, so generated bodies stay within them and the
    largest one is still quick on a CPU).
 2. schemathesis (``st run``, the CLI in this venv) on the live ``/openapi.json`` with the fuzz key
@@ -64,8 +65,8 @@ STATELESS_ROUTES = (
     r"^(info|tree|hub_|healthz|readyz|metrics|native_list_runs|rest_list_"
     r"|tinker_(api_healthz|client_config|dynamic_config|telemetry|capabilities))"
 )
-# The fuzzed service: short waits, so generated requests do not idle; no cap on runs (generated
-# sessions are never finished); small sampling limits, so the largest valid request the
+# The fuzzed service: short waits, so generated requests do not idle; no cap on runs or live
+# sessions (generated sessions are never finished: thousands stay live); small sampling limits, so the largest valid request the
 # schema allows (it publishes these limits) is quick on a CPU.
 SERVICE_ENV = {
     "OPENRL_LONG_POLL_S": "0.5",
@@ -73,6 +74,7 @@ SERVICE_ENV = {
     # every skipped id; it keeps ranges now) are exercised too.
     "OPENRL_SEQ_GAP_TIMEOUT_S": "2",
     "OPENRL_MAX_RUNS_PER_TENANT": "1000000",
+    "OPENRL_MAX_SESSIONS_PER_TENANT": "1000000",
     "OPENRL_MAX_TOKENS": "16",
     "OPENRL_MAX_NUM_SAMPLES": "4",
     "OPENRL_MAX_DATUMS": "8",
@@ -349,7 +351,12 @@ def run_protobuf(url: str, key: str, args: argparse.Namespace) -> tuple[Counter,
     caps = http.get("/api/v1/get_server_capabilities").json()["supported_models"][0]
     vocab = int(caps.get("vocab_size") or 256)
     context = int(caps.get("max_context_length") or caps.get("context_length") or 128)
-    sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+    created = http.post("/api/v1/create_session", json={})
+    if created.status_code != 200:  # e.g. a quota the generated requests used up
+        raise FuzzError(
+            f"protobuf phase: create_session answered {created.status_code}: {created.text[:300]}"
+        )
+    sid = created.json()["session_id"]
     next_seq: dict[str, int] = {}
     for i in range(2):
         rep = http.post(
