@@ -116,6 +116,22 @@ def test_loss_config_that_is_not_named_numbers_is_a_400(client, native_run, loss
     assert_refused(r, 400, needle)
 
 
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+@pytest.mark.parametrize("key, value", [("clip_high_threshold", 1e39), ("clip_low_threshold", -1e39)])
+def test_a_clip_threshold_beyond_float32_is_a_400_not_a_failed_step(client, native_run, loss, key, value):
+    """A clip threshold no float32 can hold made torch.clamp raise on the worker: the train step
+    failed as an internal error (make fuzz, a protobuf forward_backward with cispo). Now refused
+    before anything runs, naming the field and the range; the run still trains after it."""
+    smp = client.post(f"/openrl/v1/runs/{native_run}/sample", json={"prompts": ["Hi"], "max_tokens": 2})
+    sid = smp.json()["samples"][0]["sample_id"]
+    body = {"samples": [{"sample_id": sid, "advantage": 1}], "loss": loss}
+    r = client.post(f"/openrl/v1/runs/{native_run}/train_step", json={**body, "loss_config": {key: value}})
+    assert_refused(r, 400, f"loss_config.{key}")
+    assert "float32" in r.json()["error"]
+    ok = client.post(f"/openrl/v1/runs/{native_run}/train_step", json=body)
+    assert ok.status_code == 200, ok.text
+
+
 # -- REST bodies ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "body, field",
