@@ -50,6 +50,7 @@ UNSUPPORTED_REASONS = {
     "stable_reinforce": "its math is unpublished",
     "custom": "server-side custom losses are disabled (forward_backward_custom works client-side)",
 }
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 
@@ -64,7 +65,8 @@ def check_loss(loss_fn: str, config: dict[str, float]) -> dict[str, float]:
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
         raise UserError("loss_fn_config must be an object of named numbers", field="loss_fn_config")
     for k, v in config.items():
-        number(v, f"loss_fn_config.{k}")
+        # the loss runs in float32: a value it cannot hold made torch.clamp raise on the worker
+        number(v, f"loss_fn_config.{k}", -FLOAT32_MAX, FLOAT32_MAX, setting="float32's range")
     unknown = sorted(set(config) - set(spec.config))
     if unknown:
         accepted = ", ".join(spec.config) or "none"
