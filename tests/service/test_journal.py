@@ -88,6 +88,21 @@ def test_only_journal_types_load(tmp_path):
     assert not MAGIC.startswith(b"\x80")  # a bare pickle is never taken for a record
 
 
+def test_a_snapshot_sweeps_what_a_crash_left_half_written_with_or_without_tensors(tmp_path):
+    """A snapshot written whole removes the temporary files an interrupted one left (either name
+    they had), whether or not this snapshot has tensors of its own; the older snapshot goes too."""
+    j = journal_with(tmp_path, [("r", 1)])
+    j.write_snapshot(1, {"state": 1}, {"t0": np.zeros(3, dtype=np.float32)})
+    leftovers = [j.folder / "snap-00000002.tensors.tmp", j.folder / ".snap-00000002.bin.x7k2q"]
+    for p in leftovers:
+        p.write_bytes(b"half")
+    j.write_snapshot(2, {"state": 2})  # no tensors this time
+    assert not any(p.exists() for p in leftovers)
+    assert sorted(p.name for p in j.folder.iterdir() if p.name.startswith(("snap", ".snap"))) == [
+        "snap-00000002.bin"
+    ]
+
+
 def test_a_full_disk_refuses_the_append_and_leaves_the_segment_readable(tmp_path):
     j = Journal(tmp_path / "journal")
     j.append(("r", "kept"))
