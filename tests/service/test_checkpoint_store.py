@@ -117,3 +117,22 @@ def test_the_generated_key_file_is_replaced_not_written_through(tmp_path, monkey
     assert (tmp_path / "other-name").read_text() == "not a key\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert synced, "the key was not fsynced"
+
+
+def test_a_manifest_update_racing_a_delete_never_brings_back_an_empty_checkpoint(tmp_path, monkeypatch):
+    """publish / set_ttl read the manifest, then write it back; a DELETE in between (another request,
+    or the expiry sweep) must win: the write fails and no folder holding only a manifest appears."""
+    store = CheckpointStore(tmp_path)
+    save(store, 1.0)
+    real_manifest = store.manifest
+
+    def manifest_then_deleted(tenant, ref):
+        out = real_manifest(tenant, ref)
+        monkeypatch.setattr(store, "manifest", real_manifest)
+        store.delete(tenant, ref)  # the other request's DELETE lands here
+        return out
+
+    monkeypatch.setattr(store, "manifest", manifest_then_deleted)
+    with pytest.raises(FileNotFoundError):
+        store.update_manifest("alice", REF, public=True)
+    assert not store._ckpt_dir("alice", REF).exists()
