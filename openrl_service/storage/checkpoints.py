@@ -186,9 +186,9 @@ class CheckpointStore:
                     _exchange(tmp, final)  # tmp now holds the old checkpoint; removed below
                 else:
                     os.replace(tmp, final)
-                fsync_dir(final.parent)  # the rename survives a power cut too
                 if tenant in self._usage:
                     self._usage[tenant] += new - old
+                fsync_dir(final.parent)  # the rename survives a power cut too
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -242,8 +242,11 @@ class CheckpointStore:
 
     def update_manifest(self, tenant: str, ref: CheckpointRef, **changes) -> dict:
         manifest = {**self.manifest(tenant, ref), **changes}
+        # never recreates the folder: a checkpoint deleted meanwhile stays gone (FileNotFoundError)
         write_atomic(
-            self._ckpt_dir(tenant, ref) / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True)
+            self._ckpt_dir(tenant, ref) / "manifest.json",
+            json.dumps(manifest, indent=2, sort_keys=True),
+            parents=False,
         )
         self._changed(tenant, ref.run_id)
         return manifest

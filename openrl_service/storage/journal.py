@@ -243,6 +243,7 @@ class Journal:
         ``snap-N.tensors`` (safetensors), the state that refers to them last — then drop what it
         replaces: segments before ``n`` and older snapshots. Returns its size in bytes."""
         size = 0
+        tmp = None
         if tensors:
             from safetensors.numpy import save_file
 
@@ -265,7 +266,8 @@ class Journal:
             stem = p.name.split("-", 1)[1].split(".", 1)[0]
             if stem.isdigit() and int(stem) < n:
                 p.unlink(missing_ok=True)
-        for stale in self.folder.glob("*.tmp"):
+        # what an interrupted snapshot left: its tensors' temporary file, or write_atomic's
+        for stale in [*self.folder.glob("*.tmp"), *self.folder.glob(".snap-*")]:
             if stale != tmp:
                 stale.unlink(missing_ok=True)
         return size + len(data)
