@@ -248,6 +248,12 @@ def test_object_names_are_dns_labels_of_at_most_63_characters(name):
         ({"cpu": "NaN"}, "k8s.cpu", ["quantity"]),  # the client's parser takes it; Kubernetes would not
         ({"memory": "inf"}, "k8s.memory", ["quantity"]),
         ({"cpu": True}, "k8s.cpu", ["quantity"]),
+        # the Kubernetes client's parser takes these; the API server would refuse the Job (a 502
+        # after the job's key was minted): refused here, naming the field
+        ({"memory": "2 Gi"}, "k8s.memory", ["quantity"]),
+        ({"cpu": "1_000m"}, "k8s.cpu", ["quantity"]),
+        ({"cpu": "\u0662"}, "k8s.cpu", ["quantity"]),  # ARABIC-INDIC DIGIT TWO
+        ({"memory": "1e-3Gi"}, "k8s.memory", ["quantity"]),
     ],
 )
 def test_a_request_outside_what_the_admin_allows_is_refused_naming_the_field(api, request_, field, words):
