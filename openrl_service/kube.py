@@ -77,6 +77,11 @@ DNS_LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 
 
+# What the API server accepts as a quantity: a decimal number, then a decimal-SI suffix, a binary-SI
+# one or a decimal exponent (k8s.io/apimachinery resource.Quantity), in ASCII.
+QUANTITY_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?")
+
+
 class KubernetesError(ApiError):
     """The Kubernetes API refused or could not be reached (502); the message names the object and
     what the API server said."""
@@ -86,16 +91,25 @@ class KubernetesError(ApiError):
 
 
 def parse_quantity(value: Any, name: str) -> Decimal:
-    """A Kubernetes resource quantity ("500m", "2", "4Gi") -> its value, parsed the way the Kubernetes
-    client parses it (``kubernetes.utils.parse_quantity``); ValueError naming ``name``."""
-    from kubernetes.utils import parse_quantity as kube_quantity
+    """A Kubernetes resource quantity ("500m", "2", "4Gi") -> its value; ValueError naming ``name``.
+    The text must be what the API server accepts (``QUANTITY_RE``: the client's parser is looser,
+    it takes "2 Gi", "1_000m", other scripts' digits, NaN); the value is the client's
+    ``kubernetes.utils.parse_quantity``."""
+    try:
+        from kubernetes.utils import parse_quantity as kube_quantity
+    except ImportError:
+        raise ValueError(
+            f"{name}: the kubernetes package is missing: pip install 'openrl-jupyter[k8s]'"
+        ) from None
 
     text = str(value).strip() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
-    try:
-        amount = kube_quantity(text) if text else None
-    except (ValueError, ArithmeticError):
-        amount = None
-    if amount is None or not amount.is_finite():  # the client's parser takes "NaN" and "inf"
+    amount = None
+    if QUANTITY_RE.fullmatch(text):
+        try:
+            amount = kube_quantity(text)
+        except (ValueError, ArithmeticError):
+            amount = None
+    if amount is None or not amount.is_finite():
         raise ValueError(f"{name} must be a Kubernetes quantity such as 500m, 2, 512Mi or 4Gi; got {value!r}")
     return amount
 
