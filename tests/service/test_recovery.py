@@ -14,6 +14,7 @@ final adapters are bit-identical to those of the same two loops against a servic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -76,10 +77,15 @@ class Clients:
         # The Run starts once the SDK loop has its training client: the Run alone reaches the first
         # crash points within a second, and an SDK loop still starting would meet only restarts.
         deadline = time.monotonic() + HANG_GUARD_S
-        while "ready " not in (workdir / "sdk.log").read_text():
-            assert self.sdk.poll() is None, (workdir / "sdk.log").read_text()
-            assert time.monotonic() < deadline, "the SDK loop did not create its training client"
-            time.sleep(0.05)
+        try:
+            while "ready " not in (workdir / "sdk.log").read_text():
+                assert self.sdk.poll() is None, (workdir / "sdk.log").read_text()
+                assert time.monotonic() < deadline, "the SDK loop did not create its training client"
+                time.sleep(0.05)
+        except BaseException:
+            self.sdk.kill()
+            self.log.close()
+            raise
         self.name = name
         self.session = sess.connect(url, token=ALICE_KEY, name=name)
         self.run = self.session.train(
@@ -131,7 +137,8 @@ class Clients:
             self.sdk.kill()
             self.sdk.wait(30)
         self.log.close()
-        sess.disconnect(self.name)
+        with contextlib.suppress(Exception):  # after a failure the service may be gone
+            sess.disconnect(self.name)
 
 
 def adapter(data_dir: Path, tinker_path: str) -> tuple[dict, dict]:
@@ -165,9 +172,10 @@ def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -
         return start(data, tiny_model_dir, env=env, port=port)
 
     served = serve(0)
-    wait_ready(served)
-    clients = Clients(served.url, workdir, name=f"recovery-{workdir.name}")
+    clients = None
     try:
+        wait_ready(served)
+        clients = Clients(served.url, workdir, name=f"recovery-{workdir.name}")
         for k, (point, _) in enumerate(crashes):
             marker = workdir / f"crash-{k}"
             deadline = time.monotonic() + HANG_GUARD_S
@@ -187,7 +195,8 @@ def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -
         outcome["data_dir"] = data
         return outcome, fired
     finally:
-        clients.close()
+        if clients is not None:
+            clients.close()
         if served.proc.poll() is None:
             served.proc.terminate()
             finish(served, 30)
