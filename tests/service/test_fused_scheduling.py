@@ -540,3 +540,32 @@ def test_a_lone_op_whose_work_fails_runs_once():
         assert runs == [1] and "internal error" in str(o.future.error)
     finally:
         engine.stop()
+
+
+def test_a_fused_ops_record_exists_once_its_result_is_out(make_server, monkeypatch):
+    """A client that has its fused forward_backward's result and then exports its session's trace (or
+    reads /metrics) finds the op in it: the worker writes the members' records before it completes
+    their futures. (It used to complete them first; a quick client's trace then missed the op, made
+    deterministic here by a slow record.)"""
+    live = make_server()
+    engine = live.service.engine
+    real = engine.oplog.record_fused
+
+    def slow_record(*args, **kwargs):
+        time.sleep(0.5)  # a busy machine between the futures and the records
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.oplog, "record_fused", slow_record)
+    with live.client(ALICE_KEY) as http:
+        raw = RawTinker(http)
+        session = raw.session()
+        runs = [raw.create_model(session, model_seq_id=k, rank=4) for k in range(2)]
+        data = [sft_datum([11, 12, 13], [14, 15])]
+        with held_worker(engine, live.service.futures):  # both wait, then run as one fused call
+            requests = [raw.submit_fb(run, 1, data) for run in runs]
+        assert all("error" not in raw.result(r) for r in requests)
+        trace = http.get(http.get(f"/api/v1/sessions/{session}/trace_export").json()["url"]).json()
+        ops = [e for e in trace["traceEvents"] if e["name"] == "forward_backward"]
+        assert sorted(e["tid"] for e in ops) == sorted(runs)
+        assert all(e["args"].get("fused_with") for e in ops), ops  # they did run fused
+        raw.finish_sessions()
