@@ -180,9 +180,9 @@ class OpRecorder:
     ) -> list[OpRecord]:
         """Block until ``ready(records that ended at or after since)`` holds; returns those records.
 
-        The worker completes an op's future before it writes the op's record (a fused call's members
-        are recorded after all of them completed), so a reader who just got a result waits here for
-        its record. Raises TimeoutError naming what it saw."""
+        The worker writes an op's record before it completes the op's future (a fused call's members
+        all at once, then their futures), so a reader who has a result finds its record without
+        waiting; this waits for ops still running. Raises TimeoutError naming what it saw."""
         deadline = time.monotonic() + timeout_s
         with self._recorded:
             while not ready(records := [op for op in self._ops if op.end >= since]):

@@ -653,12 +653,13 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 results.append((None, self._internal(op, e)))
         end = time.time()
+        # recorded first: a client that has its result finds the op in its trace and in /metrics
+        self.oplog.record_fused(live, results, start, end, now)
         for op, (result, error) in zip(live, results, strict=True):
             self.futures.complete(op.future, result=result, error=error)
-        self.oplog.record_fused(live, results, start, end, now)
 
     def _fail_prepare(self, op: Op, error: ApiError, now: float) -> None:
         """A member that could not join its fused call: an error result, recorded as a failed op."""
-        self.futures.complete(op.future, error=error)
         t = time.time()
         self.oplog.record(op, t, t, 0, False, max(0.0, now - op.queued_since))
+        self.futures.complete(op.future, error=error)
