@@ -99,4 +99,5 @@ def serving(data_dir: Path, tiny_model_dir: Path, *args: str, **options):
     finally:
         if served.proc.returncode is None:  # not already waited for by the test
             served.proc.terminate()
-            finish(served, 30)
+            # the drain's grace (25 s) and then the shutdown; a slow machine needs its margin
+            finish(served, 60)

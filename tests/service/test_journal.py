@@ -155,6 +155,8 @@ def test_a_full_disk_answers_507_and_a_restart_has_everything_acknowledged(tmp_p
         if optim.status_code == 200:
             acked.append(optim.json()["request_id"])
             seq += 1
+            # fetched, as a client does: a result never fetched holds the drain for its whole grace
+            assert "error" not in raw.result(optim.json()["request_id"])
     assert finish(served) == 0
     with (
         serving(data, tiny_model_dir, env=env, port=port) as again,
