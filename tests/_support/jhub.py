@@ -389,14 +389,35 @@ class HubKernel(Kernel):
         kc.start_channels()
         self.kc = kc
         try:
-            kc.wait_for_ready(timeout=self.startup_timeout)
+            self._wait_ready(kc)
         except RuntimeError as e:
             self.shutdown()
-            raise AssertionError(f"kernel of {self.user} not ready: {e}") from e
+            tail = self.hub.log_path.read_text(errors="replace")[-3000:] if self.hub.log_path.exists() else ""
+            raise AssertionError(
+                f"kernel of {self.user} not ready: {e}\n--- hub log (tail) ---\n{tail}"
+            ) from e
         self._stray.clear()
         self.drain(0.1)
         self._stray.clear()
         return self
+
+    def _wait_ready(self, kc) -> None:
+        """kernel_info answered within ``startup_timeout``. A client made from a connection file has
+        no process to ask, so jupyter_client calls the kernel dead when its heartbeat misses a
+        second, which a starting kernel can on a loaded machine: while its server still lists it
+        and does not call it dead, keep waiting."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                kc.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError as e:
+                if "died" not in str(e) or time.monotonic() >= deadline:
+                    raise
+                r = self._rest("GET", f"/kernels/{self.kernel_id}")
+                if r.status_code != 200 or r.json().get("execution_state") == "dead":
+                    raise RuntimeError(f"{e}; its server says {r.status_code} {r.text[:300]}") from None
+                time.sleep(0.5)
 
     def _interrupt(self) -> None:
         with contextlib.suppress(httpx.HTTPError):
