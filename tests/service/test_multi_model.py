@@ -285,6 +285,12 @@ def test_a_restart_without_a_model_refuses_its_runs_and_with_it_recovers_them(tm
         assert ready["state"] == "ready", ready
         run = live.service.runs[model_id]
         assert run.base_model == WIDE
+        # ready once the journal's ops are queued again: the replayed ones run on the worker after
+        engine = live.service.engine
+        deadline = time.monotonic() + 60
+        while engine.queue_depth() or engine.current is not None:
+            assert time.monotonic() < deadline, "the replayed ops did not run"
+            time.sleep(0.05)
         saved, now = adapter(data, before)[0], run.state.adapter.peft_state_dict()
         assert saved.keys() == now.keys() and all(
             np.array_equal(saved[k], now[k].detach().cpu().numpy()) for k in saved
