@@ -30,6 +30,26 @@ def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
     return ""
 
 
+def requirement(
+    kind: str,
+    value: Any,
+    lo: float | None = None,
+    hi: float | None = None,
+    setting: str | None = None,
+    lo_open: bool = False,
+) -> str:
+    """What a refused value should have been, and what it was: ``must be an integer in [1, 64]
+    (OPENRL_MAX_NUM_SAMPLES); got 500`` (the field's name goes in front)."""
+    why = f" ({setting})" if setting else ""
+    try:
+        shown = repr(value)
+    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
+        shown = f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    if len(shown) > 100:
+        shown = shown[:100] + "…"
+    return f"must be {kind}{_range(lo, hi, lo_open)}{why}; got {shown}"
+
+
 def _refuse(
     kind: str,
     value: Any,
@@ -40,14 +60,7 @@ def _refuse(
     error: type[Exception],
     lo_open: bool = False,
 ) -> Exception:
-    why = f" ({setting})" if setting else ""
-    try:
-        shown = repr(value)
-    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
-        shown = f"an integer of about {int(value.bit_length() * 0.30103)} digits"
-    if len(shown) > 100:
-        shown = shown[:100] + "…"
-    message = f"{name} must be {kind}{_range(lo, hi, lo_open)}{why}; got {shown}"
+    message = f"{name} {requirement(kind, value, lo, hi, setting, lo_open)}"
     if getattr(error, "takes_field", False):
         return error(message, field=name)
     return error(message)

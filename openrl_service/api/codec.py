@@ -207,29 +207,6 @@ def sample_json(out: SampleOutput, ids: list[str]) -> dict:
     }
 
 
-def prompt_tokens(prompt: dict) -> list[int]:
-    chunks = prompt.get("chunks")
-    if not isinstance(chunks, list) or not chunks:
-        raise UserError("prompt.chunks must be a non-empty list", field="prompt.chunks")
-    out: list[int] = []
-    for i, c in enumerate(chunks):
-        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
-            kind = c.get("type") if isinstance(c, dict) else type(c).__name__
-            raise UserError(
-                f"prompt.chunks[{i}]: {kind} chunks are not supported by this model (text tokens only)",
-                field=f"prompt.chunks[{i}]",
-            )
-        toks = c.get("tokens")
-        if not isinstance(toks, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in toks
-        ):
-            raise UserError(
-                f"prompt.chunks[{i}].tokens must be a list of integers", field=f"prompt.chunks[{i}].tokens"
-            )
-        out.extend(toks)
-    return out
-
-
 def encode_result(rec, wants_proto: bool) -> Response:
     """A fresh Response for each retrieve (middleware may add headers to it); the encoded bytes are
     made once per future and format, and kept on the record."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import zstandard
 from fastapi import Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 
 from openrl_service import crashpoints
 from openrl_service.engine.ops import QueueFull
@@ -157,17 +158,120 @@ async def read_json(request: Request, max_bytes: int) -> dict:
     return data
 
 
-def field(data: dict, name: str, kind: type | tuple, *, required: bool = True, default: Any = None) -> Any:
-    value = data.get(name, default)
-    if value is None:
-        if required:
-            raise UserError(f"{name} is required", field=name)
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if (bool not in kinds and isinstance(value, bool)) or not isinstance(value, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise UserError(f"{name} must be {names}; got {type(value).__name__}", field=name)
-    return value
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
+    """The request's JSON body as ``model`` (:mod:`openrl_service.api.schemas`); a body it refuses is
+    a 400 naming the first refused field."""
+    return parse(model, await read_json(request, max_bytes))
+
+
+def parse(model: type[M], data: dict) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise refusal(e) from None
+
+
+async def read_op(request: Request, model: type[M], max_bytes: int) -> tuple[dict, M | None]:
+    """The body of an op a run orders by ``seq_id``: (the JSON object, the model or None). A refused
+    ``model_id`` or ``seq_id`` is a 400; any other refusal leaves None, and the engine, given the body as
+    sent, fails the op in its slot with the reason (a 400 would leave a gap the run's later ops wait
+    behind)."""
+    data = await read_json(request, max_bytes)
+    try:
+        return data, model.model_validate(data)
+    except ValidationError as e:
+        slot = [err for err in e.errors(include_url=False) if _field_of(err) in ("model_id", "seq_id", "")]
+        if slot:  # no run or no place in its order: nothing to keep, a 400
+            raise refusal(e, slot[0]) from None
+        return data, None
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _is_tag(part: Any) -> bool:
+    """Whether a step of an error's location names a member of a union (``str``, ``list[Message]``,
+    ``function-wrap[check()]``, ``Message``) rather than a field: fields are snake_case."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "none")
+        or part[:1].isupper()
+        or any(c in part for c in "[]-(")
+    )
+
+
+def _first(errors: list) -> dict:
+    """The error to report: the first; where it is one member's failure of a union, the one of that
+    union's members that got furthest (a chat message missing its content, not "not a string")."""
+    first = errors[0]
+    loc = first["loc"]
+    cut = next((i for i, p in enumerate(loc) if _is_tag(p)), None)
+    if cut is None:
+        return first
+    same = [e for e in errors if e["loc"][:cut] == loc[:cut]]
+    return max(same, key=lambda e: len(e["loc"]))
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _field_of(err: dict) -> str:
+    """The path of the value an error refuses (``""``: the body as a whole)."""
+    path = _path(tuple(p for p in err["loc"] if not _is_tag(p)))
+    extra = (err.get("ctx") or {}).get("field")
+    if extra:
+        path = f"{path}.{extra}" if path else extra
+    return path
+
+
+def refusal(e: ValidationError, err: dict | None = None) -> UserError:
+    """A request model's refusal as the 400 every route gives: the first refused field's path (or
+    ``err``'s) and why."""
+    err = err or _first(e.errors(include_url=False))
+    ctx = err.get("ctx") or {}
+    path = _field_of(err)
+    value = err.get("input")
+    shown = repr(value) if len(repr(value)) <= 100 else repr(value)[:100] + "…"
+    kind = err["type"]
+    got = _kind(value)
+    length = len(value) if isinstance(value, (str, list, dict)) else 0
+    reasons = {
+        "missing": lambda: "is required",
+        "string_type": lambda: f"must be a string; got {got}",
+        "bool_type": lambda: f"must be true or false; got {got} {shown}",
+        "model_type": lambda: f"must be a JSON object; got {got}",
+        "model_attributes_type": lambda: f"must be a JSON object; got {got}",
+        "dict_type": lambda: f"must be a JSON object; got {got}",
+        "list_type": lambda: f"must be a list; got {got}",
+        "int_type": lambda: f"must be an integer; got {shown}",
+        "float_type": lambda: f"must be a finite number; got {shown}",
+        "literal_error": lambda: f"must be one of {ctx.get('expected')}; got {shown}",
+        "string_too_short": lambda: f"must have at least {ctx.get('min_length')} characters",
+        "string_too_long": lambda: f"must have at most {ctx.get('max_length')} characters; got {length}",
+        "string_pattern_mismatch": lambda: f"must match {ctx.get('pattern')}; got {shown}",
+        "too_short": lambda: f"must have at least {ctx.get('min_length')} items; got {length}",
+        "too_long": lambda: f"must have at most {ctx.get('max_length')} items; got {length}",
+        "extra_forbidden": lambda: "is not a field this takes",
+    }
+    if kind in ("explained", "form", "too_large"):
+        why = str(ctx.get("why"))
+    elif kind in reasons:
+        why = reasons[kind]()
+    else:
+        why = err["msg"]
+    error = PayloadTooLarge if kind == "too_large" else UserError
+    if not path:
+        return error(f"request body {why}", field="body")
+    return error(f"{path} {why}" if why.startswith(("must", "is ")) else f"{path}: {why}", field=path)
 
 
 def tenant(request: Request) -> str:

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
-from openrl_service.api.http import BackpressureRoute, json_response, read_json, tenant
+from openrl_service.api.http import BackpressureRoute, json_response, read_model, tenant
 from openrl_service.container import Container
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
@@ -55,8 +55,8 @@ def build_jobs_router(c: Container) -> APIRouter:
         route_class=BackpressureRoute,  # POSTs that journal run control are synced before the reply
         generate_unique_id_function=S.operation_ids("jobs"),
     )
-    lim = svc.limits
-    max_body = lim.max_body_bytes
+    max_body = svc.limits.max_body_bytes
+    B = S.bodies(svc.limits, svc.settings.min_ttl_s)
 
     def launcher():
         return c.kube
@@ -98,11 +98,13 @@ def build_jobs_router(c: Container) -> APIRouter:
             phase = phases[k8s["job"]][1]
         return jobs.entry(rec, phase)
 
-    @r.post("/jobs", status_code=201, openapi_extra=S.body(S.submit_job(lim)), responses=L.SUBMIT_JOB_LINKS)
+    @r.post("/jobs", status_code=201, openapi_extra=S.body(B.SubmitJob), responses=L.SUBMIT_JOB_LINKS)
     async def submit_job(request: Request):
         """Submit a detached job: its payload is stored (never unpickled) and a job-scoped key minted;
         where=local answers the key, where=k8s hands it to a Kubernetes Job's Secret."""
-        req = jobs.check_submit(await read_json(request, max_body))
+        req = jobs.check_submit(
+            (await read_model(request, B.SubmitJob, max_body)).model_dump(exclude_none=True)
+        )
         kube = None
         if req["where"] == "k8s":
             kube = launcher()
@@ -154,21 +156,21 @@ def build_jobs_router(c: Container) -> APIRouter:
         """One job, by id, else the newest job of that name."""
         return json_response(await entry(jobs.find(tenant(request), job_id)))
 
-    @r.post("/jobs/{job_id}/state", openapi_extra=S.body(S.JOB_STATE))
+    @r.post("/jobs/{job_id}/state", openapi_extra=S.body(B.JobState))
     async def job_state(job_id: str, request: Request):
         """The job reports its state (pid, host, message); finished, failed or stopped revokes its key."""
-        body = await read_json(request, max_body)
+        body = (await read_model(request, B.JobState, max_body)).model_dump(exclude_none=True)
         revoked = bool(getattr(request.state, "job_revoked", False))  # its own key, after its end
         rec = await anyio.to_thread.run_sync(jobs.report_state, tenant(request), job_id, body, revoked)
         return json_response(await entry(rec))
 
-    @r.post("/jobs/{job_id}/control", openapi_extra=S.body(S.JOB_CONTROL))
+    @r.post("/jobs/{job_id}/control", openapi_extra=S.body(B.Control))
     async def job_control(job_id: str, request: Request):
         """Pause, resume or stop every run of the job (each as /runs/{id}/control does); the job's
         entry keeps the request, so a worker that has no run yet obeys it too."""
-        body = await read_json(request, max_body)
+        b = await read_model(request, B.Control, max_body)
         who = tenant(request)
-        control = jobs.check_control(body)
+        control = {"action": b.action, "reason": b.reason}
         rec = jobs.find(who, job_id)
         if rec["state"] in TERMINAL_STATES:
             raise Conflict(
@@ -187,10 +189,10 @@ def build_jobs_router(c: Container) -> APIRouter:
                 continue
         return json_response(await entry(rec))
 
-    @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=S.body(S.add_job_payload(lim)))
+    @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=S.body(B.AddJobPayload))
     async def add_payload(job_id: str, request: Request):
         """A new payload version (a hot-swapped reward); the job's worker picks it up at its next step."""
-        body = await read_json(request, max_body)
+        body = (await read_model(request, B.AddJobPayload, max_body)).model_dump(exclude_none=True)
         version, created = await anyio.to_thread.run_sync(jobs.add_payload, tenant(request), job_id, body)
         # the same bytes as the newest version (a retried POST): that version, not a duplicate
         return json_response({"version": version}, status=201 if created else 200)

@@ -19,18 +19,15 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool as off
 
 from openrl_service.api import schemas as S
-from openrl_service.api.http import json_response, read_json, tenant
+from openrl_service.api.http import json_response, read_model, tenant
 from openrl_service.api.hubauth import MintedKeys
-from openrl_service.errors import Conflict, Forbidden, NotFound, UserError
-
-MAX_NAME_CHARS = 100
+from openrl_service.errors import Conflict, Forbidden, NotFound
 
 
 def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
     r = APIRouter(prefix="/api/v1", tags=["keys"], generate_unique_id_function=S.operation_ids("keys"))
-    mint_body = S.obj({"name": {"type": "string", "maxLength": MAX_NAME_CHARS}})
 
-    @r.post("/keys", status_code=201, openapi_extra=S.body(mint_body, required=False))
+    @r.post("/keys", status_code=201, openapi_extra=S.body(S.MintKey, required=False))
     async def mint(request: Request):
         if getattr(request.state, "auth_via", None) != "hub":
             raise Forbidden(
@@ -38,10 +35,7 @@ def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
                 "and this service must be started with --hub-api-url",
                 field="X-API-Key",
             )
-        body = await read_json(request, max_body)
-        name = body.get("name")
-        if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME_CHARS):
-            raise UserError(f"name must be a string of at most {MAX_NAME_CHARS} characters", field="name")
+        name = (await read_model(request, S.MintKey, max_body)).name
         try:
             rec, key = await off(
                 minted.mint,

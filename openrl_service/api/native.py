@@ -33,13 +33,12 @@ from fastapi.responses import StreamingResponse
 
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
-from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_json
+from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_model
 from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
 from openrl_service.container import Container
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.job_checks import JOB_META_KEY
-from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
 from openrl_service.errors import UserError
 from openrl_service.lifecycle import State
 
@@ -56,7 +55,7 @@ def build_native_router(c: Container) -> APIRouter:
     )
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
-    lim, ttl = svc.limits, svc.settings.min_ttl_s
+    B = S.bodies(svc.limits, svc.settings.min_ttl_s)
     replies = native.replies
 
     def tenant(request: Request) -> str:
@@ -70,11 +69,13 @@ def build_native_router(c: Container) -> APIRouter:
         """``make()``, or the first reply of this request's X-Idempotency-Key."""
         return await idempotent(replies, request, tenant(request), make)
 
-    async def post(request: Request, run_id: str, op, status: int = 200):
-        """An idempotent POST on a run: ``op(tenant, run_id, body, identity)`` as JSON."""
+    async def post(request: Request, run_id: str, op, model, status: int = 200):
+        """An idempotent POST on a run: ``op(tenant, run_id, body, identity)`` as JSON, ``body`` the
+        fields of ``model`` that were given."""
 
         async def make(identity):
-            out = await op(tenant(request), run_id, await read_json(request, max_body), identity)
+            given = (await read_model(request, model, max_body)).model_dump(exclude_none=True)
+            out = await op(tenant(request), run_id, given, identity)
             return json_response(out, status=status)
 
         return await once(request, make)
@@ -82,7 +83,7 @@ def build_native_router(c: Container) -> APIRouter:
     @r.post(
         "/runs",
         status_code=201,
-        openapi_extra=body(S.create_run(lim), required=False),
+        openapi_extra=body(B.CreateRun, required=False),
         responses=L.CREATE_RUN_LINKS,
     )
     @new_work
@@ -90,8 +91,8 @@ def build_native_router(c: Container) -> APIRouter:
         """Create a LoRA run on the served model (defaults from its capability entry)."""
 
         async def make(identity):
-            body = await read_json(request, max_body)
-            out = await native.create(tenant(request), body, identity, job=job_of(request))
+            given = (await read_model(request, B.CreateRun, max_body)).model_dump(exclude_none=True)
+            out = await native.create(tenant(request), given, identity, job=job_of(request))
             return json_response(out, status=201)
 
         return await once(request, make)
@@ -112,19 +113,19 @@ def build_native_router(c: Container) -> APIRouter:
         """One run: name, model, rank, step, control... (a Tinker-SDK run of the caller too)."""
         return json_response(native.entry(tenant(request), run_id))
 
-    @r.post("/runs/{run_id}/heartbeat", openapi_extra=body(S.HEARTBEAT, required=False))
+    @r.post("/runs/{run_id}/heartbeat", openapi_extra=body(B.Heartbeat, required=False))
     async def heartbeat(run_id: str, request: Request):
         """Keep the run alive (no request for ``idle_timeout_s`` finishes it); ``{"state"}`` reports
         the notebook Run's state. Answers the run, with its control state for the notebook to obey."""
-        payload = await read_json(request, max_body)
-        return json_response(native.describe(native.heartbeat(tenant(request), run_id, payload)))
+        given = (await read_model(request, B.Heartbeat, max_body)).model_dump(exclude_none=True)
+        return json_response(native.describe(native.heartbeat(tenant(request), run_id, given)))
 
-    @r.post("/runs/{run_id}/control", openapi_extra=body(S.RUN_CONTROL))
+    @r.post("/runs/{run_id}/control", openapi_extra=body(B.Control))
     async def control(run_id: str, request: Request):
         """Pause, resume or stop a run, notebook or Tinker SDK (the side panel's buttons); answers
         its entry. A notebook run obeys at its next step; a Tinker-SDK run's next op is refused."""
-        payload = await read_json(request, max_body)
-        return json_response(native.control(tenant(request), run_id, payload))
+        given = (await read_model(request, B.Control, max_body)).model_dump(exclude_none=True)
+        return json_response(native.control(tenant(request), run_id, given))
 
     @r.delete("/runs/{run_id}")
     async def delete_run(run_id: str, request: Request):
@@ -132,30 +133,28 @@ def build_native_router(c: Container) -> APIRouter:
         await native.delete(tenant(request), run_id)
         return json_response({"run_id": run_id, "deleted": True})
 
-    @r.post(
-        "/runs/{run_id}/sample", openapi_extra=body(S.native_sample(lim)), responses=L.NATIVE_SAMPLE_LINKS
-    )
+    @r.post("/runs/{run_id}/sample", openapi_extra=body(B.NativeSample), responses=L.NATIVE_SAMPLE_LINKS)
     @new_work
     async def sample(run_id: str, request: Request):
         """Completions of text prompts from the run's current weights, each with a sample id."""
-        return await post(request, run_id, native.sample)
+        return await post(request, run_id, native.sample, B.NativeSample)
 
-    @r.post("/runs/{run_id}/train_step", openapi_extra=body(S.TRAIN_STEP))
+    @r.post("/runs/{run_id}/train_step", openapi_extra=body(B.TrainStep))
     @new_work
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
-        return await post(request, run_id, native.train_step)
+        return await post(request, run_id, native.train_step, B.TrainStep)
 
     @r.post(
         "/runs/{run_id}/checkpoints",
         status_code=201,
-        openapi_extra=body(S.save_checkpoint(lim, ttl)),
+        openapi_extra=body(B.SaveCheckpoint),
         responses=L.NATIVE_SAVE_LINKS,
     )
     @new_work
     async def save(run_id: str, request: Request):
         """Save weights + optimizer; the path loads with the Tinker SDK."""
-        return await post(request, run_id, native.save_checkpoint, status=201)
+        return await post(request, run_id, native.save_checkpoint, B.SaveCheckpoint, status=201)
 
     @r.get("/runs/{run_id}/checkpoints")
     async def checkpoints(run_id: str, request: Request):
@@ -167,12 +166,12 @@ def build_native_router(c: Container) -> APIRouter:
     @r.post(
         "/runs/{run_id}/metrics",
         status_code=201,
-        openapi_extra=body(S.add_metrics(MAX_METRIC_KEYS, MAX_METRIC_KEY_CHARS)),
+        openapi_extra=body(B.AddMetrics),
     )
     @new_work
     async def add_metrics(run_id: str, request: Request):
         """Store client-side metrics of a step (reward mean/std/min/max, reward name and version...)."""
-        return await post(request, run_id, native.add_metrics, status=201)
+        return await post(request, run_id, native.add_metrics, B.AddMetrics, status=201)
 
     @r.get("/runs/{run_id}/metrics")
     async def get_metrics(run_id: str, request: Request):

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool as off
 
 from openrl_service.api import schemas as S
-from openrl_service.api.http import field, json_response, read_json, tenant
+from openrl_service.api.http import json_response, read_model, tenant
 from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
@@ -31,29 +31,6 @@ def _int(request: Request, name: str, default: int) -> int:
         raise UserError(f"{name} must be an integer; got {raw!r}", field=name) from None
 
 
-def search_filters(body: dict) -> None:
-    """The types of a session search's filters (the catalog compares them with stored values)."""
-    field(body, "owner", dict, required=False)
-    field(body, "user_metadata", dict, required=False)
-    field(body, "project_ids", list, required=False)
-    for i, s in enumerate(field(body, "statuses", list, required=False) or []):
-        if not isinstance(s, str) and not (
-            isinstance(s, dict) and isinstance(s.get("type"), (str, type(None)))
-        ):
-            raise UserError(
-                f"statuses[{i}] must be a status name or {{type}}; got {s!r}", field=f"statuses[{i}]"
-            )
-    cursor = field(body, "cursor", dict, required=False)
-    if cursor is not None:
-        for name in ("last_created_at", "last_session_id"):
-            if not isinstance(cursor.get(name), str):
-                raise UserError(
-                    f"cursor.{name} must be a string (as the previous page's next_cursor has it); "
-                    f"got {cursor.get(name)!r}",
-                    field=f"cursor.{name}",
-                )
-
-
 def _base_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
 
@@ -62,7 +39,7 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
     r = APIRouter(prefix="/api/v1", generate_unique_id_function=S.operation_ids("rest"))
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
-    lim, ttl = svc.limits, svc.settings.min_ttl_s
+    B = S.bodies(svc.limits, svc.settings.min_ttl_s)
 
     # -- training runs -------------------------------------------------------------------------
     @r.get("/training_runs")
@@ -106,13 +83,11 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
         await off(cat.set_public, tenant(request), run_id, kind, name, False)
         return Response(status_code=204)
 
-    @r.put(CKPT + "/ttl", openapi_extra=body(S.set_ttl(lim, ttl)))
+    @r.put(CKPT + "/ttl", openapi_extra=body(B.SetTtl))
     async def set_ttl(run_id: str, kind: str, name: str, request: Request):
         """Set (seconds from now) or clear (null) a checkpoint's expiry."""
-        body = await read_json(request, max_body)
-        if "ttl_seconds" not in body:
-            raise UserError("ttl_seconds is required (null clears the expiry)", field="ttl_seconds")
-        await off(cat.set_ttl, tenant(request), run_id, kind, name, body["ttl_seconds"])
+        b = await read_model(request, B.SetTtl, max_body)
+        await off(cat.set_ttl, tenant(request), run_id, kind, name, b.ttl_seconds)
         return Response(status_code=204)
 
     @r.get(CKPT + "/external_weights_urls")
@@ -134,18 +109,17 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
             )
         )
 
-    @r.post("/weights_info", openapi_extra=body(S.WEIGHTS_INFO))
+    @r.post("/weights_info", openapi_extra=body(B.WeightsInfo))
     async def weights_info(request: Request):
         """Base model and LoRA layout of a checkpoint."""
-        body = await read_json(request, max_body)
-        return json_response(await off(cat.weights_info, tenant(request), field(body, "tinker_path", str)))
+        b = await read_model(request, B.WeightsInfo, max_body)
+        return json_response(await off(cat.weights_info, tenant(request), b.tinker_path))
 
-    @r.post("/copy_weights", openapi_extra=body(S.copy_weights(lim, ttl)))
+    @r.post("/copy_weights", openapi_extra=body(B.CopyWeights))
     async def copy_weights(request: Request):
         """Copy a checkpoint into a session's run slot or a new session of a project."""
-        body = await read_json(request, max_body)
-        field(body, "session_id", str, required=False)  # the catalog looks it up by value
-        return json_response(await off(cat.copy, tenant(request), body))
+        b = await read_model(request, B.CopyWeights, max_body)
+        return json_response(await off(cat.copy, tenant(request), b.model_dump(exclude_none=True)))
 
     # -- sessions ------------------------------------------------------------------------------
     @r.get("/sessions")
@@ -157,23 +131,22 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
             )
         )
 
-    @r.post("/sessions/search", openapi_extra=body(S.SEARCH_SESSIONS, required=False))
+    @r.post("/sessions/search", openapi_extra=body(B.SearchSessions, required=False))
     async def search_sessions(request: Request):
         """Sessions matching id, display name, metadata, project or status; newest first."""
-        body = await read_json(request, max_body)
-        search_filters(body)
-        return json_response(await off(cat.search_sessions, tenant(request), body))
+        b = await read_model(request, B.SearchSessions, max_body)
+        return json_response(await off(cat.search_sessions, tenant(request), b.model_dump(exclude_none=True)))
 
     @r.get("/sessions/{session_id}")
     async def get_session(session_id: str, request: Request):
         """A session's runs, samplers and metadata."""
         return json_response(await off(cat.get_session, tenant(request), session_id))
 
-    @r.put("/sessions/{session_id}/project", openapi_extra=body(S.ASSIGN_PROJECT))
+    @r.put("/sessions/{session_id}/project", openapi_extra=body(B.AssignProject))
     async def assign_project(session_id: str, request: Request):
         """Move a session and its runs to a project."""
-        body = await read_json(request, max_body)
-        await off(cat.assign_project, tenant(request), session_id, body.get("project_id"))
+        b = await read_model(request, B.AssignProject, max_body)
+        await off(cat.assign_project, tenant(request), session_id, b.project_id)
         return Response(status_code=204)
 
     @r.get("/sessions/{session_id}/trace_export")

@@ -1,29 +1,46 @@
-"""The published shape of the JSON routes: request-body JSON Schemas.
+"""The request bodies of the JSON routes, as pydantic models: one definition is both the check and
+the published shape.
 
-The handlers' checks stay the authority (they name the field and the limit in a 400); these schemas
-describe the same rules in ``/openapi.json`` so a client generator, a reader or a fuzzer (``make
-fuzz``) builds bodies the service accepts: required fields, types, ranges (from :class:`Limits`),
-enums and list sizes. What JSON Schema cannot say (a prompt plus ``max_tokens`` must fit the
-model's context; token ids must be below its vocabulary size) is said in the description.
+A route reads its body with :func:`openrl_service.api.http.read_model`; a body the model refuses
+is a 400 whose ``field`` is the path of the first refused value (``sampling_params.max_tokens``,
+``prompt.chunks[0].tokens``) and whose message names the limit and the setting behind it, as every
+other refusal does (:func:`openrl_common.checks.requirement`). ``/openapi.json`` publishes the same
+models (:func:`body`), so a client generator, a reader or a fuzzer (``make fuzz``) builds bodies the
+service accepts: required fields, types, ranges (from :class:`Limits`), enums, patterns and sizes.
+
+- Unknown fields are ignored (newer Tinker SDKs add some); a ``null`` is the same as a field left
+  out (the SDK sends ``null`` for every option it does not set).
+- The limits come from the running service's settings, so the models are built per service
+  (:class:`Bodies`); those that take no setting are module-level.
+- What a model cannot know stays with the engine, which checks it before any work is queued: a
+  prompt plus ``max_tokens`` must fit the model's context, token ids must be below its vocabulary
+  size, a ``tinker://`` path must name a checkpoint the caller may read, ``user_metadata`` must be at
+  most ``OPENRL_MAX_METADATA_BYTES`` as JSON. The descriptions say so.
+- An op ordered by ``seq_id`` takes its slot even when its body is refused (or the run would wait for
+  a gap): see :func:`openrl_service.api.http.read_op`.
 
 The OpenAPI links (how one reply feeds the next request) are in :mod:`openrl_service.api.links`.
-
 Operation ids are ``<router>_<handler name>`` (``tinker_create_model``, ``rest_get_session``,
 ``native_create_run``): :func:`operation_ids` makes them.
 """
 
-from __future__ import annotations
-
-from typing import Any
+import dataclasses
+import functools
+from typing import Annotated, Any, Literal, Union
 
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
 
+from openrl_common.checks import requirement
 from openrl_common.protocol import CONTROL_ACTIONS, JOB_NAME_PATTERN, JOB_STATES, RL_LOSSES
 from openrl_service.config import Limits
+from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
+from openrl_service.engine.native_state import KERNEL_STATES
 from openrl_service.storage.checkpoints import KINDS
 from openrl_service.training.losses import LOSSES
 
-TTL_MAX_S = 10 * 365 * 24 * 3600  # Validation.expiry: Tinker's ten years
+TTL_MAX_S = 10 * 365 * 24 * 3600  # Tinker's ten years
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # storage.checkpoints.check_name
 TINKER_PATH_PATTERN = (
     r"^tinker://[A-Za-z0-9][A-Za-z0-9:._-]{0,127}/("
@@ -31,15 +48,18 @@ TINKER_PATH_PATTERN = (
     + r")/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 )
 FLOAT32_MAX = 3.4028234663852886e38  # AdamW holds its parameters as float32
-
-STR: dict = {"type": "string"}
-BOOL: dict = {"type": "boolean"}
-INT: dict = {"type": "integer"}
-SEQ_ID: dict = {"type": "integer", "minimum": 0, "description": "the op's place in its run's order"}
-METADATA: dict = {"type": "object", "description": "a JSON object of at most OPENRL_MAX_METADATA_BYTES"}
-CHECKPOINT_NAME: dict = {"type": "string", "pattern": NAME_PATTERN}
-TINKER_PATH: dict = {"type": "string", "pattern": TINKER_PATH_PATTERN}
-TOKEN: dict = {"type": "integer", "minimum": 0, "description": "a token id below the vocabulary size"}
+INT32_MAX = 2**31 - 1
+MAX_KEY_NAME_CHARS = 100  # a minted key's name
+JOB_KINDS = ("run", "sweep")
+JOB_WHERES = ("local", "k8s")
+MAX_META_VALUES = 32  # a job's meta: named scalars
+MAX_META_KEY_CHARS = 64
+MAX_META_STR_CHARS = 256
+MAX_REWARD_CHARS = 128
+MAX_HOST_CHARS = 255  # a job's state report
+MAX_MESSAGE_CHARS = 2000
+HELLO_B64 = "aGVsbG8="  # b"hello": an example payload and its SHA-256
+HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
 
 
 def operation_ids(prefix: str):
@@ -51,13 +71,659 @@ def operation_ids(prefix: str):
     return make
 
 
-def obj(properties: dict, *required: str, **more: Any) -> dict:
-    out: dict = {"type": "object", "properties": properties, **more}
-    if required:
-        out["required"] = list(required)
-    return out
+# -- field types --------------------------------------------------------------------------------------
+def _explained(message):
+    """A validator around a field's own: any refusal becomes ``message(value)`` (the field's path is
+    put in front of it when the 400 is made), so it names the whole rule, not one broken part."""
+
+    def check(value: Any, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("explained", "{why}", {"why": message(value)}) from None
+
+    return WrapValidator(check)
 
 
+def Int(lo: int | None = None, hi: int | None = None, setting: str | None = None, **field: Any) -> Any:
+    """A whole number in ``[lo, hi]`` (not a bool, not 1.0)."""
+    return Annotated[
+        int,
+        Field(ge=lo, le=hi, **field),
+        _explained(lambda v: requirement("an integer", v, lo, hi, setting)),
+    ]
+
+
+def Num(
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    below: float | None = None,
+    setting: str | None = None,
+) -> Any:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; ``[lo, below)`` with ``below``)."""
+    bounds = {"gt" if lo_open else "ge": lo, "le": hi, "lt": below}
+    return Annotated[
+        float,
+        Field(**{k: v for k, v in bounds.items() if v is not None}, allow_inf_nan=False),
+        _explained(
+            lambda v: (
+                requirement("a finite number", v, lo, hi if below is None else below, setting, lo_open)
+                + ("" if below is None else f" (below {below})")
+            )
+        ),
+    ]
+
+
+def Sized(item: Any, max_items: int, setting: str, min_items: int = 0) -> Any:
+    """A list of at most ``max_items`` (the limit ``setting`` sets)."""
+
+    def check(value: Any, handler):
+        if isinstance(value, list) and len(value) > max_items:
+            why = f"must have at most {max_items} items ({setting}); got {len(value)}"
+            raise PydanticCustomError("explained", "{why}", {"why": why})
+        return handler(value)
+
+    return Annotated[list[item], Field(min_length=min_items, max_length=max_items), WrapValidator(check)]
+
+
+def OneOf(*members: Any, what: str) -> Any:
+    """A value of one of several shapes; a refusal says what the shapes are (not how each failed)."""
+    return Annotated[Union[members], _explained(lambda v: requirement(what, v))]  # noqa: UP007
+
+
+def Choice(*values: str) -> Any:
+    """One of ``values``; a refusal lists them."""
+    return Annotated[Literal[values], _explained(lambda v: requirement(f"one of {', '.join(values)}", v))]
+
+
+def Str(min_length: int = 0, max_length: int | None = None, pattern: str | None = None, **field: Any) -> Any:
+    return Annotated[str, Field(min_length=min_length, max_length=max_length, pattern=pattern, **field)]
+
+
+def Ttl(min_ttl_s: float) -> Any:
+    lo = int(min_ttl_s) if float(min_ttl_s).is_integer() else min_ttl_s
+    return Int(lo, TTL_MAX_S, "OPENRL_MIN_TTL_S", description="seconds from now")
+
+
+SeqId = Int(0, description="the op's place in its run's order")
+Token = Int(0, description="a token id below the vocabulary size")
+Metadata = Annotated[
+    dict[str, Any], Field(description="a JSON object of at most OPENRL_MAX_METADATA_BYTES as JSON")
+]
+CheckpointName = Str(pattern=NAME_PATTERN, description="a checkpoint name")
+TinkerPath = Str(pattern=TINKER_PATH_PATTERN, description="a tinker:// checkpoint path")
+
+
+class Body(BaseModel):
+    """A JSON request body: strict types (``"8"`` is not 8, ``true`` is not 1), unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _at_least_one_layer(model: Any, field: str | None = None) -> Any:
+    """At least one of the three trains (each defaults to true); ``field``: the one a refusal names
+    (none: the object holding them)."""
+    if model.train_attn is False and model.train_mlp is False and model.train_unembed is False:
+        ctx = {"why": "enable at least one of train_attn, train_mlp, train_unembed"}
+        raise PydanticCustomError("form", "{why}", {**ctx, "field": field} if field else ctx)
+    return model
+
+
+SOME_LAYERS = {  # the JSON Schema of _at_least_one_layer: not all three false
+    "not": {
+        "properties": {k: {"const": False} for k in ("train_attn", "train_mlp", "train_unembed")},
+        "required": ["train_attn", "train_mlp", "train_unembed"],
+    }
+}
+
+
+def _one_of(*forms: tuple[str, ...], description: str):
+    """JSON Schema for a body that takes one of several sets of required fields."""
+    return {"anyOf": [{"required": list(f)} for f in forms], "description": description}
+
+
+def _require_form(data: Any, *forms: tuple[str, ...]) -> Any:
+    """A before-validator's check that ``data`` (the body as sent) has every field of one of
+    ``forms``; a refusal names the first missing field of the first form, in the form's order (so an
+    op's missing model_id or seq_id is named before its path). Before the fields are checked, so a
+    bad value elsewhere does not hide a missing field."""
+    if not isinstance(data, dict):
+        return data  # the model says "must be a JSON object"
+    present = {k for k, v in data.items() if v is not None}
+    if not any(set(f) <= present for f in forms):
+        missing = [k for k in forms[0] if k not in present]
+        alternatives = " or ".join("(" + ", ".join(f) + ")" for f in forms)
+        raise PydanticCustomError(
+            "form",
+            "{why}",
+            {"why": f"takes {alternatives}; {missing[0]} is missing", "field": missing[0]},
+        )
+    return data
+
+
+# -- shared pieces ------------------------------------------------------------------------------------
+class AdamParams(Body):
+    """AdamW's parameters (training.trainer.adam_params); each left out keeps its default."""
+
+    learning_rate: Num(0, FLOAT32_MAX) | None = None
+    beta1: Num(0, below=1) | None = None
+    beta2: Num(0, below=1) | None = None
+    eps: Num(0, FLOAT32_MAX) | None = None
+    weight_decay: Num(0, FLOAT32_MAX) | None = None
+    grad_clip_norm: Num(0, FLOAT32_MAX) | None = None
+
+
+class Message(Body):
+    role: str
+    content: str
+
+
+ChatMessage = Annotated[
+    Message, _explained(lambda v: requirement("a {role, content} message of two strings", v))
+]
+
+
+class FinishReason(Body):
+    type: str | None = None
+
+
+class OptimizerConfig(Body):
+    type: Literal["adamw"] = "adamw"
+
+
+class ModelId(Body):
+    model_id: str
+
+
+class RequestId(Body):
+    request_id: str
+
+
+class SessionHeartbeat(Body):
+    session_id: str
+
+
+class Finish(Body):
+    reason: FinishReason | None = None
+
+
+class WeightsInfo(Body):
+    tinker_path: TinkerPath
+
+
+class AssignProject(Body):
+    project_id: Str(1, 256)
+
+
+class Owner(Body):
+    type: str | None = None
+
+
+class StatusFilter(Body):
+    type: str | None = None
+
+
+class Cursor(Body):
+    last_created_at: str = Field(description="as the previous page's next_cursor has it")
+    last_session_id: str
+
+
+class SearchSessions(Body):
+    limit: Int(1, 200) | None = None
+    owner: Owner | None = None
+    session_id: str | None = None
+    display_name: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    project_ids: list[str] | None = None
+    statuses: list[OneOf(str, StatusFilter, what="a status name or {type}")] | None = None
+    cursor: Cursor | None = None
+
+
+class Heartbeat(Body):
+    state: Choice(*KERNEL_STATES) | None = Field(
+        None, description="the notebook Run's state, as its kernel sees it"
+    )
+
+
+class Control(Body):
+    action: Choice(*CONTROL_ACTIONS)
+    reason: Str(1, 200) | None = None
+
+
+class JobState(Body):
+    state: Choice(*JOB_STATES)
+    pid: Int(1, INT32_MAX) | None = None
+    host: Str(max_length=MAX_HOST_CHARS) | None = None
+    message: Str(max_length=MAX_MESSAGE_CHARS) | None = None
+
+
+class MintKey(Body):
+    name: Str(max_length=MAX_KEY_NAME_CHARS) | None = None
+
+
+class TrainSample(Body):
+    sample_id: str
+    advantage: Num()
+
+
+def _loss_config_schema(loss: str) -> dict:
+    """The config keys a loss takes (training.losses.check_loss), each a number."""
+    keys = LOSSES[loss].config
+    return {
+        "type": "object",
+        "properties": {k: {"type": "number"} for k in keys},
+        "additionalProperties": False,
+    }
+
+
+class TrainStep(Body):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "properties": {"loss": {"const": x}, "loss_config": _loss_config_schema(x)},
+                    "required": ["loss"],
+                }
+                for x in RL_LOSSES
+            ]
+            + [
+                {
+                    "not": {"required": ["loss"]},
+                    "properties": {"loss_config": _loss_config_schema("importance_sampling")},
+                }
+            ]
+        }
+    )
+
+    samples: Annotated[list[TrainSample], Field(min_length=1)]
+    loss: Choice(*RL_LOSSES) | None = None
+    loss_config: dict[str, Num(-FLOAT32_MAX, FLOAT32_MAX, setting="float32's range")] | None = Field(
+        None, description="the loss's own keys; clip_low_threshold <= clip_high_threshold"
+    )
+    optimizer: AdamParams | None = None
+
+    @model_validator(mode="after")
+    def _config_keys(self):
+        loss = self.loss or "importance_sampling"
+        unknown = sorted(set(self.loss_config or {}) - set(LOSSES[loss].config))
+        if unknown:
+            accepted = ", ".join(LOSSES[loss].config) or "none"
+            why = f"{loss} takes no key {unknown[0]!r} (accepted: {accepted})"
+            raise PydanticCustomError("form", "{why}", {"why": why, "field": f"loss_config.{unknown[0]}"})
+        return self
+
+
+class JobMeta(Body):
+    """A job's meta: up to 32 named scalars (a string of at most 256 characters)."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "maxProperties": MAX_META_VALUES,
+            "propertyNames": {"maxLength": MAX_META_KEY_CHARS},
+        },
+    )
+    __pydantic_extra__: dict[
+        str,
+        OneOf(
+            Str(max_length=MAX_META_STR_CHARS),
+            float,
+            bool,
+            None,
+            what=f"a string of at most {MAX_META_STR_CHARS} characters, a number, a boolean or null",
+        ),
+    ]
+
+    @model_validator(mode="after")
+    def _sized(self):
+        extra = self.__pydantic_extra__ or {}
+        if len(extra) > MAX_META_VALUES:
+            raise PydanticCustomError(
+                "explained", "{why}", {"why": f"at most {MAX_META_VALUES} values; got {len(extra)}"}
+            )
+        for k in extra:
+            if len(k) > MAX_META_KEY_CHARS:
+                raise PydanticCustomError(
+                    "explained",
+                    "{why}",
+                    {"why": f"the name {k[:32]!r}… has {len(k)} characters; at most {MAX_META_KEY_CHARS}"},
+                )
+        return self
+
+
+class JobK8s(Body):
+    model_config = ConfigDict(extra="forbid")
+
+    image: str | None = None
+    volumes: list[str] | None = None
+    cpu: str | None = None
+    memory: str | None = None
+
+
+class CreateSamplingSession(Body):
+    session_id: str
+    sampling_session_seq_id: Int(0)
+    base_model: str | None = None
+    model_path: TinkerPath | None = None
+
+
+# -- the models a service's limits shape ----------------------------------------------------------------
+class Bodies:
+    """The request models of one service: the limits in them are its settings'."""
+
+    def __init__(self, lim: Limits, min_ttl_s: float):
+        ttl = Ttl(min_ttl_s)
+        Rank = Int(1, lim.max_rank, "OPENRL_MAX_RANK")
+        NumSamples = Int(1, lim.max_num_samples, "OPENRL_MAX_NUM_SAMPLES")
+        TopK = Int(0, lim.max_topk, "OPENRL_MAX_TOPK")
+
+        def stop_rule(v: Any) -> str:
+            n = lim.max_stop_sequences
+            return requirement(
+                f"a non-empty string, or a list of at most {n} non-empty strings or of at most {n} token ids "
+                "(not a mix)",
+                v,
+                setting="OPENRL_MAX_STOP_SEQUENCES",
+            )
+
+        Stop = Annotated[
+            Str(1)
+            | Annotated[list[Str(1)], Field(max_length=lim.max_stop_sequences)]
+            | Annotated[list[Token], Field(max_length=lim.max_stop_sequences)],
+            _explained(stop_rule),
+        ]  # (token ids below the vocabulary size: the engine checks them against the model)
+
+        def top_k_rule(v: Any) -> str:
+            return requirement("an integer", v, 1, setting="or -1 for off")
+
+        TopKSampling = Annotated[Int(1) | Literal[-1], _explained(top_k_rule), Field(description="-1: off")]
+
+        class SamplingFields(Body):
+            max_tokens: (
+                Int(
+                    1,
+                    lim.max_tokens,
+                    "OPENRL_MAX_TOKENS",
+                    description="prompt + max_tokens must fit the model's context length",
+                )
+                | None
+            ) = None
+            temperature: Num(0) | None = None
+            top_p: Num(0, 1, lo_open=True) | None = None
+            top_k: TopKSampling | None = None
+            seed: Int() | None = None
+            stop: Stop | None = None
+
+        class LoraFields(Body):
+            model_config = ConfigDict(json_schema_extra=SOME_LAYERS)
+
+            rank: Rank | None = None
+            seed: Int() | None = None
+            train_attn: bool | None = None
+            train_mlp: bool | None = None
+            train_unembed: bool | None = None
+
+        class LoraConfig(LoraFields):
+            @model_validator(mode="after")
+            def _some(self):
+                return _at_least_one_layer(self)
+
+        class CreateSession(Body):
+            tags: list[str] | None = None
+            user_metadata: Metadata | None = None
+            display_name: Str(max_length=256) | None = None
+            project_id: Str(max_length=256) | None = None
+
+        class CreateModel(Body):
+            session_id: str
+            model_seq_id: Int(0)
+            base_model: str | None = None
+            lora_config: LoraConfig | None = None
+            optimizer_config: OptimizerConfig | None = None
+            user_metadata: Metadata | None = None
+
+        class OptimStep(Body):
+            model_id: str
+            seq_id: SeqId
+            adam_params: AdamParams
+
+        class SaveWeights(Body):
+            model_id: str
+            seq_id: SeqId
+            path: CheckpointName
+            overwrite: bool | None = None
+            user_metadata: Metadata | None = None
+            ttl_seconds: ttl | None = None
+
+        class SaveWeightsExternal(Body):
+            model_id: str
+            seq_id: SeqId
+            path: CheckpointName
+            ttl_seconds: ttl | None = None
+            age_encryption_recipients: (
+                Annotated[list[Any], Field(max_length=0, description="not supported")] | None
+            ) = None
+
+        class SaveForSampler(Body):
+            model_config = ConfigDict(
+                json_schema_extra=_one_of(
+                    ("path",),
+                    ("sampling_session_seq_id",),
+                    description="a named sampler checkpoint (path), or a new sampling session "
+                    "(sampling_session_seq_id)",
+                )
+            )
+
+            model_id: str
+            seq_id: SeqId
+            path: CheckpointName | None = None
+            sampling_session_seq_id: Int(0) | None = None
+            user_metadata: Metadata | None = None
+            ttl_seconds: ttl | None = None
+
+            @model_validator(mode="before")
+            @classmethod
+            def _form(cls, data: Any) -> Any:
+                return _require_form(data, ("path",), ("sampling_session_seq_id",))
+
+        LOAD_FORMS = (("model_id", "seq_id", "path"), ("session_id", "model_seq_id", "path"))
+
+        class LoadWeights(Body):
+            model_config = ConfigDict(
+                json_schema_extra=_one_of(
+                    *LOAD_FORMS,
+                    description="load_state into a run (model_id + seq_id), or a new run from a "
+                    "checkpoint (session_id + model_seq_id)",
+                )
+            )
+
+            model_id: str | None = None
+            seq_id: SeqId | None = None
+            session_id: str | None = None
+            model_seq_id: Int(0) | None = None
+            path: TinkerPath | None = None
+            optimizer: bool | None = None
+            base_model: str | None = None
+            user_metadata: Metadata | None = None
+
+            @model_validator(mode="before")
+            @classmethod
+            def _form(cls, data: Any) -> Any:
+                new_run = (
+                    isinstance(data, dict)
+                    and data.get("model_id") is None
+                    and data.get("session_id") is not None
+                )
+                return _require_form(data, LOAD_FORMS[1] if new_run else LOAD_FORMS[0])
+
+        class Chunk(Body):
+            type: (
+                Annotated[
+                    Literal["encoded_text"],
+                    _explained(lambda v: f"{v!r} chunks are not supported by this model (text tokens only)"),
+                ]
+                | None
+            ) = None
+            tokens: list[Token]
+
+        class Prompt(Body):
+            chunks: Annotated[list[Chunk], Field(min_length=1)]
+
+        class ASample(Body):
+            model_config = ConfigDict(
+                json_schema_extra={"description": "the prompt holds at least one token"}
+            )
+
+            sampling_session_id: str
+            prompt: Prompt
+            num_samples: NumSamples | None = None
+            sampling_params: SamplingFields | None = None
+            prompt_logprobs: bool | None = None
+            topk_prompt_logprobs: TopK | None = None
+            topk_sample_logprobs: TopK | None = None
+            prompt_logprobs_last_n: Int(1) | None = None
+            prompt_alt_tokens_k: Any = Field(None, description="not supported")
+            target_prompt_logprobs: Any = Field(None, description="not supported")
+
+        class SetTtl(Body):
+            ttl_seconds: ttl | None = Field(description="null clears the expiry")
+
+        class CopyWeights(Body):
+            model_config = ConfigDict(
+                json_schema_extra=_one_of(
+                    ("source_path", "session_id", "model_seq_id"),
+                    ("source_path", "destination_project_id"),
+                    description="into a session's run slot (session_id + model_seq_id) or a new session "
+                    "of a project",
+                )
+            )
+
+            source_path: TinkerPath
+            ttl_seconds: ttl | None = None
+            session_id: str | None = None
+            model_seq_id: Int(0) | None = None
+            destination_project_id: Str(1) | None = None
+
+            @model_validator(mode="before")
+            @classmethod
+            def _form(cls, data: Any) -> Any:
+                return _require_form(
+                    data,
+                    ("source_path", "session_id", "model_seq_id"),
+                    ("source_path", "destination_project_id"),
+                )
+
+        class CreateRun(LoraFields):
+            name: Str(1, 128) | None = None
+            base_model: str | None = None
+            user_metadata: Metadata | None = None
+            load_from: Str(1) | None = Field(
+                None, description="a tinker:// checkpoint to start from (weights only)"
+            )
+            steps: Int(1) | None = Field(None, description="the steps the notebook plans (shown in listings)")
+
+            @model_validator(mode="after")
+            def _some(self):
+                return _at_least_one_layer(self, "train_attn")
+
+        TextPrompt = Str(1) | Annotated[list[ChatMessage], Field(min_length=1)]  # text, or chat messages
+
+        class NativeSample(SamplingFields):
+            prompts: Sized(TextPrompt, lim.max_datums, "OPENRL_MAX_DATUMS", min_items=1)
+            chat: bool | None = None
+            num_samples: NumSamples | None = None
+
+        class SaveCheckpoint(Body):
+            name: CheckpointName
+            overwrite: bool | None = None
+            user_metadata: Metadata | None = None
+            ttl_seconds: ttl | None = None
+
+        class AddMetrics(Body):
+            model_config = ConfigDict(
+                extra="allow",
+                json_schema_extra={
+                    "maxProperties": MAX_METRIC_KEYS + 1,
+                    "propertyNames": {"maxLength": MAX_METRIC_KEY_CHARS},
+                    "description": f"step plus up to {MAX_METRIC_KEYS} named numbers (reward mean/std...) "
+                    "and a reward_name",
+                },
+            )
+            __pydantic_extra__: dict[str, Num()]
+
+            step: Int(0)
+            reward_name: Str(max_length=128) | None = None
+
+        payload_chars = (lim.max_job_payload_bytes + 2) // 3 * 4
+
+        def payload_size(value: Any, handler):
+            if isinstance(value, str) and len(value) > payload_chars:
+                limit = lim.max_job_payload_bytes
+                why = f"decodes to more than {limit} bytes (OPENRL_MAX_JOB_PAYLOAD_BYTES={limit})"
+                raise PydanticCustomError("too_large", "{why}", {"why": why})
+            return handler(value)
+
+        Payload = Annotated[
+            Str(
+                1,
+                payload_chars,
+                json_schema_extra={"contentEncoding": "base64"},
+                description="the payload bytes, standard base64; decoded at most "
+                "OPENRL_MAX_JOB_PAYLOAD_BYTES; stored and returned as they are, never unpickled",
+            ),
+            WrapValidator(payload_size),
+        ]
+        Sha256 = Str(pattern="^[0-9a-fA-F]{64}$", description="SHA-256 of the decoded payload")
+        Reward = Str(1, MAX_REWARD_CHARS)
+
+        class AddJobPayload(Body):
+            payload: Payload
+            payload_sha256: Sha256
+            reward: Reward | None = None
+
+        class SubmitJob(AddJobPayload):
+            model_config = ConfigDict(
+                json_schema_extra={
+                    "example": {
+                        "name": "sql-rl",
+                        "kind": "run",
+                        "where": "local",
+                        "payload": HELLO_B64,
+                        "payload_sha256": HELLO_SHA256,
+                        "reward": "sql",
+                        "meta": {"steps": 20, "model": "openrl/tiny"},
+                    }
+                }
+            )
+
+            name: Str(pattern=JOB_NAME_PATTERN)
+            kind: Choice(*JOB_KINDS)
+            where: Choice(*JOB_WHERES)
+            meta: JobMeta | None = None
+            k8s: JobK8s | None = Field(
+                None,
+                description="only with where=k8s; checked against the service's allowed images, volumes "
+                "and limits",
+            )
+
+        for name, value in [*globals().items(), *locals().items()]:  # (the fixed ones too: one place)
+            if isinstance(value, type) and issubclass(value, Body) and value is not Body:
+                setattr(self, name, value)
+
+
+def bodies(lim: Limits, min_ttl_s: float) -> Bodies:
+    """The request models of a service with these limits (built once per distinct limits)."""
+    return _bodies(dataclasses.astuple(lim), min_ttl_s)
+
+
+@functools.lru_cache(maxsize=8)
+def _bodies(limits: tuple, min_ttl_s: float) -> Bodies:
+    return Bodies(Limits(*limits), min_ttl_s)
+
+
+# -- what /openapi.json says -----------------------------------------------------------------------------
 PROTOBUF_BODY = {
     "requestBody": {
         "required": True,
@@ -70,476 +736,28 @@ PROTOBUF_BODY = {
 }
 
 
-def body(schema: dict, *, required: bool = True) -> dict:
-    """``openapi_extra`` of a route whose JSON body is ``schema``."""
-    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+def schema_of(model: type[BaseModel]) -> dict:
+    """The model's JSON Schema with its ``$defs`` put in place (the OpenAPI document has no ``$defs``
+    beside a request body for a ``#/$defs/...`` reference to reach)."""
+    raw = model.model_json_schema()
+    defs = raw.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return inline({**defs[ref.rsplit("/", 1)[1]], **rest})
+            return {k: inline(v) for k, v in node.items() if not (k == "title" and isinstance(v, str))}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return inline(raw)
 
 
-def ttl(min_ttl_s: float) -> dict:
-    lo = int(min_ttl_s) if float(min_ttl_s).is_integer() else min_ttl_s
-    return {"type": "integer", "minimum": lo, "maximum": TTL_MAX_S, "description": "seconds from now"}
-
-
-# -- shared pieces -----------------------------------------------------------------------------
-def adam(lr_required: bool = False) -> dict:
-    """AdamW parameters (training.trainer.adam_params)."""
-    nonneg = {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX}
-    beta = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
-    return obj(
-        {
-            "learning_rate": nonneg,
-            "beta1": beta,
-            "beta2": beta,
-            "eps": nonneg,
-            "weight_decay": nonneg,
-            "grad_clip_norm": nonneg,
-        },
-        *(("learning_rate",) if lr_required else ()),
-    )
-
-
-def sampling_fields(lim: Limits) -> dict:
-    """The SamplingParams fields (engine.validation.sampling_params)."""
+def body(model: type[BaseModel], *, required: bool = True) -> dict:
+    """``openapi_extra`` of a route whose JSON body is ``model``."""
     return {
-        "max_tokens": {
-            "type": "integer",
-            "minimum": 1,
-            "maximum": lim.max_tokens,
-            "description": "prompt + max_tokens must fit the model's context length",
-        },
-        "temperature": {"type": "number", "minimum": 0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": -1}], "description": "-1: off"},
-        "seed": INT,
-        "stop": {
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "maxItems": lim.max_stop_sequences,
-                },
-                {"type": "array", "items": TOKEN, "maxItems": lim.max_stop_sequences},
-            ]
-        },
+        "requestBody": {"required": required, "content": {"application/json": {"schema": schema_of(model)}}}
     }
-
-
-# lora_spec: at least one of the three trains (each defaults to true)
-SOME_LAYERS = {
-    "not": {
-        "properties": {k: {"const": False} for k in ("train_attn", "train_mlp", "train_unembed")},
-        "required": ["train_attn", "train_mlp", "train_unembed"],
-    }
-}
-
-
-def lora_fields(lim: Limits) -> dict:
-    return {
-        "rank": {"type": "integer", "minimum": 1, "maximum": lim.max_rank},
-        "seed": INT,
-        "train_attn": BOOL,
-        "train_mlp": BOOL,
-        "train_unembed": BOOL,
-    }
-
-
-# -- Tinker JSON routes (api/tinker.py) --------------------------------------------------------
-def create_session(lim: Limits) -> dict:
-    short = {"type": "string", "maxLength": 256}
-    return obj(
-        {
-            "tags": {"type": "array", "items": STR},
-            "user_metadata": METADATA,
-            "display_name": short,
-            "project_id": short,
-        }
-    )
-
-
-SESSION_HEARTBEAT = obj({"session_id": STR}, "session_id")
-FINISH = obj({"reason": obj({"type": STR})})
-MODEL_ID = obj({"model_id": STR}, "model_id")
-REQUEST_ID = obj({"request_id": STR}, "request_id")
-
-
-def create_model(lim: Limits) -> dict:
-    return obj(
-        {
-            "session_id": STR,
-            "model_seq_id": {"type": "integer", "minimum": 0},
-            "base_model": STR,
-            "lora_config": obj(lora_fields(lim), **SOME_LAYERS),
-            "optimizer_config": obj({"type": {"enum": ["adamw"]}}),
-            "user_metadata": METADATA,
-        },
-        "session_id",
-        "model_seq_id",
-    )
-
-
-OPTIM_STEP = obj(
-    {"model_id": STR, "seq_id": SEQ_ID, "adam_params": adam()}, "model_id", "seq_id", "adam_params"
-)
-
-
-def save_weights(lim: Limits, min_ttl_s: float) -> dict:
-    return obj(
-        {
-            "model_id": STR,
-            "seq_id": SEQ_ID,
-            "path": CHECKPOINT_NAME,
-            "overwrite": BOOL,
-            "user_metadata": METADATA,
-            "ttl_seconds": ttl(min_ttl_s),
-        },
-        "model_id",
-        "seq_id",
-        "path",
-    )
-
-
-def save_weights_external(lim: Limits, min_ttl_s: float) -> dict:
-    return obj(
-        {
-            "model_id": STR,
-            "seq_id": SEQ_ID,
-            "path": CHECKPOINT_NAME,
-            "ttl_seconds": ttl(min_ttl_s),
-            "age_encryption_recipients": {"type": "array", "maxItems": 0, "description": "not supported"},
-        },
-        "model_id",
-        "seq_id",
-        "path",
-    )
-
-
-def save_for_sampler(lim: Limits, min_ttl_s: float) -> dict:
-    common = {
-        "model_id": STR,
-        "seq_id": SEQ_ID,
-        "user_metadata": METADATA,
-        "ttl_seconds": ttl(min_ttl_s),
-    }
-    return {
-        "description": "a named sampler checkpoint (path), or a new sampling session (sampling_session_seq_id)",
-        "anyOf": [
-            obj({**common, "path": CHECKPOINT_NAME}, "model_id", "seq_id", "path"),
-            obj(
-                {**common, "sampling_session_seq_id": {"type": "integer", "minimum": 0}},
-                "model_id",
-                "seq_id",
-                "sampling_session_seq_id",
-            ),
-        ],
-    }
-
-
-LOAD_WEIGHTS = {
-    "description": "load_state into a run (model_id + seq_id), or a new run from a checkpoint "
-    "(session_id + model_seq_id)",
-    "anyOf": [
-        obj(
-            {"model_id": STR, "seq_id": SEQ_ID, "path": TINKER_PATH, "optimizer": BOOL},
-            "model_id",
-            "seq_id",
-            "path",
-        ),
-        obj(
-            {
-                "session_id": STR,
-                "model_seq_id": {"type": "integer", "minimum": 0},
-                "path": TINKER_PATH,
-                "optimizer": BOOL,
-                "base_model": STR,
-                "user_metadata": METADATA,
-            },
-            "session_id",
-            "model_seq_id",
-            "path",
-        ),
-    ],
-}
-
-CREATE_SAMPLING_SESSION = obj(
-    {
-        "session_id": STR,
-        "sampling_session_seq_id": {"type": "integer", "minimum": 0},
-        "base_model": STR,
-        "model_path": TINKER_PATH,
-    },
-    "session_id",
-    "sampling_session_seq_id",
-)
-
-
-def asample(lim: Limits) -> dict:
-    topk = {"type": "integer", "minimum": 0, "maximum": lim.max_topk}
-    tokens = {
-        "type": "array",
-        "items": TOKEN,
-        "minItems": 1,
-    }  # (the handler takes an empty chunk beside others)
-    chunk = obj({"type": {"enum": ["encoded_text"]}, "tokens": tokens}, "tokens")
-    return obj(
-        {
-            "sampling_session_id": STR,
-            "prompt": obj({"chunks": {"type": "array", "items": chunk, "minItems": 1}}, "chunks"),
-            "num_samples": {"type": "integer", "minimum": 1, "maximum": lim.max_num_samples},
-            "sampling_params": obj(sampling_fields(lim)),
-            "prompt_logprobs": BOOL,
-            "topk_prompt_logprobs": topk,
-            "topk_sample_logprobs": topk,
-            "prompt_logprobs_last_n": {"type": "integer", "minimum": 1},
-        },
-        "sampling_session_id",
-        "prompt",
-        description="the prompt holds at least one token",
-    )
-
-
-# -- REST JSON routes (api/rest.py) ------------------------------------------------------------
-def set_ttl(lim: Limits, min_ttl_s: float) -> dict:
-    return obj({"ttl_seconds": {"anyOf": [ttl(min_ttl_s), {"type": "null"}]}}, "ttl_seconds")
-
-
-WEIGHTS_INFO = obj({"tinker_path": TINKER_PATH}, "tinker_path")
-
-
-def copy_weights(lim: Limits, min_ttl_s: float) -> dict:
-    common = {"source_path": TINKER_PATH, "ttl_seconds": ttl(min_ttl_s)}
-    return {
-        "description": "into a session's run slot (session_id + model_seq_id) or a new session of a project",
-        "anyOf": [
-            obj(
-                {**common, "session_id": STR, "model_seq_id": {"type": "integer", "minimum": 0}},
-                "source_path",
-                "session_id",
-                "model_seq_id",
-            ),
-            obj(
-                {**common, "destination_project_id": {"type": "string", "minLength": 1}},
-                "source_path",
-                "destination_project_id",
-            ),
-        ],
-    }
-
-
-SEARCH_SESSIONS = obj(
-    {
-        "limit": {"type": "integer", "minimum": 1, "maximum": 200},
-        "owner": obj({"type": STR}),
-        "session_id": STR,
-        "display_name": STR,
-        "user_metadata": {"type": "object"},
-        "project_ids": {"type": "array", "items": STR},
-        "statuses": {"type": "array", "items": {"anyOf": [STR, obj({"type": STR})]}},
-        "cursor": obj({"last_created_at": STR, "last_session_id": STR}),
-    }
-)
-ASSIGN_PROJECT = obj({"project_id": {"type": "string", "minLength": 1, "maxLength": 256}}, "project_id")
-
-
-# -- notebook API (api/native.py) --------------------------------------------------------------
-def create_run(lim: Limits) -> dict:
-    return obj(
-        {
-            "name": {"type": "string", "minLength": 1, "maxLength": 128},
-            "base_model": STR,
-            "user_metadata": METADATA,
-            "load_from": {
-                "type": "string",
-                "description": "a tinker:// checkpoint to start from (weights only)",
-            },
-            **lora_fields(lim),
-        },
-        **SOME_LAYERS,
-    )
-
-
-def native_sample(lim: Limits) -> dict:
-    message = obj({"role": STR, "content": STR}, "role", "content")
-    prompt = {
-        "anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": message, "minItems": 1}]
-    }
-    return obj(
-        {
-            "prompts": {"type": "array", "items": prompt, "minItems": 1, "maxItems": lim.max_datums},
-            "chat": BOOL,
-            "num_samples": {"type": "integer", "minimum": 1, "maximum": lim.max_num_samples},
-            **sampling_fields(lim),
-        },
-        "prompts",
-    )
-
-
-def _loss_config(loss: str) -> dict:
-    """The config keys a loss accepts (training.losses.check_loss), each a number."""
-    keys = LOSSES[loss].config
-    return {
-        "type": "object",
-        "properties": {k: {"type": "number"} for k in keys},
-        "additionalProperties": False,
-    }
-
-
-TRAIN_STEP = obj(
-    {
-        "samples": {
-            "type": "array",
-            "minItems": 1,
-            "items": obj({"sample_id": STR, "advantage": {"type": "number"}}, "sample_id", "advantage"),
-        },
-        "loss": {"enum": list(RL_LOSSES)},
-        "loss_config": {
-            "type": "object",
-            "description": "the loss's own keys; clip_low_threshold <= clip_high_threshold",
-        },
-        "optimizer": adam(),
-    },
-    "samples",
-    anyOf=[
-        {"properties": {"loss": {"const": loss}, "loss_config": _loss_config(loss)}, "required": ["loss"]}
-        for loss in RL_LOSSES
-    ]
-    + [{"not": {"required": ["loss"]}, "properties": {"loss_config": _loss_config("importance_sampling")}}],
-)
-
-
-def save_checkpoint(lim: Limits, min_ttl_s: float) -> dict:
-    return obj(
-        {
-            "name": CHECKPOINT_NAME,
-            "overwrite": BOOL,
-            "user_metadata": METADATA,
-            "ttl_seconds": ttl(min_ttl_s),
-        },
-        "name",
-    )
-
-
-def add_metrics(max_keys: int, max_key_chars: int) -> dict:
-    return obj(
-        {"step": {"type": "integer", "minimum": 0}, "reward_name": {"type": "string", "maxLength": 128}},
-        "step",
-        additionalProperties={"type": "number"},
-        propertyNames={"maxLength": max_key_chars},
-        maxProperties=max_keys + 1,
-        description="step plus up to 64 named numbers (reward mean/std...) and a reward_name",
-    )
-
-
-# -- run control (notebook API) -----------------------------------------------------------------
-HEARTBEAT = obj(
-    {
-        "state": {
-            "type": "string",
-            "enum": ["starting", "running", "pausing", "paused", "stopping", "stopped", "finished", "failed"],
-            "description": "the notebook Run's state, as its kernel sees it",
-        }
-    }
-)
-RUN_CONTROL = obj(
-    {
-        "action": {"type": "string", "enum": list(CONTROL_ACTIONS)},
-        "reason": {"type": "string", "minLength": 1, "maxLength": 200},
-    },
-    "action",
-)
-
-
-# -- detached jobs (/openrl/v1/jobs, api/jobs.py; the checks are engine/jobs.py's) -------------------
-JOB_NAME: dict = {"type": "string", "pattern": JOB_NAME_PATTERN}
-SHA256: dict = {
-    "type": "string",
-    "pattern": "^[0-9a-fA-F]{64}$",
-    "description": "SHA-256 of the decoded payload",
-}
-REWARD_NAME: dict = {"type": ["string", "null"], "minLength": 1, "maxLength": 128}
-
-
-def job_payload_b64(lim: Limits) -> dict:
-    return {
-        "type": "string",
-        "contentEncoding": "base64",
-        "minLength": 1,
-        "maxLength": (lim.max_job_payload_bytes + 2) // 3 * 4,
-        "description": "the payload bytes, standard base64; decoded at most OPENRL_MAX_JOB_PAYLOAD_BYTES; "
-        "stored and returned as they are, never unpickled",
-    }
-
-
-HELLO_B64 = "aGVsbG8="  # b"hello": an example payload and its SHA-256
-HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-
-
-def submit_job(lim: Limits) -> dict:
-    return obj(
-        {
-            "name": JOB_NAME,
-            "kind": {"type": "string", "enum": ["run", "sweep"]},
-            "where": {"type": "string", "enum": ["local", "k8s"]},
-            "payload": job_payload_b64(lim),
-            "payload_sha256": SHA256,
-            "reward": REWARD_NAME,
-            "meta": {
-                "type": "object",
-                "maxProperties": 32,
-                "propertyNames": {"maxLength": 64},
-                "additionalProperties": {
-                    "anyOf": [
-                        {"type": "string", "maxLength": 256},
-                        {"type": "number"},
-                        {"type": "boolean"},
-                        {"type": "null"},
-                    ]
-                },
-            },
-            "k8s": obj(
-                {
-                    "image": STR,
-                    "volumes": {"type": "array", "items": STR},
-                    "cpu": STR,
-                    "memory": STR,
-                },
-                additionalProperties=False,
-                description="only with where=k8s; checked against the service's allowed images, volumes "
-                "and limits",
-            ),
-        },
-        "name",
-        "kind",
-        "where",
-        "payload",
-        "payload_sha256",
-        example={
-            "name": "sql-rl",
-            "kind": "run",
-            "where": "local",
-            "payload": HELLO_B64,
-            "payload_sha256": HELLO_SHA256,
-            "reward": "sql",
-            "meta": {"steps": 20, "model": "openrl/tiny"},
-        },
-    )
-
-
-def add_job_payload(lim: Limits) -> dict:
-    return obj(
-        {"payload": job_payload_b64(lim), "payload_sha256": SHA256, "reward": REWARD_NAME},
-        "payload",
-        "payload_sha256",
-    )
-
-
-JOB_STATE = obj(
-    {
-        "state": {"type": "string", "enum": list(JOB_STATES)},
-        "pid": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-        "host": {"type": "string", "maxLength": 255},
-        "message": {"type": "string", "maxLength": 2000},
-    },
-    "state",
-)
-JOB_CONTROL = RUN_CONTROL

@@ -26,18 +26,18 @@ from starlette.concurrency import run_in_threadpool
 from openrl_service.api import links as L
 from openrl_service.api import proto
 from openrl_service.api import schemas as S
-from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config, prompt_tokens
+from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config
 from openrl_service.api.http import (
     BackpressureRoute,
-    field,
     json_response,
     new_work,
+    parse,
     read_body,
-    read_json,
+    read_model,
+    read_op,
     tenant,
 )
 from openrl_service.api.schemas import body
-from openrl_service.checks import integer
 from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
@@ -62,7 +62,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         prefix="/api/v1", route_class=BackpressureRoute, generate_unique_id_function=S.operation_ids("tinker")
     )
     max_body = svc.limits.max_body_bytes
-    lim, ttl = svc.limits, svc.settings.min_ttl_s
+    B = S.bodies(svc.limits, svc.settings.min_ttl_s)
 
     def idem(request: Request) -> str | None:
         return request.headers.get("x-idempotency-key")
@@ -80,39 +80,38 @@ def build_router(svc: TrainingService) -> APIRouter:
             {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
         )
 
-    @r.post("/create_session", openapi_extra=body(S.create_session(lim)), responses=L.CREATE_SESSION_LINKS)
+    @r.post("/create_session", openapi_extra=body(B.CreateSession), responses=L.CREATE_SESSION_LINKS)
     @new_work
     async def create_session(request: Request):
         """Start a session (one ServiceClient)."""
-        body = await read_json(request, max_body)
+        b = await read_model(request, B.CreateSession, max_body)
         sess = await run_in_threadpool(  # writes (and fsyncs) the session record
             svc.create_session,
             tenant(request),
-            tags=body.get("tags"),
-            user_metadata=unlabelled(body.get("user_metadata")),
-            display_name=body.get("display_name"),
-            project_id=body.get("project_id"),
+            tags=b.tags,
+            user_metadata=unlabelled(b.user_metadata),
+            display_name=b.display_name,
+            project_id=b.project_id,
         )
         return json_response({"type": "create_session", "session_id": sess.session_id})
 
-    @r.post("/session_heartbeat", openapi_extra=body(S.SESSION_HEARTBEAT))
+    @r.post("/session_heartbeat", openapi_extra=body(B.SessionHeartbeat))
     async def heartbeat(request: Request):
         """Keep a session alive; 410 once it is finished."""
-        body = await read_json(request, max_body)
-        session_id = field(body, "session_id", str)
+        session_id = (await read_model(request, B.SessionHeartbeat, max_body)).session_id
         if coming_up(request) and session_id not in svc.sessions:
             return json_response({"type": "session_heartbeat"})  # restarting: it may be recovered yet
         if not svc.heartbeat(tenant(request), session_id):
             return json_response({"error": "session is finished", "category": "user"}, status=410)
         return json_response({"type": "session_heartbeat"})
 
-    @r.post("/sessions/{session_id}/finish", openapi_extra=body(S.FINISH, required=False))
+    @r.post("/sessions/{session_id}/finish", openapi_extra=body(B.Finish, required=False))
     async def finish(session_id: str, request: Request):
         """End a session; its runs and samplers leave device memory, checkpoints stay."""
-        body = await read_json(request, max_body)
-        reason = body.get("reason") if isinstance(body.get("reason"), dict) else {}
+        b = await read_model(request, B.Finish, max_body)
+        reason = (b.reason and b.reason.type) or "success"
         await run_in_threadpool(  # writes (and fsyncs) the session record
-            svc.finish_session, tenant(request), session_id, reason=str(reason.get("type", "success"))
+            svc.finish_session, tenant(request), session_id, reason=reason
         )
         return json_response({"type": "session_finish", "session_id": session_id})
 
@@ -127,44 +126,35 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({"supported_models": svc.capabilities()})
 
     # -- training ------------------------------------------------------------------------------
-    @r.post("/create_model", openapi_extra=body(S.create_model(lim)), responses=L.CREATE_MODEL_LINKS)
+    @r.post("/create_model", openapi_extra=body(B.CreateModel), responses=L.CREATE_MODEL_LINKS)
     @new_work
     async def create_model(request: Request):
         """Create a LoRA training run; future → {model_id}."""
-        body = await read_json(request, max_body)
-        lora = field(body, "lora_config", dict, required=False, default={}) or {}
+        b = await read_model(request, B.CreateModel, max_body)
+        lora = b.lora_config or B.LoraConfig()
         spec = svc.lora_spec(
-            lora.get("rank", 32),
-            lora.get("train_attn", True),
-            lora.get("train_mlp", True),
-            lora.get("train_unembed", True),
+            32 if lora.rank is None else lora.rank,
+            lora.train_attn is not False,
+            lora.train_mlp is not False,
+            lora.train_unembed is not False,
         )
-        seed = lora.get("seed")
-        if seed is not None:
-            seed = integer(seed, "lora_config.seed")
-        opt = body.get("optimizer_config") or {"type": "adamw"}
-        if isinstance(opt, dict) and opt.get("type", "adamw") != "adamw":
-            raise UserError(
-                f"optimizer_config.type {opt.get('type')!r} is not supported; use adamw",
-                field="optimizer_config.type",
-            )
         rec = svc.create_model(
             tenant(request),
-            session_id=field(body, "session_id", str),
-            model_seq_id=field(body, "model_seq_id", int),
-            base_model=body.get("base_model"),
+            session_id=b.session_id,
+            model_seq_id=b.model_seq_id,
+            base_model=b.base_model,
             spec=spec,
-            seed=seed,
-            user_metadata=unlabelled(body.get("user_metadata")),
+            seed=lora.seed,
+            user_metadata=unlabelled(b.user_metadata),
             idem=idem(request),
         )
         return json_response(rec.reply())
 
-    @r.post("/get_info", openapi_extra=body(S.MODEL_ID))
+    @r.post("/get_info", openapi_extra=body(B.ModelId))
     async def get_info(request: Request):
         """A run's model name, LoRA rank and tokenizer id."""
-        body = await read_json(request, max_body)
-        return json_response(svc.get_info(tenant(request), field(body, "model_id", str)))
+        b = await read_model(request, B.ModelId, max_body)
+        return json_response(svc.get_info(tenant(request), b.model_id))
 
     @r.post("/forward_backward", openapi_extra=S.PROTOBUF_BODY, responses=L.SUBMIT_LINKS)
     @new_work
@@ -203,13 +193,12 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/optim_step", openapi_extra=body(S.OPTIM_STEP), responses=L.SUBMIT_LINKS)
+    @r.post("/optim_step", openapi_extra=body(B.OptimStep), responses=L.SUBMIT_LINKS)
     @new_work
     async def optim_step(request: Request):
         """AdamW step over the run's accumulated gradients; future → {metrics}."""
-        body = await read_json(request, max_body)
-        model_id = field(body, "model_id", str)
-        seq_id = body.get("seq_id")
+        body, _ = await read_op(request, B.OptimStep, max_body)
+        model_id, seq_id = body["model_id"], body["seq_id"]
         try:
             adam: Any = adam_params(body)
         except UserError as e:
@@ -217,14 +206,14 @@ def build_router(svc: TrainingService) -> APIRouter:
         rec = svc.optim_step(tenant(request), model_id, seq_id, adam, idem(request))
         return json_response(rec.reply())
 
-    @r.post("/save_weights", openapi_extra=body(S.save_weights(lim, ttl)), responses=L.SAVE_WEIGHTS_LINKS)
+    @r.post("/save_weights", openapi_extra=body(B.SaveWeights), responses=L.SAVE_WEIGHTS_LINKS)
     @new_work
     async def save_weights(request: Request):
         """save_state: adapter + optimizer under tinker://<run>/weights/<name>."""
-        body = await read_json(request, max_body)
+        body, _ = await read_op(request, B.SaveWeights, max_body)
         rec = svc.save_state(
             tenant(request),
-            field(body, "model_id", str),
+            body["model_id"],
             body.get("seq_id"),
             body.get("path"),
             bool(body.get("overwrite", False)),
@@ -236,16 +225,16 @@ def build_router(svc: TrainingService) -> APIRouter:
 
     @r.post(
         "/save_weights_external",
-        openapi_extra=body(S.save_weights_external(lim, ttl)),
+        openapi_extra=body(B.SaveWeightsExternal),
         responses=L.SUBMIT_LINKS,
     )
     @new_work
     async def save_weights_external(request: Request):
         """The adapter as a downloadable PEFT folder under tinker://<run>/external_weights/<name>."""
-        body = await read_json(request, max_body)
+        body, _ = await read_op(request, B.SaveWeightsExternal, max_body)
         rec = svc.save_external(
             tenant(request),
-            field(body, "model_id", str),
+            body["model_id"],
             body.get("seq_id"),
             body.get("path"),
             body.get("ttl_seconds"),
@@ -254,47 +243,47 @@ def build_router(svc: TrainingService) -> APIRouter:
         )
         return json_response(rec.reply())
 
-    @r.post("/load_weights", openapi_extra=body(S.LOAD_WEIGHTS), responses=L.CREATE_MODEL_LINKS)
+    @r.post("/load_weights", openapi_extra=body(B.LoadWeights), responses=L.CREATE_MODEL_LINKS)
     @new_work
     async def load_weights(request: Request):
         """load_state (model_id + seq_id) or create-via-load (session_id + model_seq_id)."""
-        body = await read_json(request, max_body)
         who = tenant(request)
-        optimizer = bool(body.get("optimizer", False))
+        body, b = await read_op(request, B.LoadWeights, max_body)
         if body.get("model_id") is None and body.get("session_id") is not None:
+            b = parse(B.LoadWeights, body)  # a new run: no slot to keep, the refusal is a 400
             rec = svc.create_from_state(
                 who,
-                session_id=field(body, "session_id", str),
-                model_seq_id=field(body, "model_seq_id", int),
-                path=field(body, "path", str),
-                optimizer=optimizer,
-                base_model=body.get("base_model"),
-                user_metadata=unlabelled(body.get("user_metadata")),
+                session_id=b.session_id,
+                model_seq_id=b.model_seq_id,
+                path=b.path,
+                optimizer=bool(b.optimizer),
+                base_model=b.base_model,
+                user_metadata=unlabelled(b.user_metadata),
                 idem=idem(request),
             )
         else:
             rec = svc.load_state(
                 who,
-                field(body, "model_id", str),
-                body.get("seq_id"),
+                body["model_id"],
+                body["seq_id"],
                 body.get("path"),
-                optimizer,
+                body.get("optimizer") is True,
                 idem(request),
             )
         return json_response(rec.reply())
 
     @r.post(
         "/save_weights_for_sampler",
-        openapi_extra=body(S.save_for_sampler(lim, ttl)),
+        openapi_extra=body(B.SaveForSampler),
         responses=L.SAVE_FOR_SAMPLER_LINKS,
     )
     @new_work
     async def save_for_sampler(request: Request):
         """Named → tinker://<run>/sampler_weights/<name>; without a name → a new sampling session."""
-        body = await read_json(request, max_body)
+        body, _ = await read_op(request, B.SaveForSampler, max_body)
         rec = svc.save_for_sampler(
             tenant(request),
-            field(body, "model_id", str),
+            body["model_id"],
             body.get("seq_id"),
             body.get("path"),
             body.get("sampling_session_seq_id"),
@@ -307,20 +296,20 @@ def build_router(svc: TrainingService) -> APIRouter:
     # -- sampling ------------------------------------------------------------------------------
     @r.post(
         "/create_sampling_session",
-        openapi_extra=body(S.CREATE_SAMPLING_SESSION),
+        openapi_extra=body(B.CreateSamplingSession),
         responses=L.SAMPLING_SESSION_LINKS,
     )
     @new_work
     async def create_sampling_session(request: Request):
         """A sampler on the base model or on a saved sampler checkpoint."""
-        body = await read_json(request, max_body)
+        b = await read_model(request, B.CreateSamplingSession, max_body)
         sampler_id = await run_in_threadpool(
             svc.create_sampler,
             tenant(request),
-            session_id=field(body, "session_id", str),
-            seq_id=body.get("sampling_session_seq_id"),
-            base_model=body.get("base_model"),
-            model_path=body.get("model_path"),
+            session_id=b.session_id,
+            seq_id=b.sampling_session_seq_id,
+            base_model=b.base_model,
+            model_path=b.model_path,
         )
         return json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
@@ -335,48 +324,44 @@ def build_router(svc: TrainingService) -> APIRouter:
             out["sampler_notice"] = svc.sample_notices[sampler_id]
         return json_response(out)
 
-    @r.post("/asample", openapi_extra=body(S.asample(lim)), responses=L.SUBMIT_LINKS)
+    @r.post("/asample", openapi_extra=body(B.ASample), responses=L.SUBMIT_LINKS)
     @new_work
     async def asample(request: Request):
         """Queue a sample request; the reply carries one sequence id per sample."""
-        body = await read_json(request, max_body)
-        sampler_id = field(body, "sampling_session_id", str)
-        prompt = prompt_tokens(field(body, "prompt", dict))
-        for unsupported in ("prompt_alt_tokens_k",):
-            if body.get(unsupported):
-                raise UserError(f"{unsupported} is not supported by this service", field=unsupported)
-        if body.get("target_prompt_logprobs") is not None:
+        b = await read_model(request, B.ASample, max_body)
+        prompt = [t for chunk in b.prompt.chunks for t in chunk.tokens]
+        if b.prompt_alt_tokens_k:
+            raise UserError(
+                "prompt_alt_tokens_k is not supported by this service", field="prompt_alt_tokens_k"
+            )
+        if b.target_prompt_logprobs is not None:
             raise UserError(
                 "target_prompt_logprobs is not supported by this service", field="target_prompt_logprobs"
             )
-        last_n = body.get("prompt_logprobs_last_n")
-        if last_n is not None:
-            last_n = integer(last_n, "prompt_logprobs_last_n", 1)
         params = svc.sampling_params(
-            field(body, "sampling_params", dict, required=False, default={}),
-            svc.base_of_sampler(tenant(request), sampler_id),
+            b.sampling_params.model_dump(exclude_none=True) if b.sampling_params else {},
+            svc.base_of_sampler(tenant(request), b.sampling_session_id),
         )
         rec = svc.sample(
             tenant(request),
-            sampler_id=sampler_id,
+            sampler_id=b.sampling_session_id,
             prompt=prompt,
-            num_samples=body.get("num_samples", 1),
+            num_samples=b.num_samples or 1,
             params=params,
-            prompt_logprobs=bool(body.get("prompt_logprobs", False)),
-            topk_prompt_logprobs=body.get("topk_prompt_logprobs", 0) or 0,
-            topk_sample_logprobs=body.get("topk_sample_logprobs", 0) or 0,
+            prompt_logprobs=bool(b.prompt_logprobs),
+            topk_prompt_logprobs=b.topk_prompt_logprobs or 0,
+            topk_sample_logprobs=b.topk_sample_logprobs or 0,
             idem=idem(request),
         )
-        if last_n is not None:
-            rec.extra.setdefault("_last_n", last_n)
+        if b.prompt_logprobs_last_n is not None:
+            rec.extra.setdefault("_last_n", b.prompt_logprobs_last_n)
         return json_response({k: v for k, v in rec.reply().items() if not k.startswith("_")})
 
     # -- futures -------------------------------------------------------------------------------
-    @r.post("/retrieve_future", openapi_extra=body(S.REQUEST_ID), responses=L.RESULT_LINKS)
+    @r.post("/retrieve_future", openapi_extra=body(B.RequestId), responses=L.RESULT_LINKS)
     async def retrieve_future(request: Request):
         """Long-poll a future: the result, an error result, or try_again."""
-        body = await read_json(request, max_body)
-        request_id = field(body, "request_id", str)
+        request_id = (await read_model(request, B.RequestId, max_body)).request_id
         try:
             rec = svc.futures.get(tenant(request), request_id)
         except NotFound:

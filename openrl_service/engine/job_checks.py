@@ -1,4 +1,6 @@
-"""What a job request must be (``/openrl/v1/jobs``): the submit body, its payload, its meta and control.
+"""What a job request must be (``/openrl/v1/jobs``) beyond its body's shape (the request models of
+:mod:`openrl_service.api.schemas` check that): the payload decoded and matching its digest, k8s
+settings only with where=k8s, the job label of a run's ``user_metadata``.
 
 Each check raises a UserError (400) or PayloadTooLarge (413) naming the field and the limit; the
 registry (jobs.py) stores only what passed.
@@ -12,17 +14,9 @@ import hashlib
 import re
 from typing import Any
 
-from openrl_common.protocol import JOB_NAME_RE, control_problem
 from openrl_service.errors import Forbidden, PayloadTooLarge, UserError
 
 JOB_META_KEY = "openrl.job"  # user_metadata key of a job's runs
-KINDS = ("run", "sweep")
-WHERES = ("local", "k8s")
-K8S_FIELDS = ("image", "volumes", "cpu", "memory")
-MAX_META_VALUES = 32
-MAX_META_KEY_CHARS = 64
-MAX_META_STR_CHARS = 256
-MAX_REWARD_CHARS = 128
 SHA_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
@@ -71,90 +65,21 @@ def check_unlabelled(meta: Any, field: str = "user_metadata") -> None:
                 )
 
 
-def check_reward(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_REWARD_CHARS:
-        raise UserError(
-            f"reward must be a string of 1-{MAX_REWARD_CHARS} characters or null; got {repr(value)[:100]}",
-            field="reward",
-        )
-    return value
-
-
-def check_meta(value: Any) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise UserError(f"meta must be an object of scalar values; got {type(value).__name__}", field="meta")
-    if len(value) > MAX_META_VALUES:
-        raise UserError(f"meta: at most {MAX_META_VALUES} values; got {len(value)}", field="meta")
-    for k, v in value.items():
-        if len(k) > MAX_META_KEY_CHARS:
-            raise UserError(
-                f"meta: the name {k[:32]!r}… has {len(k)} characters; at most {MAX_META_KEY_CHARS}",
-                field="meta",
-            )
-        if isinstance(v, str):
-            if len(v) > MAX_META_STR_CHARS:
-                raise UserError(
-                    f"meta.{k}: a string of at most {MAX_META_STR_CHARS} characters; got {len(v)}",
-                    field=f"meta.{k}",
-                )
-        elif v is not None and not isinstance(v, (bool, int, float)):
-            raise UserError(
-                f"meta.{k} must be a string, number, boolean or null; got {type(v).__name__}",
-                field=f"meta.{k}",
-            )
-    return dict(value)
-
-
-def choice(body: dict, name: str, choices: tuple[str, ...]) -> str:
-    value = body.get(name)
-    if value not in choices:
-        raise UserError(f"{name} must be one of {', '.join(choices)}; got {repr(value)[:100]}", field=name)
-    return value
-
-
 def check_submit(body: dict, max_payload_bytes: int) -> dict:
-    """A submit body checked (each error names its field and limit), the payload decoded."""
-    name = body.get("name")
-    if not isinstance(name, str) or not JOB_NAME_RE.match(name):
-        raise UserError(
-            f"name must be 1-64 characters of A-Z a-z 0-9 . _ -; got {repr(name)[:100]}", field="name"
-        )
-    kind = choice(body, "kind", KINDS)
-    where = choice(body, "where", WHERES)
-    payload = decode_payload(body.get("payload"), body.get("payload_sha256"), max_payload_bytes)
+    """A submit body (its fields already checked by the route's request model,
+    :class:`openrl_service.api.schemas.Bodies` ``.SubmitJob``), its payload decoded."""
     k8s = body.get("k8s")
-    if k8s is not None:
-        if where != "k8s":
-            raise UserError("k8s settings apply only with where=k8s", field="k8s")
-        if not isinstance(k8s, dict):
-            raise UserError(f"k8s must be an object; got {type(k8s).__name__}", field="k8s")
-        for k in k8s:
-            if k not in K8S_FIELDS:
-                raise UserError(
-                    f"k8s.{k[:64]} is not a setting; k8s takes {', '.join(K8S_FIELDS)}",
-                    field=f"k8s.{k[:64]}",
-                )
+    if k8s is not None and body["where"] != "k8s":
+        raise UserError("k8s settings apply only with where=k8s", field="k8s")
     return {
-        "name": name,
-        "kind": kind,
-        "where": where,
-        "payload": payload,
-        "reward": check_reward(body.get("reward")),
-        "meta": check_meta(body.get("meta")),
+        "name": body["name"],
+        "kind": body["kind"],
+        "where": body["where"],
+        "payload": decode_payload(body["payload"], body["payload_sha256"], max_payload_bytes),
+        "reward": body.get("reward"),
+        "meta": dict(body.get("meta") or {}),
         "k8s": dict(k8s or {}),
     }
-
-
-def check_control(body: dict) -> dict:
-    """A control body (action, reason) checked the way openrl_common.protocol defines it."""
-    problem = control_problem(body)
-    if problem is not None:
-        raise UserError(problem[1], field=problem[0])
-    return {"action": body["action"], "reason": body.get("reason")}
 
 
 def job_label(meta: dict, job: str | None) -> dict:

@@ -29,17 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from openrl_common.protocol import JOB_STATES, TERMINAL_STATES
+from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.config import Limits, tenant_folder
-from openrl_service.engine.job_checks import (
-    JOB_META_KEY,
-    check_control,
-    check_reward,
-    check_submit,
-    choice,
-    decode_payload,
-)
-from openrl_service.errors import Conflict, NotFound, PayloadTooLarge, Unauthorized, UserError
+from openrl_service.engine.job_checks import JOB_META_KEY, check_submit, decode_payload
+from openrl_service.errors import Conflict, NotFound, PayloadTooLarge, Unauthorized
 from openrl_service.keydigest import key_digest
 from openrl_service.storage.files import write_private
 
@@ -47,7 +40,6 @@ log = logging.getLogger("openrl_service")
 
 JOB_KEY_PREFIX = "tml-job-"
 MAX_MESSAGE_CHARS = 2000
-MAX_HOST_CHARS = 255
 MAX_PAYLOAD_VERSIONS = 100  # per job: each hot-swap stores a version
 V1 = "/openrl/v1"
 
@@ -350,18 +342,8 @@ class Jobs:
         """The job's worker (or the notebook) reports its state; a terminal one revokes the key. A
         repeat of the job's terminal state (a retried report) answers the job unchanged; with
         ``revoked_key`` (the job's own key, revoked by that state) nothing else is allowed."""
-        state = choice(body, "state", JOB_STATES)
+        state = body["state"]  # (its fields checked by the route's request model, JobState)
         pid, host, message = body.get("pid"), body.get("host"), body.get("message")
-        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31):
-            raise UserError(
-                f"pid must be a positive integer below 2**31 ({2**31}); got {repr(pid)[:100]}", field="pid"
-            )
-        if host is not None and (not isinstance(host, str) or len(host) > MAX_HOST_CHARS):
-            raise UserError(f"host must be a string of at most {MAX_HOST_CHARS} characters", field="host")
-        if message is not None and (not isinstance(message, str) or len(message) > MAX_MESSAGE_CHARS):
-            raise UserError(
-                f"message must be a string of at most {MAX_MESSAGE_CHARS} characters", field="message"
-            )
         with self._lock:
             rec = self.find(tenant, ref)
             if rec["state"] in TERMINAL_STATES and state == rec["state"]:
@@ -383,9 +365,6 @@ class Jobs:
             self._save(rec)
         return rec
 
-    def check_control(self, body: dict) -> dict:
-        return check_control(body)
-
     def set_control(self, rec: dict, control: dict) -> None:
         with self._lock:
             rec["control"] = {**control, "at": round(time.time(), 3)}
@@ -401,10 +380,8 @@ class Jobs:
     def add_payload(self, tenant: str, ref: str, body: dict) -> tuple[int, bool]:
         """A new payload version (a hot-swapped reward); the job's worker polls for it. Returns
         (version, created): the newest version again when its bytes are the same (a retried POST)."""
-        data = decode_payload(
-            body.get("payload"), body.get("payload_sha256"), self.limits.max_job_payload_bytes
-        )
-        reward = check_reward(body.get("reward"))
+        data = decode_payload(body["payload"], body["payload_sha256"], self.limits.max_job_payload_bytes)
+        reward = body.get("reward")
         with self._lock:
             rec = self.find(tenant, ref)
             if rec["state"] in TERMINAL_STATES:

@@ -200,6 +200,28 @@ def test_a_tinker_model_whose_base_model_is_not_a_string_is_a_400(client):
         client.post("/api/v1/session_heartbeat", json={"session_id": sess})
 
 
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/api/v1/load_weights", {"path": "not-a-tinker-path", "seq_id": 1}, "model_id"),
+        ("/api/v1/load_weights", {"model_id": "m", "path": 5}, "seq_id"),
+        ("/api/v1/optim_step", {"model_id": "m", "adam_params": {"beta1": 2}}, "seq_id"),
+        ("/api/v1/save_weights", {"seq_id": 1, "path": "bad name"}, "model_id"),
+        ("/api/v1/save_weights_for_sampler", {"model_id": "m", "seq_id": -1, "path": 7}, "seq_id"),
+    ],
+)
+def test_an_op_with_no_run_or_slot_and_another_bad_field_is_a_400_naming_the_slot(
+    server, client, path, body, field
+):
+    """An op ordered by seq_id keeps its slot when a field is refused (the refusal is its result), but
+    one with no model_id or seq_id has no slot: a 400 naming that field, whichever error came first (a
+    bad path first once made the route read the missing model_id: a 500)."""
+    r = client.post(path, json=body)
+    assert_refused(r, 400, field)
+    assert r.json()["field"] == field
+    assert_still_serves(server.url)
+
+
 # -- the published schema ---------------------------------------------------------------------
 def test_every_link_names_a_real_operation_and_parameter(server):
     with server.client() as c:
@@ -225,4 +247,6 @@ def test_every_link_names_a_real_operation_and_parameter(server):
     # each JSON body the handlers read is described, with its required fields
     create_model = ops["tinker_create_model"][1]["requestBody"]["content"]["application/json"]["schema"]
     assert create_model["required"] == ["session_id", "model_seq_id"]
-    assert create_model["properties"]["lora_config"]["properties"]["rank"]["maximum"] == 128
+    lora, null = create_model["properties"]["lora_config"]["anyOf"]  # the SDK sends null for "not set"
+    assert null == {"type": "null"}
+    assert lora["properties"]["rank"]["anyOf"][0]["maximum"] == 128
