@@ -129,6 +129,7 @@ SERVICE_MODULES = [
     ("fastapi", "fastapi"),
     ("starlette", "starlette"),
     ("pydantic", "pydantic"),
+    ("pydantic_settings", "pydantic-settings"),
     ("uvicorn", "uvicorn"),
     ("anyio", "anyio"),
     ("orjson", "orjson"),

@@ -9,7 +9,7 @@
 # 3.12 with torch, transformers, peft, safetensors, tokenizers, numpy, protobuf, prometheus-client,
 # nvidia-ml-py, httpx, httpcore, h11, click, idna, certifi. Missing there: fastapi and its needs
 # (starlette, pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api),
-# uvicorn, orjson, zstandard, platformdirs, httpx-sse, tenacity. Also carried, because the pydantic-core /
+# uvicorn, orjson, zstandard, platformdirs, httpx-sse, tenacity, pydantic-settings (+ python-dotenv). Also carried, because the pydantic-core /
 # anyio versions below need newer ones than an older image may hold: typing-extensions, anyio,
 # annotated-doc (pure Python, small). The notebook side's ipython/ipywidgets/anywidget/plotly are NOT
 # needed: `openrl_jupyter.client` imports without them (magics/dashboard import them lazily).
@@ -25,6 +25,7 @@ PIP_PY="${PIP_PY:-python3}"
 PACKAGES=(
     fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection
     typing-extensions opentelemetry-api anyio uvicorn orjson zstandard platformdirs httpx-sse tenacity
+    pydantic-settings python-dotenv
 )
 
 exclude="$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)" # a worktree too

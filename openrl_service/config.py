@@ -1,15 +1,28 @@
-"""One typed settings object for the service: flags > environment (OPENRL_*) > defaults."""
+"""One typed settings object for the service: flags > environment (OPENRL_*) > defaults.
+
+The defaults are the dataclasses below; the environment is read by pydantic-settings
+(:func:`read_env`), one ``OPENRL_<FIELD>`` variable per field in the formats operators write
+(comma-separated lists, on/off switches, ``tenant:key`` pairs; tests/service/test_settings_env.py
+parses each); the CLI's flags (``cli.py``) go on top.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import os
 import re
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
 import platformdirs
+import pydantic
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -211,63 +224,6 @@ def parse_model_entry(text: str) -> ModelEntry:
     return ModelEntry(spec, name.strip() if name else None, device)
 
 
-_ENV_FIELDS = {
-    "OPENRL_MODEL": ("model", str),
-    "OPENRL_MODEL_NAME": ("model_name", str),
-    "OPENRL_MODELS": ("models", lambda v: [m.strip() for m in v.split(",") if m.strip()]),
-    "OPENRL_MEMORY_BUDGET_BYTES": ("memory_budget_bytes", int),
-    "OPENRL_HOST": ("host", str),
-    "OPENRL_PORT": ("port", int),
-    "OPENRL_DATA_DIR": ("data_dir", Path),
-    "OPENRL_DEVICE": ("device", str),
-    "OPENRL_TORCH_THREADS": ("torch_threads", int),
-    "OPENRL_LONG_POLL_S": ("long_poll_s", float),
-    "OPENRL_FUTURE_TTL_S": ("future_ttl_s", float),
-    "OPENRL_SEQ_GAP_TIMEOUT_S": ("seq_gap_timeout_s", float),
-    "OPENRL_MICROBATCH_TOKENS": ("microbatch_tokens", int),
-    "OPENRL_BACKPRESSURE_RETRY_AFTER_S": ("backpressure_retry_after_s", float),
-    "OPENRL_MAX_SAMPLER_SNAPSHOTS": ("max_sampler_snapshots", int),
-    "OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES": ("max_sampler_snapshot_bytes", int),
-    "OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT": ("max_sampler_snapshots_per_tenant", int),
-    "OPENRL_SESSION_IDLE_TIMEOUT_S": ("session_idle_timeout_s", float),
-    "OPENRL_MIN_TTL_S": ("min_ttl_s", float),
-    "OPENRL_DRAIN_GRACE_S": ("drain_grace_s", float),
-    "OPENRL_DURABILITY": ("durability", lambda v: parse_choice(v, "OPENRL_DURABILITY", DURABILITY)),
-    "OPENRL_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
-    "OPENRL_RECOVERY_SKIP_FAILED": (
-        "recovery_skip_failed",
-        lambda v: parse_switch(v, "OPENRL_RECOVERY_SKIP_FAILED"),
-    ),
-    "OPENRL_FUSION": ("fusion", lambda v: parse_switch(v, "OPENRL_FUSION")),
-    "OPENRL_FUSION_MAX_TOKENS": ("fusion_max_tokens", int),
-    "OPENRL_SAMPLER": ("sampler", lambda v: parse_choice(v, "OPENRL_SAMPLER", SAMPLERS)),
-    "OPENRL_VLLM_GPU_MEMORY_UTILIZATION": ("vllm_gpu_memory_utilization", float),
-    "OPENRL_VLLM_KV_CACHE_GB": ("vllm_kv_cache_gb", float),
-    "OPENRL_VLLM_MAX_LORAS": ("vllm_max_loras", int),
-    "OPENRL_VLLM_MAX_CPU_LORAS": ("vllm_max_cpu_loras", int),
-    "OPENRL_VLLM_MAX_MODEL_LEN": ("vllm_max_model_len", int),
-    "OPENRL_HUB_API_URL": ("hub_api_url", str),
-    "OPENRL_HUB_SERVICE_NAME": ("hub_service_name", str),
-    "OPENRL_HUB_CACHE_TTL_S": ("hub_cache_ttl_s", float),
-    "OPENRL_MAX_KEYS_PER_USER": ("max_keys_per_user", int),
-    "OPENRL_HUB_FAILED_LOOKUPS_PER_MIN": ("hub_failed_lookups_per_min", int),
-    "OPENRL_HUB_USER_RECHECK_S": ("hub_user_recheck_s", float),
-    "OPENRL_MINTED_KEY_TTL_S": ("minted_key_ttl_s", float),
-    "OPENRL_JOBS_NAMESPACE": ("jobs_namespace", str),
-    "OPENRL_JOB_IMAGES": ("job_images", lambda v: [i.strip() for i in v.split(",") if i.strip()]),
-    "OPENRL_JOB_SERVICE_URL": ("job_service_url", str),
-    "OPENRL_JOB_QUEUE": ("job_queue", str),
-    "OPENRL_JOB_VOLUMES_FILE": ("job_volumes_file", Path),
-    "OPENRL_JOB_MAX_CPU": ("job_max_cpu", str),
-    "OPENRL_JOB_MAX_MEMORY": ("job_max_memory", str),
-    "OPENRL_JOB_BACKOFF_LIMIT": ("job_backoff_limit", int),
-    "OPENRL_JOB_TTL_S": ("job_ttl_s", int),
-    "OPENRL_JOB_ACTIVE_DEADLINE_S": ("job_active_deadline_s", int),
-    "OPENRL_JOB_SERVICE_ACCOUNT": ("job_service_account", str),
-}
-_ENV_LIMITS = {f"OPENRL_{f.name.upper()}": f.name for f in dataclasses.fields(Limits)}
-
-
 DURABILITY = ("journal", "none")
 SAMPLERS = ("auto", "torch", "vllm")
 
@@ -399,32 +355,116 @@ def parse_api_keys_file(text: str, source: str) -> dict[str, str]:
     return keys
 
 
-def _convert(var: str, value: str, typ):
-    """``typ(value)``, or a ValueError that names the variable and what it needs."""
+# -- the environment: pydantic-settings reads each OPENRL_* variable in its documented format --------
+# Every Settings and Limits field is read from OPENRL_<FIELD> except these (flags or files only: a
+# variable left in a shell must not turn authentication off); api_keys is OPENRL_API_KEYS
+# (tenant:key,tenant:key) and hub_api_token is JUPYTERHUB_API_TOKEN, read where a hub is set.
+NOT_FROM_ENV = ("api_keys_file", "no_auth", "insecure", "hub_api_token", "limits")
+_CHOICES = {"durability": DURABILITY, "sampler": SAMPLERS}
+
+
+def _var(name: str) -> str:
+    return f"OPENRL_{name.upper()}"
+
+
+def _comma_list(value: Any) -> Any:
+    """``a,b , c`` -> [a, b, c] (empty items dropped): OPENRL_MODELS, OPENRL_JOB_IMAGES,
+    OPENRL_ALLOWED_HOSTS are comma-separated, not JSON."""
+    return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+
+
+def _env_type(name: str, hint: Any) -> Any:
+    """The type pydantic-settings reads ``name``'s variable as: the field's own, with the formats the
+    variables have always had (comma lists, on/off switches, choices, ``tenant:key`` pairs)."""
+    var = _var(name)
+    if name == "api_keys":
+        return Annotated[dict, NoDecode, BeforeValidator(lambda v: parse_api_keys_env(v, var))]
+    if name in _CHOICES:
+        return Annotated[str, BeforeValidator(lambda v: parse_choice(v, var, _CHOICES[name]))]
+    if hint is bool:
+        return Annotated[bool, BeforeValidator(lambda v: parse_switch(v, var))]
+    if typing.get_origin(hint) is list or list[str] in typing.get_args(hint):
+        return Annotated[list[str], NoDecode, BeforeValidator(_comma_list)]
+    return hint
+
+
+def _env_model() -> type[BaseSettings]:
+    fields: dict[str, Any] = {}
+    for cls in (Settings, Limits):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in NOT_FROM_ENV:
+                fields[f.name] = (_env_type(f.name, hints[f.name]) | None, Field(None, alias=_var(f.name)))
+    return pydantic.create_model(  # type: ignore[call-overload]
+        "EnvSettings",
+        __base__=_EnvBase,
+        __doc__="What the OPENRL_* variables set (None: not set, the Settings default applies).",
+        **fields,
+    )
+
+
+_ENV: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("openrl_env", default=None)
+
+
+class _EnvBase(BaseSettings):
+    model_config = SettingsConfigDict(
+        case_sensitive=True, env_ignore_empty=True, extra="ignore", populate_by_name=False
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, **_others):
+        env = _ENV.get()
+        return (env_settings,) if env is None else (_MappingSource(settings_cls, env),)
+
+
+class _MappingSource(EnvSettingsSource):
+    """The environment as given (``from_env(env)``), not ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]):
+        self._given = env
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:  # (DotEnvSettingsSource overrides it too)
+        return {k: v for k, v in self._given.items() if v != ""}
+
+
+_EnvSettings: type[BaseSettings] | None = None
+
+
+def _why(error: dict) -> str:
+    kind = error["type"]
+    if kind == "int_parsing":
+        return "must be a whole number"
+    if kind == "float_parsing":
+        return "must be a number"
+    return str(error.get("ctx", {}).get("error") or error["msg"])
+
+
+def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings the environment gives (``os.environ`` unless ``env``), by field name; a value in
+    the wrong format is a ValueError naming its variable."""
+    global _EnvSettings
+    if _EnvSettings is None:
+        _EnvSettings = _env_model()
+    token = _ENV.set(env)
     try:
-        return typ(value)
-    except ValueError as e:
-        if typ is int:
-            raise ValueError(f"{var} must be a whole number; got {value!r}") from None
-        if typ is float:
-            raise ValueError(f"{var} must be a number; got {value!r}") from None
-        raise ValueError(str(e)) from None
+        read = _EnvSettings()
+    except pydantic.ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        var = str(err["loc"][0])  # the variable's name (each field's alias)
+        why = _why(err)
+        raise ValueError(why if why.startswith(var) else f"{var} {why}; got {err.get('input')!r}") from None
+    finally:
+        _ENV.reset(token)
+    return {k: v for k, v in read.model_dump().items() if v is not None}
 
 
-def from_env(env: dict[str, str] | None = None, **overrides) -> Settings:
+def from_env(env: Mapping[str, str] | None = None, **overrides) -> Settings:
     """Settings from OPENRL_* variables, then explicit overrides (the CLI flags) on top."""
-    env = os.environ if env is None else env
     s = Settings()
-    for var, (name, typ) in _ENV_FIELDS.items():
-        if env.get(var):
-            setattr(s, name, _convert(var, env[var], typ))
-    for var, name in _ENV_LIMITS.items():
-        if env.get(var):
-            setattr(s.limits, name, _convert(var, env[var], int))
-    if env.get("OPENRL_API_KEYS"):
-        s.api_keys.update(parse_api_keys_env(env["OPENRL_API_KEYS"]))
-    if env.get("OPENRL_ALLOWED_HOSTS"):
-        s.allowed_hosts = [h.strip() for h in env["OPENRL_ALLOWED_HOSTS"].split(",") if h.strip()]
+    limit_names = {f.name for f in dataclasses.fields(Limits)}
+    for name, value in read_env(env).items():
+        setattr(s.limits if name in limit_names else s, name, value)
     for name, value in overrides.items():
         if value is None:
             continue
@@ -436,6 +476,6 @@ def from_env(env: dict[str, str] | None = None, **overrides) -> Settings:
         s.api_keys.update(parse_api_keys_file(Path(s.api_keys_file).read_text(), str(s.api_keys_file)))
     s.data_dir = Path(s.data_dir)
     # The service's own hub token only where it talks to a hub (never a kernel's token otherwise)
-    token = (env.get("JUPYTERHUB_API_TOKEN") or "").strip()
+    token = ((os.environ if env is None else env).get("JUPYTERHUB_API_TOKEN") or "").strip()
     s.hub_api_token = (token or None) if s.hub_api_url else None
     return s
