@@ -29,7 +29,7 @@ import contextlib
 import anyio
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
@@ -179,44 +179,43 @@ def build_native_router(c: Container) -> APIRouter:
         job's ended run: the rows kept with it)."""
         return json_response({"metrics": native.metrics(tenant(request), run_id)})
 
-    @r.get("/events")
+    @r.get("/events", response_class=EventSourceResponse)
     async def events(request: Request):
         """Server-Sent Events: a telemetry tick every second plus run events, each with a schema version."""
         who = tenant(request)
         queue = native.events.subscribe(who)
         still = getattr(request.state, "still_authorised", None)
-        ended = b"event: error\ndata: " + orjson.dumps(
-            {"error": "the credential of this stream no longer works (revoked, expired, or its user is gone)"}
+        ended = ServerSentEvent(
+            event="error",
+            raw_data=orjson.dumps(
+                {
+                    "error": "the credential of this stream no longer works (revoked, expired, or its user is gone)"
+                }
+            ).decode(),
         )
-
-        async def stream():
-            try:
-                yield b"retry: 2000\n\n"
-                loop = asyncio.get_running_loop()
-                next_tick = loop.time()
-                while True:
-                    wait = next_tick - loop.time()
-                    if wait > 0:
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            event = await asyncio.wait_for(queue.get(), timeout=wait)
-                            if still is not None and not await still():
-                                yield ended + b"\n\n"
-                                return
-                            yield b"event: run\ndata: " + orjson.dumps(event) + b"\n\n"
-                            continue
-                    next_tick = loop.time() + TICK_S  # ticks keep their pace however busy the runs are
-                    if still is not None and not await still():
-                        yield ended + b"\n\n"
-                        return
-                    yield b"event: tick\ndata: " + orjson.dumps(native.tick(who)) + b"\n\n"
-                    if await request.is_disconnected() or stopped(request):
-                        return
-            finally:
-                native.events.unsubscribe(queue)
-
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        try:
+            yield ServerSentEvent(retry=2000)
+            loop = asyncio.get_running_loop()
+            next_tick = loop.time()
+            while True:
+                wait = next_tick - loop.time()
+                if wait > 0:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        event = await asyncio.wait_for(queue.get(), timeout=wait)
+                        if still is not None and not await still():
+                            yield ended
+                            return
+                        yield ServerSentEvent(event="run", raw_data=orjson.dumps(event).decode())
+                        continue
+                next_tick = loop.time() + TICK_S  # ticks keep their pace however busy the runs are
+                if still is not None and not await still():
+                    yield ended
+                    return
+                yield ServerSentEvent(event="tick", raw_data=orjson.dumps(native.tick(who)).decode())
+                if await request.is_disconnected() or stopped(request):
+                    return
+        finally:
+            native.events.unsubscribe(queue)
 
     return r
 
