@@ -440,15 +440,24 @@ def _why(error: dict) -> str:
     return str(error.get("ctx", {}).get("error") or error["msg"])
 
 
-def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The settings the environment gives (``os.environ`` unless ``env``), by field name; a value in
-    the wrong format is a ValueError naming its variable."""
+def _env_settings() -> type[BaseSettings]:
     global _EnvSettings
     if _EnvSettings is None:
         _EnvSettings = _env_model()
+    return _EnvSettings
+
+
+def env_variables() -> set[str]:
+    """The OPENRL_* variables the service reads."""
+    return {f.alias for f in _env_settings().model_fields.values() if f.alias}
+
+
+def read_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings the environment gives (``os.environ`` unless ``env``), by field name; a value in
+    the wrong format is a ValueError naming its variable."""
     token = _ENV.set(env)
     try:
-        read = _EnvSettings()
+        read = _env_settings()()
     except pydantic.ValidationError as e:
         err = e.errors(include_url=False)[0]
         var = str(err["loc"][0])  # the variable's name (each field's alias)

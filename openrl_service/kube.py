@@ -385,123 +385,142 @@ class KubeLauncher:
         return {ANNOTATION_TENANT: tenant, ANNOTATION_JOB_ID: job_id, ANNOTATION_JOB_NAME: name}
 
     def job_body(self, *, tenant: str, job_id: str, name: str, kind: str, request: dict) -> dict:
-        """The batch/v1 Job (``request`` already validated)."""
+        """The batch/v1 Job (``request`` already validated), built with the client's typed models
+        (a misspelt field is a TypeError here, not a field the API server drops) and returned as the
+        JSON the API server receives."""
+        from kubernetes import client as k
+
         s = self.settings
         names = self.object_names(name, job_id)
         labels = self.labels(tenant=tenant, job_id=job_id, kind=kind)
         annotations = self.annotations(tenant=tenant, job_id=job_id, name=name)
         chosen = [s.volumes[v] for v in request["volumes"]]
         resources = {"cpu": request["cpu"], "memory": request["memory"]}
+        plain = {
+            "OPENRL_URL": s.service_url,
+            "OPENRL_JOB_ID": job_id,
+            "OPENRL_JOB_SPEC": SPEC_PATH,
+        }
+        # The root filesystem is read-only: home and caches go to the /tmp volume.
+        home = {
+            "HOME": "/tmp/home",
+            "XDG_CACHE_HOME": "/tmp/cache",
+            "MPLCONFIGDIR": "/tmp/cache/matplotlib",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        token = k.V1EnvVar(
+            name="OPENRL_TOKEN",
+            value_from=k.V1EnvVarSource(
+                secret_key_ref=k.V1SecretKeySelector(name=names["secret"], key="token")
+            ),
+        )
         env = [
-            {"name": "OPENRL_URL", "value": s.service_url},
-            {"name": "OPENRL_JOB_ID", "value": job_id},
-            {"name": "OPENRL_JOB_SPEC", "value": SPEC_PATH},
-            {
-                "name": "OPENRL_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": names["secret"], "key": "token"}},
-            },
-            # The root filesystem is read-only: home and caches go to the /tmp volume.
-            {"name": "HOME", "value": "/tmp/home"},
-            {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
-            {"name": "MPLCONFIGDIR", "value": "/tmp/cache/matplotlib"},
-            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *(k.V1EnvVar(name=n, value=v) for n, v in plain.items()),
+            token,
+            *(k.V1EnvVar(name=n, value=v) for n, v in home.items()),
         ]
-        pod = {
-            "restartPolicy": "Never",
-            "serviceAccountName": s.service_account,
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS_USER,
-                "runAsGroup": RUN_AS_GROUP,
-                "fsGroup": RUN_AS_GROUP,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [
-                {
-                    "name": "worker",
-                    "image": request["image"],
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": list(JOB_COMMAND),
-                    "env": env,
-                    "resources": {"requests": dict(resources), "limits": dict(resources)},
-                    "securityContext": {
-                        "allowPrivilegeEscalation": False,
-                        "readOnlyRootFilesystem": True,
-                        "runAsNonRoot": True,
-                        "capabilities": {"drop": ["ALL"]},
-                    },
-                    "volumeMounts": [
-                        {"name": "job-spec", "mountPath": SPEC_DIR, "readOnly": True},
-                        {"name": "tmp", "mountPath": "/tmp"},
-                        *(
-                            {"name": v.name, "mountPath": v.mount_path, "readOnly": v.read_only}
-                            for v in chosen
-                        ),
-                    ],
-                }
+        worker = k.V1Container(
+            name="worker",
+            image=request["image"],
+            image_pull_policy="IfNotPresent",
+            command=list(JOB_COMMAND),
+            env=env,
+            resources=k.V1ResourceRequirements(requests=dict(resources), limits=dict(resources)),
+            security_context=k.V1SecurityContext(
+                allow_privilege_escalation=False,
+                read_only_root_filesystem=True,
+                run_as_non_root=True,
+                capabilities=k.V1Capabilities(drop=["ALL"]),
+            ),
+            volume_mounts=[
+                k.V1VolumeMount(name="job-spec", mount_path=SPEC_DIR, read_only=True),
+                k.V1VolumeMount(name="tmp", mount_path="/tmp"),
+                *(
+                    k.V1VolumeMount(name=v.name, mount_path=v.mount_path, read_only=v.read_only)
+                    for v in chosen
+                ),
             ],
-            "volumes": [
-                {"name": "job-spec", "configMap": {"name": names["configmap"], "defaultMode": 0o444}},
-                {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        )
+        pod = k.V1PodSpec(
+            restart_policy="Never",
+            service_account_name=s.service_account,
+            automount_service_account_token=False,
+            enable_service_links=False,
+            security_context=k.V1PodSecurityContext(
+                run_as_non_root=True,
+                run_as_user=RUN_AS_USER,
+                run_as_group=RUN_AS_GROUP,
+                fs_group=RUN_AS_GROUP,
+                seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault"),
+            ),
+            containers=[worker],
+            volumes=[
+                k.V1Volume(
+                    name="job-spec",
+                    config_map=k.V1ConfigMapVolumeSource(name=names["configmap"], default_mode=0o444),
+                ),
+                k.V1Volume(name="tmp", empty_dir=k.V1EmptyDirVolumeSource(size_limit=TMP_SIZE)),
+                # the operator's volume sources (the volumes file), as the API server takes them
                 *({"name": v.name, **v.volume} for v in chosen),
             ],
-        }
+        )
+        # The worker exits WORKER_REPORTED_FAILED after it reported the job failed (its key is
+        # revoked): a retry could not authenticate, so that fails the Job at once. A pod evicted or
+        # preempted (node drain, Kueue, spot) is retried without counting against backoffLimit.
+        failure_policy = k.V1PodFailurePolicy(
+            rules=[
+                k.V1PodFailurePolicyRule(
+                    action="FailJob",
+                    on_exit_codes=k.V1PodFailurePolicyOnExitCodesRequirement(
+                        container_name="worker", operator="In", values=[WORKER_REPORTED_FAILED]
+                    ),
+                ),
+                k.V1PodFailurePolicyRule(
+                    action="Ignore",
+                    on_pod_conditions=[
+                        k.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")
+                    ],
+                ),
+            ]
+        )
         job_labels = dict(labels)
-        spec: dict[str, Any] = {
-            "backoffLimit": s.backoff_limit,
-            # The worker exits WORKER_REPORTED_FAILED after it reported the job failed (its key is
-            # revoked): a retry could not authenticate, so that fails the Job at once. A pod evicted
-            # or preempted (node drain, Kueue, spot) is retried without counting against backoffLimit.
-            "podFailurePolicy": {
-                "rules": [
-                    {
-                        "action": "FailJob",
-                        "onExitCodes": {
-                            "containerName": "worker",
-                            "operator": "In",
-                            "values": [WORKER_REPORTED_FAILED],
-                        },
-                    },
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                ]
-            },
-            "ttlSecondsAfterFinished": s.ttl_s,
-            "template": {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}, "spec": pod},
-        }
-        if s.active_deadline_s is not None:
-            spec["activeDeadlineSeconds"] = s.active_deadline_s
-        if s.queue:
-            # Kueue admits the Job by unsuspending it once its LocalQueue has quota.
+        if s.queue:  # Kueue admits the Job by unsuspending it once its LocalQueue has quota
             job_labels[LABEL_QUEUE] = s.queue
-            spec["suspend"] = True
-        return {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {
-                "name": names["job"],
-                "namespace": self.namespace,
-                "labels": job_labels,
-                "annotations": annotations,
-            },
-            "spec": spec,
-        }
+        job = k.V1Job(
+            api_version="batch/v1",
+            kind="Job",
+            metadata=k.V1ObjectMeta(
+                name=names["job"], namespace=self.namespace, labels=job_labels, annotations=annotations
+            ),
+            spec=k.V1JobSpec(
+                backoff_limit=s.backoff_limit,
+                pod_failure_policy=failure_policy,
+                ttl_seconds_after_finished=s.ttl_s,
+                active_deadline_seconds=s.active_deadline_s,
+                suspend=True if s.queue else None,
+                template=k.V1PodTemplateSpec(
+                    metadata=k.V1ObjectMeta(labels=dict(labels), annotations=dict(annotations)), spec=pod
+                ),
+            ),
+        )
+        return k.ApiClient().sanitize_for_serialization(job)
 
     def _owned(self, kind: str, name: str, owner: dict, labels: dict, annotations: dict) -> dict:
-        return {
-            "apiVersion": "v1",
-            "kind": kind,
-            "metadata": {
-                "name": name,
-                "namespace": self.namespace,
-                "labels": labels,
-                "annotations": annotations,
-                "ownerReferences": [owner],
-            },
-            "immutable": True,
-        }
+        """A ConfigMap or Secret the Job owns (the garbage collector deletes it with the Job)."""
+        from kubernetes import client as k
+
+        meta = k.V1ObjectMeta(
+            name=name,
+            namespace=self.namespace,
+            labels=labels,
+            annotations=annotations,
+            owner_references=[k.V1OwnerReference(**owner)],
+        )
+        model = k.V1ConfigMap if kind == "ConfigMap" else k.V1Secret
+        return k.ApiClient().sanitize_for_serialization(
+            model(api_version="v1", kind=kind, metadata=meta, immutable=True)
+        )
 
     # -- the API --------------------------------------------------------------------------------
     def submit(
@@ -522,7 +541,7 @@ class KubeLauncher:
             uid = getattr(getattr(reply, "metadata", None), "uid", None)
             if not uid:
                 raise RuntimeError("the create reply carries no metadata.uid")
-            owner = {"apiVersion": "batch/v1", "kind": "Job", "name": names["job"], "uid": uid}
+            owner = {"api_version": "batch/v1", "kind": "Job", "name": names["job"], "uid": uid}
             spec = {"job_id": job_id, "name": name, "kind": kind, "service_url": self.settings.service_url}
             configmap = self._owned("ConfigMap", names["configmap"], owner, labels, annotations)
             configmap["data"] = {"spec.json": json.dumps(spec, indent=1, sort_keys=True)}

@@ -13,6 +13,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
+from openrl_service.config import env_variables
 from tests.k8s._k8s import (
     GPU_OVERLAYS,
     HUB_NAMESPACE,
@@ -415,7 +416,7 @@ def test_container_args_are_real_serve_flags(name, serve_flags):
         assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
         for var in env_of(service_container(dep)):
             if var.startswith("OPENRL_"):
-                assert var in (ROOT / "openrl_service" / "config.py").read_text(), f"{var} is not a setting"
+                assert var in env_variables(), f"{var} is not a setting"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

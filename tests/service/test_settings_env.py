@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openrl_service.config import NOT_FROM_ENV, Limits, from_env, read_env
+from openrl_service.config import NOT_FROM_ENV, Limits, env_variables, from_env, read_env
 
 # variable -> (as an operator writes it, the Settings/Limits value it gives)
 EVERY_VARIABLE = {
@@ -101,6 +101,7 @@ def test_every_variable_parses_in_its_documented_format():
 
 def test_the_table_above_names_every_variable_the_service_reads():
     """A setting added later gets a line above (and its format checked), or this fails."""
+    assert env_variables() == set(EVERY_VARIABLE)
     read = read_env({var: text for var, (text, _) in EVERY_VARIABLE.items()})
     assert {f"OPENRL_{name.upper()}" for name in read} == set(EVERY_VARIABLE)
 
