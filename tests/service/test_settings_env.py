@@ -108,7 +108,9 @@ def test_the_table_above_names_every_variable_the_service_reads():
 
 def test_unset_and_empty_variables_keep_the_defaults_and_others_are_ignored():
     plain = from_env({})
-    s = from_env({"OPENRL_PORT": "", "OPENRL_MODELS": "", "openrl_port": "1", "OPENRL_PORTS": "2", "PORT": "3"})
+    s = from_env(
+        {"OPENRL_PORT": "", "OPENRL_MODELS": "", "openrl_port": "1", "OPENRL_PORTS": "2", "PORT": "3"}
+    )
     assert (s.port, s.models, s.limits) == (plain.port, plain.models, plain.limits) == (8000, [], Limits())
 
 
