@@ -651,7 +651,7 @@ class Bodies:
                     "and a reward_name",
                 },
             )
-            __pydantic_extra__: dict[str, Num()]
+            __pydantic_extra__: dict[str, Num() | None]  # null: not measured this step
 
             step: Int(0)
             reward_name: Str(max_length=128) | None = None
