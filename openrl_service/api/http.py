@@ -186,6 +186,9 @@ async def read_op(request: Request, model: type[M], max_bytes: int) -> tuple[dic
         slot = [err for err in e.errors(include_url=False) if _field_of(err) in ("model_id", "seq_id", "")]
         if slot:  # no run or no place in its order: nothing to keep, a 400
             raise refusal(e, slot[0]) from None
+        seq_id = data.get("seq_id")
+        if not (isinstance(data.get("model_id"), str) and type(seq_id) is int and seq_id >= 0):
+            raise refusal(e) from None  # (a form without a slot, e.g. load_weights making a new run)
         return data, None
 
 

@@ -525,8 +525,10 @@ class Bodies:
 
             @model_validator(mode="before")
             @classmethod
-            def _form(cls, data: Any) -> Any:
-                return _require_form(data, ("path",), ("sampling_session_seq_id",))
+            def _form(cls, data: Any) -> Any:  # model_id and seq_id first: without them there is no slot
+                return _require_form(
+                    data, ("model_id", "seq_id", "path"), ("model_id", "seq_id", "sampling_session_seq_id")
+                )
 
         LOAD_FORMS = (("model_id", "seq_id", "path"), ("session_id", "model_seq_id", "path"))
 

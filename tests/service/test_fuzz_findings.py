@@ -208,6 +208,7 @@ def test_a_tinker_model_whose_base_model_is_not_a_string_is_a_400(client):
         ("/api/v1/optim_step", {"model_id": "m", "adam_params": {"beta1": 2}}, "seq_id"),
         ("/api/v1/save_weights", {"seq_id": 1, "path": "bad name"}, "model_id"),
         ("/api/v1/save_weights_for_sampler", {"model_id": "m", "seq_id": -1, "path": 7}, "seq_id"),
+        ("/api/v1/save_weights_for_sampler", {"seq_id": 3}, "model_id"),  # no path nor session seq either
     ],
 )
 def test_an_op_with_no_run_or_slot_and_another_bad_field_is_a_400_naming_the_slot(
