@@ -26,29 +26,41 @@ Operation ids are ``<router>_<handler name>`` (``tinker_create_model``, ``rest_g
 
 import dataclasses
 import functools
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from openrl_common.checks import requirement
 from openrl_common.protocol import CONTROL_ACTIONS, JOB_NAME_PATTERN, JOB_STATES, RL_LOSSES
+from openrl_service.api.fields import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    SOME_LAYERS,
+    Body,
+    CheckpointName,
+    Choice,
+    Int,
+    Metadata,
+    Num,
+    OneOf,
+    SeqId,
+    Sized,
+    Str,
+    TinkerPath,
+    Token,
+    Ttl,
+    at_least_one_layer,
+    explained,
+    one_of_forms,
+    require_form,
+)
 from openrl_service.config import Limits
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
 from openrl_service.engine.native_state import KERNEL_STATES
-from openrl_service.storage.checkpoints import KINDS
 from openrl_service.training.losses import LOSSES
 
-TTL_MAX_S = 10 * 365 * 24 * 3600  # Tinker's ten years
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # storage.checkpoints.check_name
-TINKER_PATH_PATTERN = (
-    r"^tinker://[A-Za-z0-9][A-Za-z0-9:._-]{0,127}/("
-    + "|".join(KINDS)
-    + r")/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-)
-FLOAT32_MAX = 3.4028234663852886e38  # AdamW holds its parameters as float32
-INT32_MAX = 2**31 - 1
 MAX_KEY_NAME_CHARS = 100  # a minted key's name
 JOB_KINDS = ("run", "sweep")
 JOB_WHERES = ("local", "k8s")
@@ -71,138 +83,6 @@ def operation_ids(prefix: str):
     return make
 
 
-# -- field types --------------------------------------------------------------------------------------
-def _explained(message):
-    """A validator around a field's own: any refusal becomes ``message(value)`` (the field's path is
-    put in front of it when the 400 is made), so it names the whole rule, not one broken part."""
-
-    def check(value: Any, handler):
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("explained", "{why}", {"why": message(value)}) from None
-
-    return WrapValidator(check)
-
-
-def Int(lo: int | None = None, hi: int | None = None, setting: str | None = None, **field: Any) -> Any:
-    """A whole number in ``[lo, hi]`` (not a bool, not 1.0)."""
-    return Annotated[
-        int,
-        Field(ge=lo, le=hi, **field),
-        _explained(lambda v: requirement("an integer", v, lo, hi, setting)),
-    ]
-
-
-def Num(
-    lo: float | None = None,
-    hi: float | None = None,
-    *,
-    lo_open: bool = False,
-    below: float | None = None,
-    setting: str | None = None,
-) -> Any:
-    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; ``[lo, below)`` with ``below``)."""
-    bounds = {"gt" if lo_open else "ge": lo, "le": hi, "lt": below}
-    return Annotated[
-        float,
-        Field(**{k: v for k, v in bounds.items() if v is not None}, allow_inf_nan=False),
-        _explained(
-            lambda v: (
-                requirement("a finite number", v, lo, hi if below is None else below, setting, lo_open)
-                + ("" if below is None else f" (below {below})")
-            )
-        ),
-    ]
-
-
-def Sized(item: Any, max_items: int, setting: str, min_items: int = 0) -> Any:
-    """A list of at most ``max_items`` (the limit ``setting`` sets)."""
-
-    def check(value: Any, handler):
-        if isinstance(value, list) and len(value) > max_items:
-            why = f"must have at most {max_items} items ({setting}); got {len(value)}"
-            raise PydanticCustomError("explained", "{why}", {"why": why})
-        return handler(value)
-
-    return Annotated[list[item], Field(min_length=min_items, max_length=max_items), WrapValidator(check)]
-
-
-def OneOf(*members: Any, what: str) -> Any:
-    """A value of one of several shapes; a refusal says what the shapes are (not how each failed)."""
-    return Annotated[Union[members], _explained(lambda v: requirement(what, v))]  # noqa: UP007
-
-
-def Choice(*values: str) -> Any:
-    """One of ``values``; a refusal lists them."""
-    return Annotated[Literal[values], _explained(lambda v: requirement(f"one of {', '.join(values)}", v))]
-
-
-def Str(min_length: int = 0, max_length: int | None = None, pattern: str | None = None, **field: Any) -> Any:
-    return Annotated[str, Field(min_length=min_length, max_length=max_length, pattern=pattern, **field)]
-
-
-def Ttl(min_ttl_s: float) -> Any:
-    lo = int(min_ttl_s) if float(min_ttl_s).is_integer() else min_ttl_s
-    return Int(lo, TTL_MAX_S, "OPENRL_MIN_TTL_S", description="seconds from now")
-
-
-SeqId = Int(0, description="the op's place in its run's order")
-Token = Int(0, description="a token id below the vocabulary size")
-Metadata = Annotated[
-    dict[str, Any], Field(description="a JSON object of at most OPENRL_MAX_METADATA_BYTES as JSON")
-]
-CheckpointName = Str(pattern=NAME_PATTERN, description="a checkpoint name")
-TinkerPath = Str(pattern=TINKER_PATH_PATTERN, description="a tinker:// checkpoint path")
-
-
-class Body(BaseModel):
-    """A JSON request body: strict types (``"8"`` is not 8, ``true`` is not 1), unknown fields ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-def _at_least_one_layer(model: Any, field: str | None = None) -> Any:
-    """At least one of the three trains (each defaults to true); ``field``: the one a refusal names
-    (none: the object holding them)."""
-    if model.train_attn is False and model.train_mlp is False and model.train_unembed is False:
-        ctx = {"why": "enable at least one of train_attn, train_mlp, train_unembed"}
-        raise PydanticCustomError("form", "{why}", {**ctx, "field": field} if field else ctx)
-    return model
-
-
-SOME_LAYERS = {  # the JSON Schema of _at_least_one_layer: not all three false
-    "not": {
-        "properties": {k: {"const": False} for k in ("train_attn", "train_mlp", "train_unembed")},
-        "required": ["train_attn", "train_mlp", "train_unembed"],
-    }
-}
-
-
-def _one_of(*forms: tuple[str, ...], description: str):
-    """JSON Schema for a body that takes one of several sets of required fields."""
-    return {"anyOf": [{"required": list(f)} for f in forms], "description": description}
-
-
-def _require_form(data: Any, *forms: tuple[str, ...]) -> Any:
-    """A before-validator's check that ``data`` (the body as sent) has every field of one of
-    ``forms``; a refusal names the first missing field of the first form, in the form's order (so an
-    op's missing model_id or seq_id is named before its path). Before the fields are checked, so a
-    bad value elsewhere does not hide a missing field."""
-    if not isinstance(data, dict):
-        return data  # the model says "must be a JSON object"
-    present = {k for k, v in data.items() if v is not None}
-    if not any(set(f) <= present for f in forms):
-        missing = [k for k in forms[0] if k not in present]
-        alternatives = " or ".join("(" + ", ".join(f) + ")" for f in forms)
-        raise PydanticCustomError(
-            "form",
-            "{why}",
-            {"why": f"takes {alternatives}; {missing[0]} is missing", "field": missing[0]},
-        )
-    return data
-
-
 # -- shared pieces ------------------------------------------------------------------------------------
 class AdamParams(Body):
     """AdamW's parameters (training.trainer.adam_params); each left out keeps its default."""
@@ -221,7 +101,7 @@ class Message(Body):
 
 
 ChatMessage = Annotated[
-    Message, _explained(lambda v: requirement("a {role, content} message of two strings", v))
+    Message, explained(lambda v: requirement("a {role, content} message of two strings", v))
 ]
 
 
@@ -432,13 +312,13 @@ class Bodies:
             Str(1)
             | Annotated[list[Str(1)], Field(max_length=lim.max_stop_sequences)]
             | Annotated[list[Token], Field(max_length=lim.max_stop_sequences)],
-            _explained(stop_rule),
+            explained(stop_rule),
         ]  # (token ids below the vocabulary size: the engine checks them against the model)
 
         def top_k_rule(v: Any) -> str:
             return requirement("an integer", v, 1, setting="or -1 for off")
 
-        TopKSampling = Annotated[Int(1) | Literal[-1], _explained(top_k_rule), Field(description="-1: off")]
+        TopKSampling = Annotated[Int(1) | Literal[-1], explained(top_k_rule), Field(description="-1: off")]
 
         class SamplingFields(Body):
             max_tokens: (
@@ -468,7 +348,7 @@ class Bodies:
         class LoraConfig(LoraFields):
             @model_validator(mode="after")
             def _some(self):
-                return _at_least_one_layer(self)
+                return at_least_one_layer(self)
 
         class CreateSession(Body):
             tags: list[str] | None = None
@@ -508,7 +388,7 @@ class Bodies:
 
         class SaveForSampler(Body):
             model_config = ConfigDict(
-                json_schema_extra=_one_of(
+                json_schema_extra=one_of_forms(
                     ("path",),
                     ("sampling_session_seq_id",),
                     description="a named sampler checkpoint (path), or a new sampling session "
@@ -526,7 +406,7 @@ class Bodies:
             @model_validator(mode="before")
             @classmethod
             def _form(cls, data: Any) -> Any:  # model_id and seq_id first: without them there is no slot
-                return _require_form(
+                return require_form(
                     data, ("model_id", "seq_id", "path"), ("model_id", "seq_id", "sampling_session_seq_id")
                 )
 
@@ -534,7 +414,7 @@ class Bodies:
 
         class LoadWeights(Body):
             model_config = ConfigDict(
-                json_schema_extra=_one_of(
+                json_schema_extra=one_of_forms(
                     *LOAD_FORMS,
                     description="load_state into a run (model_id + seq_id), or a new run from a "
                     "checkpoint (session_id + model_seq_id)",
@@ -558,13 +438,13 @@ class Bodies:
                     and data.get("model_id") is None
                     and data.get("session_id") is not None
                 )
-                return _require_form(data, LOAD_FORMS[1] if new_run else LOAD_FORMS[0])
+                return require_form(data, LOAD_FORMS[1] if new_run else LOAD_FORMS[0])
 
         class Chunk(Body):
             type: (
                 Annotated[
                     Literal["encoded_text"],
-                    _explained(lambda v: f"{v!r} chunks are not supported by this model (text tokens only)"),
+                    explained(lambda v: f"{v!r} chunks are not supported by this model (text tokens only)"),
                 ]
                 | None
             ) = None
@@ -594,7 +474,7 @@ class Bodies:
 
         class CopyWeights(Body):
             model_config = ConfigDict(
-                json_schema_extra=_one_of(
+                json_schema_extra=one_of_forms(
                     ("source_path", "session_id", "model_seq_id"),
                     ("source_path", "destination_project_id"),
                     description="into a session's run slot (session_id + model_seq_id) or a new session "
@@ -611,7 +491,7 @@ class Bodies:
             @model_validator(mode="before")
             @classmethod
             def _form(cls, data: Any) -> Any:
-                return _require_form(
+                return require_form(
                     data,
                     ("source_path", "session_id", "model_seq_id"),
                     ("source_path", "destination_project_id"),
@@ -628,7 +508,7 @@ class Bodies:
 
             @model_validator(mode="after")
             def _some(self):
-                return _at_least_one_layer(self, "train_attn")
+                return at_least_one_layer(self, "train_attn")
 
         TextPrompt = Str(1) | Annotated[list[ChatMessage], Field(min_length=1)]  # text, or chat messages
 
