@@ -3,6 +3,7 @@ record it does not know says so by name instead of failing its start with a Type
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 
 from openrl_service.engine import records
+from openrl_service.engine.native_state import Control, StoredSample
 from openrl_service.engine.service import TrainingService
+from openrl_service.engine.state import SessionRecord
 from openrl_service.errors import UserError
 from openrl_service.sampling.base import SampleJob, SamplingParams
 from openrl_service.storage.journal import HEADER, Journal, frame, loads
@@ -18,6 +21,22 @@ from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import AdamParams, DatumArrays
 from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import start_server
+
+# What journal records and snapshots hold as a dataclass's fields by name (``vars(obj)`` written,
+# ``Class(**fields)`` read back). Renaming, removing or adding a required field here changes what an
+# earlier release's data dir holds: give the record (records.TYPES / records.UPGRADES) or the snapshot
+# format (engine/snapshots.py) a new version with an upgrade, then update this list. The committed
+# fixtures of tests/service/test_journal_upgrade.py must still replay.
+WRITTEN_BY_NAME = {
+    SessionRecord: records.SESSION_FIELDS,
+    StoredSample: ("run_id", "tenant", "prompt", "tokens", "logprobs", "created_at"),
+    Control: ("state", "reason", "at"),
+}
+
+
+@pytest.mark.parametrize("cls", list(WRITTEN_BY_NAME), ids=lambda c: c.__name__)
+def test_fields_written_by_name_change_only_with_a_new_record_or_snapshot_version(cls):
+    assert tuple(f.name for f in dataclasses.fields(cls)) == WRITTEN_BY_NAME[cls]
 
 
 @pytest.mark.parametrize("method", sorted(records.CALLS))
