@@ -53,7 +53,7 @@ def in_process(tokens: int, steps: int) -> list[float]:
         svc.wait_ready(300)
         wait = svc.futures.wait_sync
         sess = svc.create_session("bench")
-        spec = svc.lora_spec(8)
+        spec = svc.checks.lora_spec(8)
         rec = svc.create_model(
             "bench",
             session_id=sess.session_id,
@@ -66,7 +66,7 @@ def in_process(tokens: int, steps: int) -> list[float]:
         )
         wait(rec)
         run_id = rec.result["model_id"]
-        params = svc.sampling_params({"max_tokens": tokens, "temperature": 1.0, "stop": []})
+        params = svc.checks.sampling_params({"max_tokens": tokens, "temperature": 1.0, "stop": []})
         seq = 1
         times = []
         for step in range(steps + 1):

@@ -165,7 +165,7 @@ class Engine:
             session_id=sess.session_id,
             model_seq_id=0,
             base_model=None,
-            spec=self.svc.lora_spec(RANK),
+            spec=self.svc.checks.lora_spec(RANK),
             seed=0,
             user_metadata=None,
             idem=None,
@@ -192,7 +192,7 @@ class Engine:
         self.sampler_id = snap.result["sampling_session_id"]
 
     def sample(self, samples: int, max_tokens: int) -> None:
-        params = self.svc.sampling_params({"max_tokens": max_tokens, "temperature": 1.0, "stop": []})
+        params = self.svc.checks.sampling_params({"max_tokens": max_tokens, "temperature": 1.0, "stop": []})
         rec = self.svc.sample(
             "bench",
             sampler_id=self.sampler_id,

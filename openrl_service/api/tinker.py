@@ -132,7 +132,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         """Create a LoRA training run; future → {model_id}."""
         b = await read_model(request, B.CreateModel, max_body)
         lora = b.lora_config or B.LoraConfig()
-        spec = svc.lora_spec(
+        spec = svc.checks.lora_spec(
             32 if lora.rank is None else lora.rank,
             lora.train_attn is not False,
             lora.train_mlp is not False,
@@ -338,7 +338,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             raise UserError(
                 "target_prompt_logprobs is not supported by this service", field="target_prompt_logprobs"
             )
-        params = svc.sampling_params(
+        params = svc.checks.sampling_params(
             b.sampling_params.model_dump(exclude_none=True) if b.sampling_params else {},
             svc.base_of_sampler(tenant(request), b.sampling_session_id),
         )

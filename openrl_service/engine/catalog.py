@@ -92,7 +92,7 @@ class Catalog:
 
     def set_ttl(self, tenant: str, run_id: str, kind: str, name: str, ttl_seconds: Any) -> None:
         self.store.update_manifest(
-            tenant, self.ref(run_id, kind, name), expires_at=self.svc.expiry(ttl_seconds)
+            tenant, self.ref(run_id, kind, name), expires_at=self.svc.checks.expiry(ttl_seconds)
         )
 
     def weights_info(self, tenant: str, tinker_path: Any) -> dict:
@@ -110,7 +110,7 @@ class Catalog:
     def copy(self, tenant: str, body: dict) -> dict:
         """copy_weights: into a given session's run slot, or a new session of the destination project."""
         src = parse_tinker_path(body.get("source_path"), "source_path")
-        expires_at = self.svc.expiry(body.get("ttl_seconds"))
+        expires_at = self.svc.checks.expiry(body.get("ttl_seconds"))
         session_id, seq = body.get("session_id"), body.get("model_seq_id")
         if session_id is not None:
             sess = self.svc.session(tenant, session_id, live=False)

@@ -246,7 +246,7 @@ class NativeRuns:
             value = body.get(key)
             return default if value is None else value
 
-        spec = self.svc.lora_spec(
+        spec = self.svc.checks.lora_spec(
             given("rank", defaults.get("lora_rank", 8)),
             given("train_attn", True),
             given("train_mlp", True),
@@ -270,7 +270,7 @@ class NativeRuns:
             "base_model": model.name,
             "spec": spec,
             "seed": seed,
-            "user_metadata": job_label(self.svc.check_metadata(body.get("user_metadata")), job),
+            "user_metadata": job_label(self.svc.checks.check_metadata(body.get("user_metadata")), job),
             "session_id": new_session_id(),
             "idem": idem,
         }
@@ -671,14 +671,14 @@ class NativeRuns:
         raw = {
             k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in body
         }
-        params = self.svc.sampling_params(raw, base)
+        params = self.svc.checks.sampling_params(raw, base)
         num = body.get("num_samples", 1)
         # Validate each prompt as the Tinker path does (limits, context length, vocabulary) before queueing.
         jobs = []
         for i, toks in enumerate(encoded):
             if not toks:
                 raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
-            job_params = self.svc.check_sample(toks, num, params, base=base)
+            job_params = self.svc.checks.check_sample(toks, num, params, base=base)
             seed = None if job_params.seed is None else job_params.seed + 7_919 * i
             jobs.append(
                 SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
@@ -798,7 +798,7 @@ class NativeRuns:
             )
         if not data:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
-        self.svc.validate_datums(data, loss, base)
+        self.svc.checks.validate_datums(data, loss, base)
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
@@ -868,8 +868,8 @@ class NativeRuns:
             )
         check_name(name, "name")
         # checked here as the save checks them (it checks them again), each naming this API's field
-        self.svc.check_metadata(body.get("user_metadata"))
-        self.svc.expiry(body.get("ttl_seconds"))
+        self.svc.checks.check_metadata(body.get("user_metadata"))
+        self.svc.checks.expiry(body.get("ttl_seconds"))
         inputs = {
             "tenant": tenant,
             "run_id": run_id,

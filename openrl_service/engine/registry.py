@@ -1,8 +1,8 @@
 """Who owns what: sessions, training runs and samplers, their tenants, quotas and idle reaping.
 
 Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provides ``settings``,
-``limits``, ``store``, ``engine``, ``models``, ``require_ready`` and the validation of
-:class:`~openrl_service.engine.validation.Validation`. Every object belongs to a tenant; another
+``limits``, ``store``, ``engine``, ``models``, ``require_ready`` and ``checks``
+(:class:`~openrl_service.engine.validation.Checks`). Every object belongs to a tenant; another
 tenant gets "not found".
 
 The records themselves (ServedModel, SessionRecord, RunState, SamplerEntry) are in engine/state.py.
@@ -85,7 +85,7 @@ class Registry:
         for name, value in (("display_name", display_name), ("project_id", project_id)):
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise UserError(f"{name} must be a string of at most 256 characters", field=name)
-        self.check_metadata({"tags": tags or []}, "tags")
+        self.checks.check_metadata({"tags": tags or []}, "tags")
         if not self.durability.replaying:  # a replay re-creates what was accepted
             live = sum(1 for s in list(self.sessions.values()) if s.tenant == tenant and not s.finished)
             if live >= self.limits.max_sessions_per_tenant:
@@ -100,7 +100,7 @@ class Registry:
             session_id=session_id or new_session_id(),
             tenant=tenant,
             tags=list(tags or []),
-            user_metadata=self.check_metadata(user_metadata),
+            user_metadata=self.checks.check_metadata(user_metadata),
             display_name=display_name,
             project_id=project_id,
         )
@@ -459,7 +459,9 @@ class Registry:
         manifest = self.store.manifest(tenant, ref)
         model = self.served(manifest.get("base_model"), "model_path")
         name = model.name
-        self.check_adapter_file(tenant, ref, spec_from_manifest(manifest), "model_path", base=model.base)
+        self.checks.check_adapter_file(
+            tenant, ref, spec_from_manifest(manifest), "model_path", base=model.base
+        )
         if base_model is not None and self._check_base_model(base_model) != name:
             raise UserError(
                 f"base_model: {ref.path} was trained on {name!r}, not {base_model!r}", field="base_model"

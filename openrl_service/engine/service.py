@@ -44,7 +44,7 @@ from openrl_service.engine.ops import Fusable, Op
 from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
-from openrl_service.engine.validation import Validation
+from openrl_service.engine.validation import Checks
 from openrl_service.errors import NotReady, UserError
 from openrl_service.models.loading import BaseModel, check_memory_budget, estimate_need, load_base_model
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
@@ -74,14 +74,15 @@ from openrl_service.training.trainer import (
 log = logging.getLogger(__name__)
 
 
-class TrainingService(Registry, Validation):
-    """The engine's operations; sessions/runs/samplers from Registry, input checks from Validation."""
+class TrainingService(Registry):
+    """The engine's operations; sessions/runs/samplers from Registry, input checks in ``checks``."""
 
     def __init__(self, settings: Settings, *, base: BaseModel | None = None):
         self.settings = settings
         self.limits = settings.limits
         migrate_tenant_folders(settings.data_dir)  # before anything reads a tenant's folder
         self.store = CheckpointStore(settings.data_dir, settings.limits)
+        self.checks = Checks(settings, self.store, self.require_ready)
         self.futures = FutureStore(ttl_s=settings.future_ttl_s)
         self.recorder = OpRecorder()
         self.engine = Engine(
@@ -199,7 +200,7 @@ class TrainingService(Registry, Validation):
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
         base_model = self._check_base_model(base_model)  # journaled resolved: a replay uses this model
-        user_metadata = self.check_metadata(user_metadata)
+        user_metadata = self.checks.check_metadata(user_metadata)
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         call = self.durability.call(
             "create_model",
@@ -246,7 +247,7 @@ class TrainingService(Registry, Validation):
             idem=idem,
         )
         sess = self.session(tenant, session_id)
-        user_metadata = self.check_metadata(user_metadata)
+        user_metadata = self.checks.check_metadata(user_metadata)
         ref = parse_tinker_path(path)
         if ref.kind != "weights":
             raise UserError(
@@ -261,7 +262,7 @@ class TrainingService(Registry, Validation):
                 field="base_model",
             )
         spec = spec_from_manifest(manifest)
-        self.check_adapter_file(tenant, ref, spec, base=model.base)
+        self.checks.check_adapter_file(tenant, ref, spec, base=model.base)
         run = self._register_run(
             tenant, sess, model_seq_id, spec, int(manifest.get("seed", 0)), user_metadata, model.name
         )
@@ -386,7 +387,7 @@ class TrainingService(Registry, Validation):
             if isinstance(data, UserError):
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
-            self.validate_datums(data, loss_fn, self.model_of(run).base)
+            self.checks.validate_datums(data, loss_fn, self.model_of(run).base)
 
             def noted(result: ForwardResult) -> ForwardResult:
                 if not forward_only:
@@ -557,8 +558,8 @@ class TrainingService(Registry, Validation):
 
         def prepare(run: RunState):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
-            meta = self.check_metadata(user_metadata)
-            expires_at = self.expiry(ttl_seconds)
+            meta = self.checks.check_metadata(user_metadata)
+            expires_at = self.checks.expiry(ttl_seconds)
 
             def work():
                 st = self._state(run)
@@ -622,7 +623,7 @@ class TrainingService(Registry, Validation):
                     field="path",
                 )
             base = self.model_of(run).base
-            self.check_adapter_file(run.tenant, ref, run.spec, base=base)  # same layers, same shapes
+            self.checks.check_adapter_file(run.tenant, ref, run.spec, base=base)  # same layers, same shapes
 
             def work():
                 manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
@@ -735,8 +736,8 @@ class TrainingService(Registry, Validation):
     ) -> Callable[[], dict]:
         """Adapter-only checkpoint work (sampler or external weights); validated now, written on the worker."""
         ref = CheckpointRef(run.run_id, kind, check_name(name))
-        meta = self.check_metadata(user_metadata)
-        expires_at = self.expiry(ttl_seconds)
+        meta = self.checks.check_metadata(user_metadata)
+        expires_at = self.checks.expiry(ttl_seconds)
 
         def work() -> dict:
             st = self._state(run)
@@ -893,7 +894,7 @@ class TrainingService(Registry, Validation):
         entry = self.sampler_entry(tenant, sampler_id)
         model = self.model_of(entry)
         params = self.seeded(
-            self.check_sample(
+            self.checks.check_sample(
                 prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs, base=model.base
             )
         )

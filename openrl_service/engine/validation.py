@@ -2,8 +2,8 @@
 work is queued, and a refusal names the field, the limit and its setting (ranges through
 :mod:`openrl_service.checks`).
 
-Mixed into :class:`~openrl_service.engine.service.TrainingService`, which provides ``settings``,
-``limits``, ``store`` and ``require_ready``. Checks against a model (context length, vocabulary,
+:class:`Checks`, one per :class:`~openrl_service.engine.service.TrainingService` (``svc.checks``),
+built from its settings, checkpoint store and ``require_ready``. Checks against a model (context length, vocabulary,
 LoRA targets) take the run's or sampler's ``base``; None means the default model.
 """
 
@@ -29,14 +29,20 @@ from openrl_service.training.losses import LOSSES
 from openrl_service.training.trainer import DatumArrays
 
 
-class Validation:
-    """The checks, as methods of the service (they need its model and limits)."""
+class Checks:
+    """The checks of one service (they need its settings, limits, checkpoint store and, for those
+    against a model, its default model): ``svc.checks``."""
 
-    settings: Settings
-    limits: Limits
-    store: CheckpointStore
-
-    require_ready: Callable[[], BaseModel]  # provided by TrainingService
+    def __init__(
+        self,
+        settings: Settings,
+        store: CheckpointStore,
+        require_ready: Callable[[], BaseModel],
+    ):
+        self.settings = settings
+        self.limits: Limits = settings.limits
+        self.store = store
+        self.require_ready = require_ready
 
     def expiry(self, ttl_seconds: Any, field_name: str = "ttl_seconds") -> float | None:
         """ttl_seconds (None: never) as an absolute expiry time; bounds as Tinker's: 1 hour to 10 years."""
