@@ -876,3 +876,36 @@ def test_bad_requests_do_not_disturb_other_runs_or_tenants(server):
             for r in (a, b, c):
                 r.finish()
     assert_still_serves(server.url)
+
+
+# -- what a newer SDK sends ---------------------------------------------------------------------------
+def test_fields_a_newer_sdk_adds_are_ignored_and_null_means_not_set(server, client, run, sampler):
+    """The Tinker routes take the SDK's bodies as they grow: an unknown field is ignored (not a 400),
+    and ``null`` for an option is the option left out (the SDK sends null for every unset one)."""
+    r = client.post(
+        "/api/v1/create_model",
+        json={
+            "session_id": run.session_id,
+            "model_seq_id": 7,
+            "base_model": TINY,
+            "lora_config": {"rank": 4, "seed": None, "train_mlp": None, "dropout_v2": 0.1},
+            "optimizer_config": None,
+            "user_metadata": None,
+            "routing_hint": {"region": "eu"},
+        },
+    )
+    assert r.status_code == 200, r.text
+    made = result(client, r.json()["request_id"])
+    info = client.post("/api/v1/get_info", json={"model_id": made["model_id"], "type": "get_info"}).json()
+    assert info["lora_rank"] == 4, info
+    r = asample(
+        client,
+        sampler,
+        num_samples=None,
+        sampling_params={"max_tokens": 3, "temperature": None, "top_p": None, "stop": None, "new_knob": 1},
+        prompt_logprobs=None,
+        future_option=True,
+    )
+    assert r.status_code == 200, r.text
+    out = result(client, r.json()["request_id"])
+    assert len(out["sequences"]) == 1 and len(out["sequences"][0]["tokens"]) <= 3, out
