@@ -102,6 +102,8 @@ def test_native_rl_loop_learns(alice, run_id):
     assert statistics.fmean(means[-5:]) - statistics.fmean(means[:5]) >= 0.1, means
     rows = alice.get(f"{V1}/runs/{run_id}/metrics").json()["metrics"]
     assert [row["step"] for row in rows] == list(range(30)) and rows[0]["reward_name"] == "letters"
+    # a whole number stays whole (the reward version a dashboard shows as "v1", not "v1.0")
+    assert all(type(row["reward_version"]) is int and type(row["reward_mean"]) is float for row in rows)
 
 
 def test_checkpoint_loads_with_the_tinker_sdk(server, alice, run_id):
