@@ -26,7 +26,7 @@ Operation ids are ``<router>_<handler name>`` (``tinker_create_model``, ``rest_g
 
 import dataclasses
 import functools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
@@ -249,6 +249,7 @@ class JobMeta(Body):
         str,
         OneOf(
             Str(max_length=MAX_META_STR_CHARS),
+            int,  # (before float: a whole number stays whole, "steps": 20 is not 20.0)
             float,
             bool,
             None,
@@ -533,7 +534,8 @@ class Bodies:
                     "and a reward_name",
                 },
             )
-            __pydantic_extra__: dict[str, Num() | None]  # null: not measured this step
+            # a whole number stays whole (a reward version), others are finite floats; null: not measured
+            __pydantic_extra__: dict[str, Union[int, Num(), None]]  # noqa: UP007
 
             step: Int(0)
             reward_name: Str(max_length=128) | None = None
