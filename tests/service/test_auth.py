@@ -175,7 +175,17 @@ def test_wrong_key_is_a_401(server, headers):
     with httpx.Client(base_url=server.url, headers=headers) as c:
         r = c.get("/api/v1/get_server_capabilities")
     assert r.status_code == 401, r.text
-    assert "API key" in r.json()["error"]
+    error = r.json()["error"]
+    assert "API key" in error
+    sent = next(iter(headers.values())).split(" ")[-1]
+    assert sent not in error and sent[4:] not in error  # what was sent is described, never echoed
+    if "X-API-Key" in headers:
+        assert error.startswith("wrong API key: the X-API-Key header holds a tml- key of"), error
+    elif headers["Authorization"].startswith("Bearer"):
+        assert error.startswith("wrong API key: the Authorization: Bearer header holds"), error
+    else:  # the header was sent, in a form that carries no key: say so, not "wrong key"
+        assert "the Authorization header is not 'Bearer <key>' (its scheme is 'Basic')" in error, error
+    assert "TINKER_API_KEY or OPENRL_TOKEN" in error or "Bearer <key>" in error
 
 
 def test_bearer_token_is_the_same_tenant_as_x_api_key(server):
