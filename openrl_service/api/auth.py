@@ -133,6 +133,32 @@ def credential(headers: dict[str, str]) -> str | None:
     return None
 
 
+def unauthorised(headers: dict[str, str], kind: str = "API key") -> str:
+    """Why a request's credential is refused, from what it sent (never echoing it): none at all, an
+    Authorization header of another form, or a key this service does not have."""
+    how = "send it as X-API-Key: <key> or Authorization: Bearer <key>"
+    if headers.get("x-api-key", "").strip():
+        sent = "the X-API-Key header"
+    elif headers.get("authorization", "").strip():
+        scheme, _, value = headers["authorization"].strip().partition(" ")
+        if scheme.lower() not in ("bearer", "token"):
+            return (
+                f"missing {kind}: the Authorization header is not 'Bearer <key>' (its scheme is "
+                f"{scheme[:20]!r}); {how}"
+            )
+        if not value.strip():
+            return f"missing {kind}: the Authorization header names no key after {scheme[:20]!r}; {how}"
+        sent = f"the Authorization: {scheme[:20]} header"
+    else:
+        return f"missing {kind}: {how}"
+    key = credential(headers) or ""
+    shape = f"a {'tml- key' if key.startswith('tml-') else 'value'} of {len(key)} characters"
+    return (
+        f"wrong {kind}: {sent} holds {shape} that this service does not know (revoked, from another "
+        "service, or mistyped); check the key you exported (TINKER_API_KEY or OPENRL_TOKEN)"
+    )
+
+
 class AuthMiddleware:
     def __init__(
         self,
@@ -243,9 +269,8 @@ class AuthMiddleware:
                 "hub_user": answer.user,
                 "hub_created": created,
             }
-        what = "wrong" if key else "missing"
         kind = "API key or JupyterHub token" if self.hub is not None else "API key"
-        return _Refused(401, f"{what} {kind}: send it as X-API-Key or Authorization: Bearer")
+        return _Refused(401, unauthorised(headers, kind))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
