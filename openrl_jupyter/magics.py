@@ -131,10 +131,13 @@ class OpenRLMagics(Magics):
                 ) from None
         if a.detached and not a.local:
             raise UsageError("--detached goes with --local: %openrl connect --local --detached")
-        if not (a.url or a.local or os.environ.get("OPENRL_URL") or self.url):
+        if not (
+            a.url or a.local or os.environ.get("OPENRL_URL") or self.url or os.environ.get("TINKER_BASE_URL")
+        ):
             raise UsageError(
                 "no openrl service to connect to: %openrl connect URL (key in $OPENRL_TOKEN), set "
-                "$OPENRL_URL, set c.OpenRLMagics.url, or start one here with %openrl connect --local"
+                "$OPENRL_URL or $TINKER_BASE_URL (the lines `openrl-service serve` prints), set "
+                "c.OpenRLMagics.url, or start one here with %openrl connect --local"
             )
         session = sessions.connect(
             a.url,

@@ -1,11 +1,9 @@
 """Connections to openrl services: ``connect()``, named sessions, and the embedded local service.
 
-Where the URL and key come from (first match wins): arguments > ``OPENRL_URL`` / ``OPENRL_TOKEN``
-> configuration (``config`` mapping, e.g. IPython's ``c.OpenRLMagics.url``) > nothing, which is a
-clear error saying how to connect. In a JupyterHub single-user server with no key configured, the
-server's own ``$JUPYTERHUB_API_TOKEN`` is the key — sent only to the service the hub or the
-configuration names (``$OPENRL_URL`` / ``config["url"]``), never to a URL typed on the line; the
-service resolves it to the tenant ``hub:<user>``. ``Session.mint_key()`` turns it into a ``tml-`` key
+Where the URL and key come from: :mod:`openrl_jupyter.credentials` (arguments > ``OPENRL_URL`` /
+``OPENRL_TOKEN`` > configuration > ``TINKER_BASE_URL`` / ``TINKER_API_KEY`` > the JupyterHub server's
+own token, each with its conditions), or a clear error saying how to connect. The service resolves a
+hub token to the tenant ``hub:<user>``. ``Session.mint_key()`` turns it into a ``tml-`` key
 for the Tinker SDK (exported as ``TINKER_API_KEY``). ``local=True`` starts an embedded ``openrl-service`` child on a
 free loopback port (``local.start_service``) with a fresh key passed through its environment (never
 its command line); it exits when this process exits or dies, because it watches a pipe this process
@@ -22,9 +20,10 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
+from openrl_jupyter import credentials
 from openrl_jupyter._exceptions import OpenRLError, UsageError
 from openrl_jupyter.client import AsyncClient, Client
-from openrl_jupyter.hub import hub_token, keep_alive
+from openrl_jupyter.hub import keep_alive
 from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, find_detached, start_service
 
 if TYPE_CHECKING:
@@ -56,7 +55,9 @@ class Session:
     _aclient: AsyncClient | None = field(default=None, repr=False)
     _feed: EventFeed | None = field(default=None, repr=False)
     served: dict[str, dict] = field(default_factory=dict, repr=False)
-    credential: str = "none"  # where the key came from: argument, OPENRL_TOKEN, config, hub, local, none
+    credential: str = (
+        "none"  # where the key came from: argument, OPENRL_TOKEN, config, TINKER_API_KEY, hub, local, none
+    )
     # put in the user_metadata of every run this session creates ({"openrl.job": id} in a job's worker)
     labels: dict = field(default_factory=dict, repr=False)
     detached: dict[str, Job] = field(default_factory=dict, repr=False)  # this kernel's jobs by name
@@ -338,22 +339,15 @@ def connect(
         url = local_service.url
         credential = "local"
     else:
-        configured = {u for u in (os.environ.get("OPENRL_URL"), config.get("url")) if u}
-        url = url or os.environ.get("OPENRL_URL") or config.get("url")
-        if token:
-            credential = "argument"
-        elif os.environ.get("OPENRL_TOKEN"):
-            token, credential = os.environ["OPENRL_TOKEN"], "OPENRL_TOKEN"
-        elif config.get("token"):
-            token, credential = config["token"], "config"
-        elif hub_token() and url in configured:  # the hub's token goes only where the hub points
-            token, credential = hub_token(), "hub"
+        found = credentials.find(url, token, config_url=config.get("url"), config_token=config.get("token"))
+        url, token, credential = found.url, found.token, found.key_from
+        credential = "argument" if credential == "given" else credential
         if url and not url.startswith(("http://", "https://")):
             raise UsageError(f"the service URL must start with http:// or https://; got {url!r}")
         if not url:
             raise UsageError(
-                "no openrl service to connect to: pass a URL, set OPENRL_URL (and OPENRL_TOKEN), "
-                "or use local=True to start one here"
+                "no openrl service to connect to: pass a URL, set OPENRL_URL (and OPENRL_TOKEN) or "
+                "TINKER_BASE_URL (and TINKER_API_KEY), or use local=True to start one here"
             )
     token = Secret(token) if token else None
     client = Client(url, token=token)

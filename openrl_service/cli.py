@@ -168,13 +168,21 @@ def _serve(args: argparse.Namespace) -> int:
     elif settings.auth_enabled and not settings.api_keys:
         key, path, created = ensure_generated_key(settings.data_dir)
         settings.api_keys[key] = "default"
+        # The Tinker SDK and a notebook's %openrl connect both read these two variables.
+        here = re.sub(r"^http://(0\.0\.0\.0|\[::\])(:\d+)$", r"http://127.0.0.1\2", url)  # all interfaces
         if created:
-            print(f"openrl-service: no API keys configured; created {path} (tenant 'default'):", flush=True)
+            print(
+                f"openrl-service: no API keys configured; created {path} (tenant 'default'). For the "
+                "Tinker SDK and for a notebook (%openrl connect), in the shell that starts them:",
+                flush=True,
+            )
+            print(f"export TINKER_BASE_URL={here}", flush=True)
             print(f"export TINKER_API_KEY={key}", flush=True)
         else:  # printed once, when created: logs of a long-running service reach more people
             print(
-                f"openrl-service: no API keys configured; using the key in {path} (tenant 'default'): "
-                f'export TINKER_API_KEY="$(cat {path})"',
+                f"openrl-service: no API keys configured; using the key in {path} (tenant 'default'); "
+                "for the Tinker SDK and a notebook (%openrl connect): "
+                f'export TINKER_BASE_URL={here} TINKER_API_KEY="$(cat {path})"',
                 flush=True,
             )
     if not settings.auth_enabled:

@@ -1,21 +1,21 @@
 """Which openrl service the Jupyter server talks to, with which key, and how its errors read.
 
-Where the URL and key come from (first match wins, as for ``%openrl connect``):
-``c.OpenRLServer.url`` / ``.token`` > ``$OPENRL_URL`` + ``$OPENRL_TOKEN`` > the single-user server's
-``$JUPYTERHUB_API_TOKEN`` (sent only to a configured URL) > the newest live discovery file
-``<runtime dir>/openrl-local-<pid>.json`` written by ``%openrl connect --local``. It is resolved on
+Where the URL and key come from (first match wins, as for ``%openrl connect``:
+:mod:`openrl_jupyter.credentials`): ``c.OpenRLServer.url`` / ``.token`` > ``$OPENRL_URL`` +
+``$OPENRL_TOKEN`` > ``$TINKER_BASE_URL`` + ``$TINKER_API_KEY`` (the key only for that URL) > the
+single-user server's ``$JUPYTERHUB_API_TOKEN`` (sent only to a configured URL) > the newest live
+discovery file ``<runtime dir>/openrl-local-<pid>.json`` written by ``%openrl connect --local``. It is resolved on
 each request, so a service started in a notebook after the server shows up without a restart.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
 
-from openrl_jupyter.hub import hub_token
+from openrl_jupyter import credentials
 from openrl_jupyter.local import discovered
 
 NOT_CONFIGURED = (
@@ -30,8 +30,8 @@ class Target:
 
     url: str
     token: str | None = field(repr=False)
-    source: str  # "config", "OPENRL_URL", "discovery"
-    credential: str  # where the key came from: config, OPENRL_TOKEN, hub, discovery, none
+    source: str  # "config", "OPENRL_URL", "TINKER_BASE_URL", "discovery"
+    credential: str  # where the key came from: config, OPENRL_TOKEN, TINKER_API_KEY, hub, discovery, none
 
 
 def resolve(
@@ -42,19 +42,11 @@ def resolve(
     env: Mapping[str, str] | None = None,
 ) -> Target | None:
     """The service this server talks to now, or None (then the panel shows how to connect)."""
-    env = os.environ if env is None else env
-    if url or env.get("OPENRL_URL"):
-        source = "config" if url else "OPENRL_URL"
-        url = url or env["OPENRL_URL"]
-        if token:
-            credential = "config"
-        elif env.get("OPENRL_TOKEN"):
-            token, credential = env["OPENRL_TOKEN"], "OPENRL_TOKEN"
-        elif hub_token(env):  # a configured URL: the hub's token may go there, never to a discovered one
-            token, credential = hub_token(env), "hub"
-        else:
-            credential = "none"
-        return Target(url.rstrip("/"), token, source, credential)
+    found = credentials.find(url, token, given_is_configured=True, env=env)
+    if found.url is not None:
+        source = "config" if found.url_from == "given" else found.url_from
+        credential = "config" if found.key_from == "given" else found.key_from
+        return Target(found.url.rstrip("/"), found.token, source, credential)
     found = discovered(runtime_dir)
     if found is None:
         return None

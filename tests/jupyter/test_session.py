@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from openrl_jupyter import ServiceUnavailable
+from openrl_jupyter import AuthenticationError, ServiceUnavailable
 from openrl_jupyter import session as sess
+from openrl_jupyter.credentials import same_service
 from tests.conftest import ALICE_KEY, BOB_KEY, free_port
 
 
 @pytest.fixture(autouse=True)
 def clean_sessions(monkeypatch):
-    monkeypatch.delenv("OPENRL_URL", raising=False)
-    monkeypatch.delenv("OPENRL_TOKEN", raising=False)
+    for var in ("OPENRL_URL", "OPENRL_TOKEN", "TINKER_BASE_URL", "TINKER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
     yield
     for name in list(sess.sessions()):
         sess.disconnect(name)
@@ -36,6 +37,25 @@ def test_precedence_arguments_then_env_then_config(server, monkeypatch):
     assert run["run_id"] in [r["run_id"] for r in sess.get_session().client.list_runs()]
     monkeypatch.setenv("OPENRL_URL", f"http://127.0.0.1:{free_port()}")  # the argument wins over the env
     assert sess.connect(server.url, token=ALICE_KEY).client.capabilities()[0]["model_name"] == "openrl/tiny"
+
+
+def test_the_lines_serve_prints_for_the_sdk_connect_the_notebook_too(server, monkeypatch):
+    """`openrl-service serve` prints TINKER_BASE_URL and TINKER_API_KEY; a notebook with them set
+    connects without OPENRL_*; OPENRL_TOKEN still wins; a TINKER_API_KEY meant for another service
+    (hosted Tinker's) is never sent to this one."""
+    monkeypatch.setenv("TINKER_BASE_URL", server.url + "/")
+    monkeypatch.setenv("TINKER_API_KEY", ALICE_KEY)
+    s = sess.connect()
+    assert s.url.rstrip("/") == server.url and s.credential == "TINKER_API_KEY"
+    assert s.client.create_run(name="via-tinker-env")["run_id"]
+    monkeypatch.setenv("OPENRL_TOKEN", BOB_KEY)
+    assert sess.connect().credential == "OPENRL_TOKEN"
+    monkeypatch.delenv("OPENRL_TOKEN")
+    monkeypatch.setenv("TINKER_BASE_URL", "https://tinker.example.com/services/tinker-prod")
+    with pytest.raises(AuthenticationError) as refused:  # the (valid here) key was not sent
+        sess.connect(server.url)
+    assert ALICE_KEY not in str(refused.value) and "missing API key" in str(refused.value)
+    assert same_service("http://Host:80/", "http://host") and not same_service("http://h:1", "http://h:2")
 
 
 def test_named_sessions(server):

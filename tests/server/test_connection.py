@@ -36,6 +36,20 @@ def test_configuration_then_environment_then_the_hub_token(tmp_path):
     assert resolve(url=None, token=None, runtime_dir=str(tmp_path), env={}) is None
 
 
+def test_the_lines_serve_prints_point_the_server_too_and_a_tinker_key_goes_only_to_its_url(tmp_path):
+    printed = {"TINKER_BASE_URL": "http://127.0.0.1:8000/", "TINKER_API_KEY": "tml-printed"}
+    t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=printed)
+    assert (t.url, t.token, t.source, t.credential) == (
+        "http://127.0.0.1:8000",
+        "tml-printed",
+        "TINKER_BASE_URL",
+        "TINKER_API_KEY",
+    )
+    elsewhere = {**printed, "OPENRL_URL": "http://other:9000"}  # a hosted key is not sent elsewhere
+    t = resolve(url=None, token=None, runtime_dir=str(tmp_path), env=elsewhere)
+    assert (t.url, t.token, t.credential) == ("http://other:9000", None, "none")
+
+
 def write(folder, name: str, body) -> None:
     (folder / name).write_text(body if isinstance(body, str) else json.dumps(body))
 

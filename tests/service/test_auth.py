@@ -545,12 +545,13 @@ def test_cli_without_keys_generates_one_prints_it_and_keeps_it(tmp_path, tiny_mo
         caps = tinker.RestClient(base_url=first.url, api_key=key).get_server_capabilities().result()
         assert [m.model_name for m in caps.supported_models] == [TINY]
     assert f"export TINKER_API_KEY={key}" in first.stdout.splitlines()
+    assert f"export TINKER_BASE_URL={first.url}" in first.stdout.splitlines()  # what a notebook reads too
     # A restart reuses the same key: notebooks holding it keep working. It says where the key is, and
     # never prints it again (logs of a long-running service are read by more people than its owner).
     with serving(data, tiny_model_dir) as second:
         assert status_with(second.url, key) == 200
     assert key not in second.stdout
-    assert str(key_file) in second.stdout
+    assert f'export TINKER_BASE_URL={second.url} TINKER_API_KEY="$(cat {key_file})"' in second.stdout
 
 
 def test_cli_access_log_never_shows_a_download_token(tmp_path, tiny_model_dir):
