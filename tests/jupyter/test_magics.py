@@ -76,6 +76,28 @@ def test_help_and_docstring(shell):
     assert cell.ok and "--reward" in cell.out and "--max-tokens" in cell.out
 
 
+def test_every_way_of_asking_for_help_answers(shell):
+    """%openrl --help, %openrl help CMD and %openrl CMD --help: each answers, headed as one types it,
+    every option with a description and, where it has one, its default."""
+    for line in ("%openrl --help", "%openrl -h"):
+        cell = run(shell, line)
+        assert cell.ok and "Subcommands" in cell.out, (line, cell.text)
+    by_verb = run(shell, "%openrl help train")
+    by_flag = run(shell, "%openrl train --help")
+    for cell in (by_verb, by_flag):
+        assert cell.ok, cell.text
+        assert cell.out.lstrip().startswith("usage: %openrl train"), cell.out[:80]
+        assert "%%openrl" not in cell.out and "::" not in cell.out
+        assert "RL steps to run (default: 60)" in " ".join(cell.out.split())
+    one_error_line(
+        run(shell, "%openrl help trian"), "UsageError", "no subcommand 'trian'", "did you mean train?"
+    )
+    from openrl_jupyter.magic_args import parsers
+
+    undescribed = [(verb, a.dest) for verb, p in parsers().items() for a in p._actions if not a.help]
+    assert undescribed == []
+
+
 def test_the_help_names_every_option_of_every_subcommand(shell):
     """The manual is written from the parsers, so an option added to one cannot be missing from it."""
     from openrl_jupyter.magic_args import parsers
@@ -203,14 +225,21 @@ def test_train_and_every_run_subcommand(shell, server, monkeypatch):
     "line, needles",
     [
         ("%openrl frobnicate", ["unknown subcommand 'frobnicate'"]),
+        ("%openrl trian", ["unknown subcommand 'trian'", "did you mean train?"]),
         ("run = %openrl train --reward nope_not_defined --prompts P", ["unknown reward 'nope_not_defined'"]),
         ("run = %openrl train --reward R --prompts MISSING", ["no variable 'MISSING'"]),
         ("run = %openrl train --reward R --prompts EMPTY", ["prompts is empty"]),
         ("run = %openrl train --reward R --prompts P --steps abc", ["--steps", "invalid int value"]),
-        ("run = %openrl train --reward R --prompts P --loss sft", ["--loss", "invalid choice"]),
+        ("run = %openrl train --reward R --prompts P --loss sft", ["--loss must be one of", "got 'sft'"]),
+        ("run = %openrl train --reward R --prompts P --loss ppoo", ["did you mean ppo?"]),
         ("run = %openrl train --prompts P", ["--reward"]),
         ("run = %openrl train --reward R --prompts P --group 1", ["group must be at least 2"]),
-        ("run = %openrl train --reward R --prompts P --bogus 3", ["unrecognized arguments: --bogus"]),
+        ("run = %openrl train --reward R --prompts P --bogus 3", ["unknown option --bogus"]),
+        # no abbreviations: --step is not silently --steps
+        (
+            "run = %openrl train --reward R --prompts P --step 5",
+            ["unknown option --step", "did you mean --steps?"],
+        ),
         ("%openrl stop nothere", ["no runs yet"]),
         ("%openrl disconnect other", ["no session named 'other'"]),
     ],
@@ -240,6 +269,11 @@ def test_quoted_arguments_lose_their_quotes(shell, server, monkeypatch):
     assert r.name == "my run"
     r.wait(120)
     cell = run(shell, '%openrl save "my run" "ckpt-one"')
+    assert cell.ok and "/weights/ckpt-one" in cell.out, cell.text
+    # again: the refusal names the magic's flag, not the Python keyword
+    line = one_error_line(run(shell, '%openrl save "my run" "ckpt-one"'), "UsageError", "add --overwrite")
+    assert "overwrite=True" not in line
+    cell = run(shell, '%openrl save "my run" "ckpt-one" --overwrite')
     assert cell.ok and "/weights/ckpt-one" in cell.out, cell.text
 
 
