@@ -4,16 +4,81 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import re
 
-from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.config import LOSSES
 
 
-def parser(prog: str, description: str) -> MagicArgumentParser:
-    return MagicArgumentParser(prog=f"%openrl {prog}", description=description, add_help=True)
+class HelpFormatter(MagicHelpFormatter):
+    """IPython's magic help, each option's default shown (unless its help already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and "default" not in text
+        if shown and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(MagicArgumentParser):
+    """A verb's parser: no abbreviations (``--step 5`` is not ``--steps 5``), a refusal that suggests
+    the closest option or choice, and help headed ``%openrl VERB`` as one types it."""
+
+    def __init__(self, prog: str, description: str):
+        super().__init__(
+            prog=f"%openrl {prog}", description=description, add_help=True, formatter_class=HelpFormatter
+        )
+        self.allow_abbrev = False  # (MagicArgumentParser does not take the argument)
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {self._explain(message)}")
+
+    def _explain(self, message: str) -> str:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            flags = [w for w in unknown.group(1).split() if w.startswith("-")]
+            if flags:
+                word = flags[0].split("=", 1)[0]
+                close = difflib.get_close_matches(word, list(self._option_string_actions), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                return f"unknown option {word}{hint} ({self.prog} --help lists them)"
+            return f"{message} ({self.prog} --help says what it takes)"
+        choice = re.match(r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)", message)
+        if choice:
+            flag, got, allowed = choice.groups()
+            options = [c.strip().strip("'") for c in allowed.split(",")]
+            close = difflib.get_close_matches(got, options, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            return f"{flag} must be one of {', '.join(options)}; got {got!r}{hint}"
+        return message
+
+    def format_usage(self) -> str:
+        return _as_typed(super().format_usage())
+
+    def format_help(self) -> str:
+        return _as_typed(super().format_help())
+
+
+def _as_typed(text: str) -> str:
+    """IPython writes usage as reST (``::`` and ``%%openrl``); the help shows what one types."""
+    if text.startswith("::\n\n  "):
+        text = "usage: " + text[len("::\n\n  ") :]
+    return text.replace(":: ", "").replace("%%openrl", "%openrl")
+
+
+def parser(prog: str, description: str) -> Parser:
+    return Parser(prog, description)
+
+
+def suggest(word: str, choices: list[str]) -> str:
+    """ "; did you mean X?" for the closest of ``choices``, or nothing."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def detach_options(parser: MagicArgumentParser, what: str) -> None:
@@ -78,16 +143,24 @@ def parsers() -> dict[str, MagicArgumentParser]:
     t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
     t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
     t.add_argument("--model", default=None, help="a model the service serves (default: the session's)")
-    t.add_argument("--steps", type=int, default=60)
+    t.add_argument("--steps", type=int, default=60, help="RL steps to run")
     t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
     t.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
     t.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
     t.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the model's)")
-    t.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
-    t.add_argument("--temperature", type=float, default=None)
-    t.add_argument("--loss", default="importance_sampling", choices=LOSSES)
+    t.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        dest="max_tokens",
+        help="the longest completion (default: the model's)",
+    )
+    t.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: the model's)"
+    )
+    t.add_argument("--loss", default="importance_sampling", choices=LOSSES, help="the RL loss")
     t.add_argument("--normalize-std", action="store_true", dest="normalize_std", help="divide by group std")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seeds the LoRA initialisation and the sampling")
     t.add_argument(
         "--load-from",
         default=None,
@@ -119,14 +192,20 @@ def parsers() -> dict[str, MagicArgumentParser]:
         ("--seed", "seeds"),
     ):
         w.add_argument(flag, default=None, help=f"{what}, comma-separated")
-    w.add_argument("--steps", type=int, default=60)
+    w.add_argument("--steps", type=int, default=60, help="the most steps of each run")
     w.add_argument("--budget", type=int, default=None, help="the most steps of all runs together")
     w.add_argument("--rungs", type=int, default=None, help="how many halvings (default: down to one run)")
     w.add_argument("--keep", type=float, default=0.5, help="the share kept at each rung")
     w.add_argument("--metric", default="reward_mean", help="the history column runs are ranked by")
     w.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
     w.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
-    w.add_argument("--max-tokens", type=int, default=None, dest="max_tokens")
+    w.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        dest="max_tokens",
+        help="the longest completion (default: the model's)",
+    )
     w.add_argument("--name", default=None, help="sweep name (its runs are NAME-lr1e-4-r8-...)")
     detach_options(w, "sweep")
     w.add_argument("--session", default=None)
@@ -146,8 +225,8 @@ def parsers() -> dict[str, MagicArgumentParser]:
         if verb != "resume":
             v.add_argument("--wait", action="store_true", help="return once no step is in flight")
     s = p["save"] = parser("save", "Save a run's weights and optimizer; prints the tinker:// path.")
-    s.add_argument("run", nargs="?", default=None)
-    s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name")
+    s.add_argument("run", nargs="?", default=None, help="run name (default: the latest run of this kernel)")
+    s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name (default: RUN-stepN)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
     for verb, desc in (
@@ -162,7 +241,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         v = p[verb] = parser(verb, desc)
         v.add_argument("--session", default=None)
     st = p["status"] = parser("status", "The service, or one run, in a few lines.")
-    st.add_argument("run", nargs="?", default=None)
+    st.add_argument("run", nargs="?", default=None, help="a run's name (default: the whole service)")
     st.add_argument("--session", default=None)
     k = p["token"] = parser(
         "token",
@@ -170,7 +249,12 @@ def parsers() -> dict[str, MagicArgumentParser]:
         "TINKER_API_KEY (never shown); 'list' your keys, 'revoke ID' one.",
     )
     k.add_argument(
-        "action", nargs="?", default="mint", choices=("mint", "list", "revoke"), metavar="mint|list|revoke"
+        "action",
+        nargs="?",
+        default="mint",
+        choices=("mint", "list", "revoke"),
+        metavar="mint|list|revoke",
+        help="mint a key (the default), list yours, or revoke one",
     )
     k.add_argument(
         "id", nargs="?", default=None, metavar="ID", help="the key id to revoke (see %%openrl token list)"
@@ -185,8 +269,13 @@ def parsers() -> dict[str, MagicArgumentParser]:
     at.add_argument("name", help="the detached run's (job's) name, as %%openrl runs lists it")
     at.add_argument("--session", default=None)
     d = p["disconnect"] = parser("disconnect", "Close a connection (an embedded service stops).")
-    d.add_argument("name", nargs="?", default=None)
-    p["help"] = parser("help", "This text.")
+    d.add_argument("name", nargs="?", default=None, help="the connection's name (default: the only one)")
+    h = p["help"] = parser("help", "This text, or one subcommand's options: %%openrl help train.")
+    h.add_argument("verb", nargs="?", default=None, metavar="SUBCOMMAND", help="the subcommand to explain")
+    for v in p.values():  # every verb that picks a connection says how
+        for action in v._actions:
+            if action.dest == "session" and not action.help:
+                action.help = "the connection to use, by name (default: the only open one)"
     return p
 
 

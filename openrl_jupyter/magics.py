@@ -21,7 +21,7 @@ from traitlets import Float, Unicode
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub
 from openrl_jupyter._exceptions import OpenRLError, UsageError
-from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers
+from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers, suggest
 from openrl_jupyter.rewards import registry
 
 KEY_SOURCES = {
@@ -105,9 +105,12 @@ class OpenRLMagics(Magics):
             if not words:
                 return self._help(None)
             verb = words[0]
+            if verb in ("--help", "-h"):
+                return self._help(None)
             if verb not in self._verbs:
                 raise UsageError(
-                    f"unknown subcommand {verb!r}; one of: {', '.join(self._verbs)} (see %openrl help)"
+                    f"unknown subcommand {verb!r}{suggest(verb, list(self._verbs))} (one of: "
+                    f"{', '.join(self._verbs)}; %openrl help explains them)"
                 )
             args = self._parsers[verb].parse_args(words[1:])
             return self._verbs[verb](args)
@@ -275,7 +278,12 @@ class OpenRLMagics(Magics):
 
     def _save(self, a):
         run = self._session(a.session).get_run(a.run)
-        path = run.save(a.checkpoint, overwrite=a.overwrite)
+        try:
+            path = run.save(a.checkpoint, overwrite=a.overwrite)
+        except OpenRLError as e:  # the service's hint names the Python keyword; here it is a flag
+            if "already exists" not in str(e):
+                raise
+            raise UsageError(str(e).replace("pass overwrite=True", "add --overwrite")) from None
         print(f"openrl: saved run {run.name!r} at step {run.step}: {path}")
 
     def _runs(self, a):
@@ -456,7 +464,16 @@ class OpenRLMagics(Magics):
         print(f"openrl: session {session.name!r} disconnected{note}")
 
     def _help(self, a):
-        print(help_text(self._parsers))
+        verb = getattr(a, "verb", None)
+        if verb is None:
+            print(help_text(self._parsers))
+        elif verb in self._parsers:
+            print(self._parsers[verb].format_help())
+        else:
+            raise UsageError(
+                f"%openrl help: no subcommand {verb!r}{suggest(verb, list(self._parsers))} (one of: "
+                f"{', '.join(self._parsers)})"
+            )
 
     # -- %%openrl reward NAME -------------------------------------------------------------------------
     def _cell(self, line: str, cell: str):
