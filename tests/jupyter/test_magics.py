@@ -336,3 +336,18 @@ def test_disconnect_names_the_runs_it_stopped(shell, server, monkeypatch):
     cell = run(shell, "%openrl disconnect")
     assert cell.ok and "stopped its active runs: long" in cell.out
     assert shell.user_ns["r"].done
+
+
+def test_status_tables_fit_their_columns():
+    """A long error wraps in its column; no other row is padded out to it, no line ends in spaces."""
+    from openrl_jupyter.magics import Table
+
+    error = "RunPaused: every sample failed in reward boom v1: ZeroDivisionError: division by zero " * 3
+    text = repr(Table(["field", "value"], [["reward", "boom v1"], ["last error", error]]))
+    lines = text.splitlines()
+    assert "reward      boom v1" in lines and max(len(line) for line in lines) <= 12 + Table.LAST_WIDTH
+    assert all(line == line.rstrip() for line in lines)
+    assert " ".join(
+        " ".join(line.split()[2:]) if i == 2 else line.strip() for i, line in enumerate(lines[2:], 2)
+    )
+    assert "".join(text.split()).count("ZeroDivisionError") == 3  # nothing of the error is cut
