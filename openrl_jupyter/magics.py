@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import os
 import shlex
+import textwrap
 import time
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from openrl_jupyter.rewards import registry
 KEY_SOURCES = {
     "hub": "this JupyterHub server's own token (your hub user)",
     "OPENRL_TOKEN": "$OPENRL_TOKEN",
+    "TINKER_API_KEY": "$TINKER_API_KEY (for $TINKER_BASE_URL, as openrl-service serve printed them)",
     "config": "configuration",
     "argument": "given to connect",
     "local": "the embedded service's",
@@ -40,13 +42,30 @@ class Table:
     def __init__(self, columns: list[str], rows: list[list], title: str = ""):
         self.columns, self.rows, self.title = columns, rows, title
 
+    MAX_WIDTH = 60  # a column wider than this wraps (a long error does not pad every other row)
+    LAST_WIDTH = 100  # the last column is never padded; it wraps at this
+
     def __repr__(self) -> str:
+        last = len(self.columns) - 1
+        cap = [self.LAST_WIDTH if i == last else self.MAX_WIDTH for i in range(len(self.columns))]
         widths = [
-            max([len(str(c)), *(len(str(r[i])) for r in self.rows)]) for i, c in enumerate(self.columns)
+            min(cap[i], max([len(str(c)), *(len(str(r[i])) for r in self.rows)]))
+            for i, c in enumerate(self.columns)
         ]
-        line = "  ".join(str(c).ljust(w) for c, w in zip(self.columns, widths, strict=True))
-        body = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in self.rows]
-        return "\n".join(([self.title] if self.title else []) + [line, *body])
+
+        def lines(row: list) -> list[str]:
+            cells = [
+                textwrap.wrap(str(v), w, break_on_hyphens=False) or [""]
+                for v, w in zip(row, widths, strict=True)
+            ]
+            out = []
+            for k in range(max(len(c) for c in cells)):
+                parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
+                out.append("  ".join(parts).rstrip())
+            return out
+
+        body = [text for r in [self.columns, *self.rows] for text in lines(r)]
+        return "\n".join(([self.title] if self.title else []) + body)
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(str(c))}</th>" for c in self.columns)
