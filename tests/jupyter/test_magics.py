@@ -25,8 +25,8 @@ def shell():
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    monkeypatch.delenv("OPENRL_URL", raising=False)
-    monkeypatch.delenv("OPENRL_TOKEN", raising=False)
+    for var in ("OPENRL_URL", "OPENRL_TOKEN", "TINKER_BASE_URL", "TINKER_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
     yield
     for name, session in list(sess.sessions().items()):
         forget_runs(session)
@@ -351,3 +351,27 @@ def test_status_tables_fit_their_columns():
         " ".join(line.split()[2:]) if i == 2 else line.strip() for i, line in enumerate(lines[2:], 2)
     )
     assert "".join(text.split()).count("ZeroDivisionError") == 3  # nothing of the error is cut
+
+
+@pytest.mark.parametrize(
+    "body, error, line",
+    [
+        ("def reward(prompt, completion, **info:\n    return 1.0\n", "SyntaxError", "def reward(prompt"),
+        (
+            "scale = 1 / 0\ndef reward(prompt, completion, **info):\n    return scale\n",
+            "ZeroDivisionError",
+            "1 / 0",
+        ),
+        ("def helper():\n    return {}['k']\nhelper()\n", "KeyError", "return {}['k']"),
+    ],
+    ids=["syntax", "raises", "raises-in-a-function"],
+)
+def test_a_reward_cell_that_fails_shows_the_users_lines_only(shell, body, error, line):
+    """The traceback of a failing %%openrl reward cell is the user's code (its lines, its error), not
+    the magic's machinery; nothing is registered."""
+    cell = run(shell, f"%%openrl reward broken_cell\n{body}")
+    assert not cell.ok
+    assert error in cell.text and line in cell.text, cell.text
+    assert "magics.py" not in cell.text and "openrl_jupyter" not in cell.text, cell.text
+    assert "nothing was registered" in cell.text
+    assert "broken_cell" not in registry.names()
