@@ -9,6 +9,7 @@
     ├── ServiceError          the service failed or could not be reached
     │   ├── ServiceUnavailable    connection refused / timed out / 503, after retries
     │   └── ServerError           5xx with an incident id
+    ├── RewardCellError       a %%openrl reward cell raised; shown as the user's own lines only
     ├── RunPaused             wait() on a run that paused on an error (fix it, then resume())
     ├── RunFailed             wait() on a run that cannot continue
     └── RunTimeout            wait() gave up after its timeout (also a TimeoutError); the run goes on
@@ -29,6 +30,29 @@ class OpenRLError(Exception):
 
 class UsageError(OpenRLError):
     """The caller asked for something impossible (a bad flag, a missing extra, no URL)."""
+
+
+class RewardCellError(OpenRLError):
+    """A ``%%openrl reward NAME`` cell raised (or did not compile). IPython shows the user's frames
+    only, those in the cell and below it: the magic that ran it is not the user's to read."""
+
+    def __init__(self, name: str, error: BaseException, filename: str):
+        super().__init__(
+            f"the %%openrl reward {name} cell failed ({type(error).__name__}); nothing was registered"
+        )
+        self.error = error
+        self.filename = filename
+
+    def _render_traceback_(self) -> list[str]:
+        import traceback
+
+        tb = self.error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != self.filename:
+            tb = tb.tb_next  # the magic's own frames, above the cell
+        lines = traceback.format_exception(type(self.error), self.error, tb)
+        if tb is None and not isinstance(self.error, SyntaxError):  # raised outside the cell: its line only
+            lines = traceback.format_exception_only(type(self.error), self.error)
+        return [line.rstrip("\n") for line in lines] + [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
 class RequestError(OpenRLError):

@@ -21,7 +21,7 @@ from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub
-from openrl_jupyter._exceptions import OpenRLError, UsageError
+from openrl_jupyter._exceptions import OpenRLError, RewardCellError, UsageError
 from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers, suggest
 from openrl_jupyter.rewards import registry
 
@@ -506,7 +506,10 @@ class OpenRLMagics(Magics):
         before = {k: ns.get(k) for k in ("reward", "reward_group")}
         cell = self.shell.transform_cell(cell)  # %magics and !commands work in a reward cell too
         filename = self.shell.compile.cache(cell)
-        exec(compile(cell, filename, "exec"), ns)  # noqa: S102 - the user's own cell, in the user's kernel
+        try:
+            exec(compile(cell, filename, "exec"), ns)  # noqa: S102 - the user's own cell, in the user's kernel
+        except Exception as e:  # shown as the user's own lines (RewardCellError._render_traceback_)
+            raise RewardCellError(name, e, filename) from None
         defined = [
             k for k in ("reward_group", "reward") if ns.get(k) is not before[k] and callable(ns.get(k))
         ]
