@@ -268,7 +268,7 @@ class OpenRLMagics(Magics):
     def _pause(self, a):
         job = self._job(a)
         if job is not None:
-            job.pause()
+            job.pause(reason="paused with %openrl pause")
             print(f"openrl: asked detached {job.kind} {job.name!r} to pause after its current step")
             return
         run = self._session(a.session).get_run(a.run)
@@ -278,7 +278,7 @@ class OpenRLMagics(Magics):
     def _resume(self, a):
         job = self._job(a)
         if job is not None:
-            job.resume()
+            job.resume(reason="resumed with %openrl resume")
             print(f"openrl: asked detached {job.kind} {job.name!r} to resume")
             return
         run = self._session(a.session).get_run(a.run)
@@ -288,8 +288,15 @@ class OpenRLMagics(Magics):
     def _stop(self, a):
         job = self._job(a)
         if job is not None:
-            job.stop(wait=a.wait)
-            print(f"openrl: detached {job.kind} {job.name!r} is {job.entry.get('state')}")
+            job.stop(reason="stopped with %openrl stop", wait=a.wait)
+            state = job.entry.get("state")
+            if a.wait or state in ("stopped", "finished", "failed"):
+                print(f"openrl: detached {job.kind} {job.name!r} is {state}")
+            else:  # it obeys at its next step: say so, not only that it is (still) running
+                print(
+                    f"openrl: asked detached {job.kind} {job.name!r} to stop after its current step "
+                    f"(it is {state} now; %openrl stop {job.name} --wait waits for it)"
+                )
             return
         run = self._session(a.session).get_run(a.run)
         run.stop(wait=a.wait)

@@ -676,9 +676,18 @@ class Run:
 
 
 def _from_panel(verb: str, reason: Any) -> str:
-    """ "stopped from the panel", with the panel's reason when it gave its own."""
+    """ "stopped from the panel", with the panel's reason when it gave its own; a reason that says
+    itself how ("stopped with %openrl stop") as it is."""
     text = f"{verb} from the panel"
+    if reason and str(reason).startswith(f"{verb} "):
+        return str(reason)
     return text if not reason or reason == text else f"{text}: {reason}"
+
+
+def stopped_from_outside(reason: str | None) -> bool:
+    """Whether a run's ``stop_reason`` is a stop asked from outside its loop (the panel, a magic in
+    another kernel, the service's control), not its own end."""
+    return (reason or "").startswith(("stopped from the panel", "stopped with "))
 
 
 def _one_line(exc: BaseException) -> str:

@@ -432,7 +432,7 @@ class Attached:
     def pause(self, **_: Any) -> Attached:
         return self._control("pause")
 
-    def resume(self) -> Attached:
+    def resume(self, **_: Any) -> Attached:
         return self._control("resume")
 
     def stop(self, **_: Any) -> Attached:

@@ -226,6 +226,8 @@ class _Worker:
         for r in runs:  # the runs' final state reaches the service before the job's key is revoked
             with contextlib.suppress(Exception):
                 r._runner.submit(r._report_state()).result(10)
+        from openrl_jupyter.run import stopped_from_outside
+
         if failure:
             state, message = "failed", failure
         elif body["kind"] == "run":
@@ -240,9 +242,7 @@ class _Worker:
             sweep = self.target
             best = sweep.best
             failed = all(r.state == RunState.FAILED for r in sweep.runs)
-            stopped = self.terminated or any(
-                (r.stop_reason or "").startswith("stopped from the panel") for r in sweep.runs
-            )
+            stopped = self.terminated or any(stopped_from_outside(r.stop_reason) for r in sweep.runs)
             state = "failed" if failed else "stopped" if stopped else "finished"
             message = f"best {best.name}" if best is not None else "no best run"
             if sweep.checkpoint:
