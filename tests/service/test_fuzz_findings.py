@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from tests._support.raw import result
-from tests.service.test_bad_input import RawRun, asample, assert_refused, assert_still_serves
+from tests.service.test_bad_input import (
+    RawRun,
+    asample,
+    assert_error_result,
+    assert_refused,
+    assert_still_serves,
+)
 
 
 @pytest.fixture
@@ -221,6 +227,54 @@ def test_an_op_with_no_run_or_slot_and_another_bad_field_is_a_400_naming_the_slo
     assert_refused(r, 400, field)
     assert r.json()["field"] == field
     assert_still_serves(server.url)
+
+
+# -- found by a review of the request models ---------------------------------------------------
+@pytest.mark.parametrize(
+    "path, extra, field",
+    [
+        ("/api/v1/save_weights", {"path": "flagged", "overwrite": "false"}, "overwrite"),
+        ("/api/v1/load_weights", {"path": "tinker://x:train:0/weights/y", "optimizer": "true"}, "optimizer"),
+        ("/api/v1/save_weights_for_sampler", {"sampling_session_seq_id": -1}, "sampling_session_seq_id"),
+    ],
+)
+def test_an_ops_flag_or_id_of_the_wrong_kind_fails_in_its_slot_instead_of_being_guessed(
+    client, path, extra, field
+):
+    """ "false" is not false (it used to overwrite), "true" is not true (it used to load without the
+    optimizer, silently), -1 is no sampling session: the op fails as a result naming the field, and
+    the run goes on."""
+    run = RawRun(client)
+    r = client.post(path, json={"model_id": run.model_id, "seq_id": run.next_seq(), **extra})
+    assert_error_result(client, r, field)
+    run.train_ok()
+
+
+def test_a_metric_that_is_not_a_number_is_named_by_its_own_key(client, native_run):
+    for key in ("reward_mean", "Accuracy", "pass@1-top"):
+        r = client.post(f"/openrl/v1/runs/{native_run}/metrics", json={"step": 1, key: "0.5"})
+        err = assert_refused(r, 400, "a finite number or null")
+        assert err["field"] == key, err
+
+
+def test_chat_messages_keep_the_keys_a_chat_template_reads_and_k8s_takes_numeric_quantities(server):
+    from openrl_service.api.schemas import bodies
+
+    b = bodies(server.service.limits, server.service.settings.min_ttl_s)
+    message = {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "calc"}
+    sent = b.NativeSample.model_validate({"prompts": [[message]]}).model_dump(exclude_none=True)
+    assert sent["prompts"] == [[message]]
+    job = b.SubmitJob.model_validate(
+        {
+            "name": "j",
+            "kind": "run",
+            "where": "k8s",
+            "payload": "aGVsbG8=",
+            "payload_sha256": "0" * 64,
+            "k8s": {"cpu": 2, "memory": 4e9},
+        }
+    )
+    assert job.k8s.cpu == 2 and job.k8s.memory == 4e9
 
 
 # -- the published schema ---------------------------------------------------------------------
