@@ -199,14 +199,13 @@ def _path(loc: tuple) -> str:
     return out
 
 
+_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|\w+\[.*\]|function-\w+\[.*\])$")
+
+
 def _is_tag(part: Any) -> bool:
-    """Whether a step of an error's location names a member of a union (``str``, ``list[Message]``,
-    ``function-wrap[check()]``, ``Message``) rather than a field: fields are snake_case."""
-    return isinstance(part, str) and (
-        part in ("str", "int", "float", "bool", "none")
-        or part[:1].isupper()
-        or any(c in part for c in "[]-(")
-    )
+    """Whether a step of an error's location names a member of a union (``str``,
+    ``list[function-wrap[check()]]``, ``constrained-str``) rather than a field or a key."""
+    return isinstance(part, str) and bool(_TAG.match(part))
 
 
 def _first(errors: list) -> dict:

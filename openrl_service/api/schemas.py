@@ -26,7 +26,7 @@ Operation ids are ``<router>_<handler name>`` (``tinker_create_model``, ``rest_g
 
 import dataclasses
 import functools
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
@@ -96,6 +96,11 @@ class AdamParams(Body):
 
 
 class Message(Body):
+    """A chat message: role and content, and whatever else the chat template reads (name,
+    tool_call_id...), passed on as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str
 
@@ -279,8 +284,8 @@ class JobK8s(Body):
 
     image: str | None = None
     volumes: list[str] | None = None
-    cpu: str | None = None
-    memory: str | None = None
+    cpu: str | int | float | None = Field(None, description="a Kubernetes quantity: 2, 0.5 or 500m")
+    memory: str | int | float | None = Field(None, description="a Kubernetes quantity: 4Gi or bytes")
 
 
 class CreateSamplingSession(Body):
@@ -535,7 +540,7 @@ class Bodies:
                 },
             )
             # a whole number stays whole (a reward version), others are finite floats; null: not measured
-            __pydantic_extra__: dict[str, Union[int, Num(), None]]  # noqa: UP007
+            __pydantic_extra__: dict[str, OneOf(int, Num(), None, what="a finite number or null")]
 
             step: Int(0)
             reward_name: Str(max_length=128) | None = None

@@ -216,7 +216,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             body["model_id"],
             body.get("seq_id"),
             body.get("path"),
-            bool(body.get("overwrite", False)),
+            flag(body, "overwrite"),
             body.get("user_metadata"),
             idem(request),
             ttl_seconds=body.get("ttl_seconds"),
@@ -267,7 +267,7 @@ def build_router(svc: TrainingService) -> APIRouter:
                 body["model_id"],
                 body["seq_id"],
                 body.get("path"),
-                body.get("optimizer") is True,
+                flag(body, "optimizer"),
                 idem(request),
             )
         return json_response(rec.reply())
@@ -394,6 +394,13 @@ def build_router(svc: TrainingService) -> APIRouter:
         return health(svc)
 
     return r
+
+
+def flag(body: dict, name: str) -> Any:
+    """An op's true/false field as sent (null or absent: false); the engine refuses anything else
+    in the op's slot."""
+    value = body.get(name)
+    return False if value is None else value
 
 
 def unlabelled(meta: Any) -> Any:

@@ -74,6 +74,12 @@ from openrl_service.training.trainer import (
 log = logging.getLogger(__name__)
 
 
+def true_or_false(value: Any, field_name: str) -> None:
+    """An op's flag must be a JSON boolean: "false" is not false (its slot fails with this)."""
+    if not isinstance(value, bool):
+        raise UserError(f"{field_name} must be true or false; got {repr(value)[:100]}", field=field_name)
+
+
 class TrainingService(Registry):
     """The engine's operations; sessions/runs/samplers from Registry, input checks in ``checks``."""
 
@@ -558,6 +564,7 @@ class TrainingService(Registry):
 
         def prepare(run: RunState):
             ref = CheckpointRef(run.run_id, "weights", check_name(name))
+            true_or_false(overwrite, "overwrite")
             meta = self.checks.check_metadata(user_metadata)
             expires_at = self.checks.expiry(ttl_seconds)
 
@@ -609,6 +616,7 @@ class TrainingService(Registry):
 
         def prepare(run: RunState):
             ref = parse_tinker_path(path)
+            true_or_false(optimizer, "optimizer")
             manifest = self.store.manifest(run.tenant, ref)
             if manifest.get("base_model") != run.base_model:
                 raise UserError(
@@ -672,9 +680,14 @@ class TrainingService(Registry):
 
         def prepare(run: RunState):
             if name is None:
-                if isinstance(sampling_session_seq_id, bool) or not isinstance(sampling_session_seq_id, int):
+                if (
+                    isinstance(sampling_session_seq_id, bool)
+                    or not isinstance(sampling_session_seq_id, int)
+                    or sampling_session_seq_id < 0
+                ):
                     raise UserError(
-                        "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id",
+                        "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id (an "
+                        f"integer >= 0); got {sampling_session_seq_id!r}",
                         field="sampling_session_seq_id",
                     )
                 sampler_id = f"{run.session_id}:sample:{sampling_session_seq_id}"
