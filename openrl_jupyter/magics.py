@@ -579,6 +579,28 @@ def _when(created) -> str:
 
 def _split(line: str) -> list[str]:
     try:
-        return shlex.split(line)
+        return shlex.split(_without_comment(line))
     except ValueError as e:
         raise UsageError(f"cannot parse {line!r}: {e}") from None
+
+
+def _without_comment(line: str) -> str:
+    """The line up to a ``#`` that starts a word outside quotes, as in Python and the shell
+    (``--name run#1`` and ``"a # b"`` keep theirs; shlex's own comments cut inside words)."""
+    quote = None
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "\\":
+            i += 1
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+        i += 1
+    return line

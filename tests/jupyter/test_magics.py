@@ -277,6 +277,20 @@ def test_quoted_arguments_lose_their_quotes(shell, server, monkeypatch):
     assert cell.ok and "/weights/ckpt-one" in cell.out, cell.text
 
 
+def test_a_trailing_comment_is_a_comment_and_a_hash_inside_a_word_is_not(shell, server, monkeypatch):
+    """As in Python: `%openrl connect URL  # why` (the README writes comments after magics)."""
+    connect(shell, server, monkeypatch)
+    registry.register("H", lambda prompt, completion, **info: 0.5)
+    shell.user_ns["P"] = ["hi"]
+    line = 'r = %openrl train --reward H --prompts P --steps 1 --group 2 --batch 1 --name "run #1"  # a note'
+    cell = run(shell, line)
+    assert cell.ok, cell.text
+    assert shell.user_ns["r"].name == "run #1"
+    shell.user_ns["r"].wait(120)
+    cell = run(shell, "%openrl save 'run #1' v2   # --overwrite here is a comment")
+    assert cell.ok and "/weights/v2" in cell.out, cell.text
+
+
 def test_a_server_that_is_not_openrl_is_one_line(shell, monkeypatch):
     import http.server
     import threading
