@@ -201,19 +201,20 @@ def _clean_env(monkeypatch, tmp: Path) -> dict[str, str]:
     return env
 
 
-def _stray_workers(tmp: Path) -> None:
-    """Detached-run workers this README started (their own sessions): end them with the test."""
+def _stray_processes(tmp: Path) -> list[str]:
+    """What the README's blocks left running in sessions of their own (detached-run workers, an embedded
+    service that outlives its kernel): found by the data folder this test gave them, ended with it."""
     import psutil
 
+    ended = []
     for p in psutil.process_iter(["cmdline", "environ"]):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "openrl_jupyter" in cmd and (p.info["environ"] or {}).get("XDG_DATA_HOME", "").startswith(
-                str(tmp)
-            ):
+            if (p.info["environ"] or {}).get("XDG_DATA_HOME", "").startswith(str(tmp)):
+                ended.append(" ".join(p.info["cmdline"] or [])[:120])
                 p.kill()
         except (psutil.Error, TypeError):
             pass
+    return ended
 
 
 def test_the_readme_runs_as_written(tmp_path, monkeypatch):
@@ -238,8 +239,10 @@ def test_the_readme_runs_as_written(tmp_path, monkeypatch):
     finally:
         reader.end_kernel()
         reader.stop_servers(None)
-        _stray_workers(tmp_path)
-    print(f"README: {len(ran)} blocks ran, {len(skipped)} skipped")
+        left = _stray_processes(tmp_path)
+    print(
+        f"README: {len(ran)} blocks ran, {len(skipped)} skipped; left running, now ended: {left or 'nothing'}"
+    )
     for where, kind, seconds in reader.timings:
         print(f"  {seconds:6.1f} s  {kind:8}  {where}")
     for line in skipped:
