@@ -229,12 +229,24 @@ def parsers() -> dict[str, MagicArgumentParser]:
     s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name (default: RUN-stepN)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
+    r = p["runs"] = parser(
+        "runs",
+        "This session's runs, the detached runs (where they run: local pid, k8s) and the other runs the "
+        "service has for this key (an earlier kernel's: ended, or orphaned when its kernel went away).",
+    )
+    r.add_argument(
+        "--prune",
+        action="store_true",
+        help="forget this key's runs that nothing drives any more (ended, or orphaned: an earlier "
+        "kernel's); their saved checkpoints stay; detached runs and this kernel's are kept",
+    )
+    r.add_argument("--session", default=None)
+    lg = p["logs"] = parser("logs", "A detached run's log: a line per step, its state changes and messages.")
+    lg.add_argument("run", help="the detached run's (job's) name, as %%openrl runs lists it")
+    lg.add_argument("--lines", type=int, default=40, help="how many of the last lines (0: all)")
+    lg.add_argument("--chars", type=int, default=200_000, help="read at most this much of the log's end")
+    lg.add_argument("--session", default=None)
     for verb, desc in (
-        (
-            "runs",
-            "This session's runs, the detached runs (where they run: local pid, k8s) and the other "
-            "runs the service has for this key.",
-        ),
         ("dashboard", "The service-wide dashboard: every run of this key plus device utilisation."),
         ("sessions", "The open connections."),
     ):

@@ -107,6 +107,7 @@ class OpenRLMagics(Magics):
             "save": self._save,
             "runs": self._runs,
             "attach": self._attach,
+            "logs": self._logs,
             "status": self._status,
             "dashboard": self._dashboard,
             "sessions": self._sessions,
@@ -258,12 +259,23 @@ class OpenRLMagics(Magics):
             return src
         raise UsageError(f"--prompts {src!r}: give a notebook variable name or a .txt/.jsonl path")
 
-    def _job(self, a):
-        """The detached job ``a.run`` names, when no run of this kernel has that name."""
+    def _job(self, a, name: str | None = None):
+        """The detached job ``a.run`` names, when no run of this kernel has that name: one this
+        kernel started, or one the service has for this key (started by another kernel)."""
+        from openrl_jupyter.jobs.handle import Job
+
         session = self._session(a.session)
-        if a.run is not None and a.run not in session.runs and a.run in session.detached:
-            return session.detached[a.run]
-        return None
+        name = a.run if name is None else name
+        if name is None or name in session.runs:
+            return None
+        if name in session.detached:
+            return session.detached[name]
+        try:
+            entry = session.client.get_job(name)
+        except OpenRLError:  # no such job (or a service without jobs): the caller says what is there
+            return None
+        job = session.detached[entry["name"]] = Job(session, entry)
+        return job
 
     def _pause(self, a):
         job = self._job(a)
@@ -369,14 +381,33 @@ class OpenRLMagics(Magics):
                     f"{mean:.3f}" if isinstance(mean, (int, float)) else "-",
                 ]
             )
-        for r in service_runs.values():
-            if r["run_id"] not in mine:
-                rows.append([r["name"], r["run_id"], "service", "on service", str(r["step"]), "-", "-"])
-        return Table(
-            ["name", "run_id", "where", "state", "step", "reward", "reward mean"],
-            rows,
-            f"runs on {session.url}",
-        )
+        others = [r for r in service_runs.values() if r["run_id"] not in mine]
+        pruned = []
+        if a.prune:
+            for r in [r for r in others if _abandoned(r)]:
+                try:
+                    session.client.delete_run(r["run_id"])
+                except OpenRLError as exc:  # gone meanwhile, or refused: say so, keep the rest going
+                    print(f"openrl: could not forget run {r['name']!r} ({r['run_id']}): {exc}")
+                    continue
+                pruned.append(r)
+                others.remove(r)
+        for r in others:
+            where = "Tinker SDK" if r.get("kind") == "sdk" else "another kernel"
+            state = str(r.get("state") or "?") + (" (orphaned)" if r.get("orphaned") else "")
+            done = int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0)  # a row a step
+            steps = f"{done}/{r['steps']}" if r.get("steps") else str(r["step"])
+            last = r.get("last_reward")
+            mean = f"{last:.3f}" if isinstance(last, (int, float)) else "-"
+            rows.append([r["name"], r["run_id"], where, state, steps, "-", mean])
+        caption = f"runs on {session.url}"
+        if pruned:
+            caption += f"; forgot {len(pruned)} ended or orphaned: " + ", ".join(r["name"] for r in pruned)
+        elif a.prune:
+            caption += "; nothing to prune (no ended or orphaned run of another kernel)"
+        elif any(_abandoned(r) for r in others):
+            caption += "; %openrl runs --prune forgets the ended and orphaned ones (their checkpoints stay)"
+        return Table(["name", "run_id", "where", "state", "step", "reward", "reward mean"], rows, caption)
 
     def _attach(self, a):
         session = self._session(a.session)
@@ -384,6 +415,9 @@ class OpenRLMagics(Magics):
 
     def _status(self, a):
         session = self._session(a.session)
+        job = self._job(a)
+        if job is not None:
+            return self._job_status(job)
         if a.run is not None:
             run = session.get_run(a.run)
             return Table(
@@ -425,6 +459,62 @@ class OpenRLMagics(Magics):
                 ["utilisation", f"{util['value']:.0%} ({util['label']})" if util else "-"],
             ],
         )
+
+    def _job_status(self, job) -> Table:
+        """A detached run or sweep in the rows a kernel run's status has, and where it logs."""
+        e = job.refresh()
+        meta = e.get("meta") or {}
+        steps = meta.get("steps") or "?"
+        runs = list(e.get("runs") or [])
+        step = "-"
+        mean = None
+        if runs:
+            described = {r["run_id"]: r for r in job.session.client.list_runs() if r.get("run_id") in runs}
+            newest = [described[r] for r in runs if r in described]
+            if newest:
+                done = [int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in newest]
+                step = f"{done[-1]}/{steps}" if job.kind == "run" else f"{max(done)}/{steps} per run"
+                mean = next(
+                    (r["last_reward"] for r in newest[::-1] if r.get("last_reward") is not None), None
+                )
+        where = job.where + (f" pid {e['pid']}" if e.get("pid") else "")
+        rows = [
+            ["run" if job.kind == "run" else "sweep", f"{job.name} (detached, {where})"],
+            ["state", str(e.get("state"))],
+            ["step", step],
+            [
+                "reward",
+                f"{meta.get('reward', '-')}" + (f", last mean {mean:.3f}" if mean is not None else ""),
+            ],
+            ["message", e.get("message") or "-"],
+        ]
+        if job.log_path:
+            rows.append(["log", f"{job.log_path} (%openrl logs {job.name})"])
+        return Table(["field", "value"], rows)
+
+    def _logs(self, a):
+        job = self._job(a, a.run)
+        if job is None:
+            session = self._session(a.session)
+            if a.run in session.runs:
+                raise UsageError(
+                    f"{a.run!r} runs in this kernel: its messages are on its dashboard and in run.history; "
+                    "%openrl logs shows a detached run's log"
+                )
+            raise UsageError(f"no detached run named {a.run!r} on {session.url} (see %openrl runs)")
+        if job.log_path is None:
+            k8s = job.entry.get("k8s") or {}
+            if k8s.get("job"):
+                ns = f" -n {k8s['namespace']}" if k8s.get("namespace") else ""
+                where = f"its pod's log: kubectl logs{ns} job/{k8s['job']}"
+            else:
+                where = "its log is on the machine that started it, not this one"
+            print(f"openrl: detached {job.kind} {job.name!r} runs {job.where}: {where}")
+            return
+        text = job.logs(a.chars)
+        lines = text.splitlines()[-a.lines :] if a.lines else text.splitlines()
+        print(f"openrl: the last {len(lines)} lines of {job.log_path}")
+        print("\n".join(lines))
 
     def _dashboard(self, a):
         from openrl_jupyter.dashboard import ServiceDashboard
@@ -575,6 +665,14 @@ def _when(created) -> str:
     if not isinstance(created, (int, float)):
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
+
+
+def _abandoned(run: dict) -> bool:
+    """A notebook run nothing drives any more: its kernel ended it, or went away (orphaned). A Tinker
+    SDK session ends by its own heartbeat rules; it is never pruned from here."""
+    if run.get("kind") == "sdk":
+        return False
+    return bool(run.get("orphaned")) or run.get("state") in ("stopped", "finished", "failed", "ended")
 
 
 def _split(line: str) -> list[str]:

@@ -60,7 +60,9 @@ class Job:
         self.probe = probe
         named = (entry.get("meta") or {}).get("named_rewards")
         self.reward_names = set(reward_names) or {n for n in str(named or "").split(",") if n}
-        self.log_path: str | None = None
+        # a local worker's output, also for a job another kernel started (its name is fixed)
+        log = os.path.join(jobs_dir(), f"{self.name}-{self.job_id}.log")
+        self.log_path: str | None = log if self.where == "local" and os.path.exists(log) else None
         self.process: subprocess.Popen | None = None
 
     # -- reading ------------------------------------------------------------------------------------

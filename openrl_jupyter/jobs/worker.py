@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,35 @@ from openrl_jupyter.rewards import registry
 # -- the worker ---------------------------------------------------------------------------------------
 def _log(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} openrl job: {text}", flush=True)
+
+
+def step_line(row: dict, name: str | None, total: int | None) -> str:
+    """One step of a run as the job's log shows it:
+    ``letters-long step 3/20: reward 0.250 (min 0, max 1, 1 failed) loss 0.0123, by letters v2, 1.4 s``."""
+
+    def num(key: str, fmt: str = ".3g") -> str | None:
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    parts = [f"{name or 'run'} step {row.get('step', '?')}/{total or '?'}:"]
+    if num("reward_mean") is not None:
+        spread = ", ".join(
+            f"{label} {num(key)}" for label, key in (("min", "reward_min"), ("max", "reward_max")) if num(key)
+        )
+        failed = row.get("failed")
+        if failed:
+            spread += f", {failed} failed"
+        parts.append(f"reward {num('reward_mean', '.3f')}" + (f" ({spread})" if spread else ""))
+    if num("loss") is not None:
+        parts.append(f"loss {num('loss', '.4g')}")
+    if not row.get("trained", True):
+        parts.append("(nothing trained: no sample had an advantage)")
+    tail = []
+    if row.get("reward_name"):
+        tail.append(f"by {row['reward_name']} v{row.get('reward_version') or '-'}")
+    if num("elapsed_s") is not None:
+        tail.append(f"{num('elapsed_s', '.1f')} s")
+    return " ".join(parts) + (f", {', '.join(tail)}" if tail else "")
 
 
 class _NoFeed:
@@ -89,10 +119,19 @@ class _Worker:
             return
         self.apply(versions)
 
-    def _on_event(self, event: dict) -> None:
-        # on the runner thread: only a flag, the main loop polls (a slow service stalls no run)
-        if event.get("kind") == "step":
+    def _on_event(self, event: dict, run: Any = None) -> None:
+        # on the runner thread: a line in the job's log and a flag; the main loop polls the service
+        # (a slow service stalls no run)
+        kind = event.get("kind")
+        name = getattr(run, "name", None)
+        if kind == "step":
+            _log(step_line(event.get("row") or {}, name, getattr(run, "total_steps", None)))
             self._poke.set()
+        elif kind == "state":
+            error = event.get("error")
+            _log(f"{name}: {event.get('state')}" + (f": {error}" if error else ""))
+        elif kind == "log":
+            _log(f"{name}: {event.get('text')}")
 
     def apply(self, versions: list[dict], strict: bool = False) -> dict | None:
         """Register the rewards of new payload versions; the first job payload's body, if among them.
@@ -190,7 +229,7 @@ class _Worker:
         runs = self._runs()
         _log(f"started {', '.join(f'{r.name} ({r.run_id})' for r in runs)}")
         for r in runs:
-            r.subscribe(self._on_event)
+            r.subscribe(functools.partial(self._on_event, run=r))
         failure: str | None = None
         try:
             # a stop or pause recorded before the runs existed applies to them now

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -251,6 +252,64 @@ def test_pause_resume_and_stop_a_detached_run_through_its_handle(session, jobs_d
     assert job.process.wait(30) == 0
     assert "stopped" in job.logs()
     assert done_steps() < 500
+
+
+def test_another_kernel_reads_stops_and_reads_the_log_of_a_detached_run_by_name(server, session, jobs_dir):
+    """A kernel that never saw the job (a second connection with the same key) gets %openrl status
+    NAME, stops it with its own reason, and reads its log: a line per step, then the stop."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from openrl_jupyter.magics import OpenRLMagics
+
+    job = local_job(session, "other", steps=500)
+    run_id = wait_for(lambda: job.runs and job.runs[0], 120, "the run")
+    wait_for(lambda: session.client.get_run(run_id)["metrics_count"] >= 2, 120, "two steps")
+    openrl = OpenRLMagics(shell=InteractiveShell.instance()).openrl
+    other = unique("kernel2")
+    os.environ["OPENRL_TOKEN"] = ALICE_KEY
+    try:
+        openrl(f"connect {server.url} --name {other}")
+        assert job.name not in sessions.get_session(other).detached
+        status = repr(openrl(f"status {job.name} --session {other}"))
+        assert f"{job.name} (detached, local pid {job.process.pid})" in status, status
+        assert "running" in status and "/500" in status and "(%openrl logs" in status
+        with capture_output() as out:
+            openrl(f"stop {job.name} --wait --session {other}")
+        assert f"detached run {job.name!r} is stopped" in out.stdout, out.stdout
+        assert job.process.wait(30) == 0
+        with capture_output() as out:
+            openrl(f"logs {job.name} --lines 0 --session {other}")
+        log = out.stdout
+        assert re.search(rf"{job.name} step 1/500: reward \d\.\d{{3}} \(min [0-9.]+, max [0-9.]+\)", log), log
+        assert f"{job.name} step 2/500" in log and "stopped with %openrl stop" in log, log
+        assert "from the panel" not in log
+    finally:
+        os.environ.pop("OPENRL_TOKEN", None)
+        if other in sessions.sessions():
+            sessions.disconnect(other)
+
+
+def test_the_step_line_says_what_a_step_did():
+    row = {
+        "step": 3,
+        "reward_mean": 0.25,
+        "reward_min": 0.0,
+        "reward_max": 1.0,
+        "failed": 1,
+        "loss": 0.0123,
+        "trained": 4,
+        "reward_name": "letters",
+        "reward_version": 2,
+        "elapsed_s": 1.42,
+    }
+    assert worker.step_line(row, "letters-long", 20) == (
+        "letters-long step 3/20: reward 0.250 (min 0, max 1, 1 failed) loss 0.0123, by letters v2, 1.4 s"
+    )
+    idle = worker.step_line(
+        {"step": 4, "reward_mean": 1.0, "reward_min": 1.0, "reward_max": 1.0, "trained": 0}, "r", None
+    )
+    assert idle == "r step 4/?: reward 1.000 (min 1, max 1) (nothing trained: no sample had an advantage)"
 
 
 def test_a_stop_sent_right_after_submit_stops_the_job_before_it_trains(session, jobs_dir):

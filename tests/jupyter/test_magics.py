@@ -389,3 +389,41 @@ def test_a_reward_cell_that_fails_shows_the_users_lines_only(shell, body, error,
     assert "magics.py" not in cell.text and "openrl_jupyter" not in cell.text, cell.text
     assert "nothing was registered" in cell.text
     assert "broken_cell" not in registry.names()
+
+
+def test_runs_marks_another_kernels_ended_runs_and_prune_forgets_only_those(shell, server, monkeypatch):
+    """A kernel lists what an earlier one left: its finished run is 'finished' (not 'on service'),
+    with a hint; --prune forgets it, and keeps the other kernel's paused run and this kernel's own."""
+    connect(shell, server, monkeypatch, name="old")
+    name = f"plain{time.monotonic_ns()}"
+    assert run(
+        shell,
+        f"%%openrl reward {name}\ndef reward(prompt, completion, **info):\n    return len(completion) / 8\n",
+    ).ok
+    shell.user_ns["P"] = ["Say hi:", "Name a colour:"]
+    common = "--prompts P --group 2 --batch 1 --max-tokens 4 --session old"
+    assert run(shell, f"done = %openrl train --reward {name} {common} --steps 2 --name ended-early").ok
+    assert run(shell, f"held = %openrl train --reward {name} {common} --steps 200 --name held-back").ok
+    shell.user_ns["done"].wait(120)
+    held = shell.user_ns["held"]
+    deadline = time.monotonic() + 60
+    while held.step < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run(shell, "%openrl pause held-back --wait --session old").ok
+    ended_id, held_id = shell.user_ns["done"].run_id, held.run_id
+
+    connect(shell, server, monkeypatch, name="new")
+    table = shell.run_line_magic("openrl", "runs --session new")
+    rows = {line.split()[0]: line for line in repr(table).splitlines()[1:] if line.strip()}
+    assert "another kernel" in rows["ended-early"] and "finished" in rows["ended-early"], repr(table)
+    assert "2/2" in rows["ended-early"] and "on service" not in repr(table)
+    assert "paused" in rows["held-back"] and "--prune" in repr(table)
+
+    with capture_output():
+        table = shell.run_line_magic("openrl", "runs --prune --session new")
+    forgot = repr(table).splitlines()[0].partition("ended or orphaned: ")[2].split(", ")
+    assert "ended-early" in forgot and "held-back" not in forgot, repr(table)
+    listed = {r["run_id"] for r in sess.get_session("new").client.list_runs()}
+    assert ended_id not in listed and held_id in listed
+    assert "nothing to prune" in repr(shell.run_line_magic("openrl", "runs --prune --session new"))
+    assert run(shell, "%openrl stop held-back --wait --session old").ok
