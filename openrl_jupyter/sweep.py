@@ -6,17 +6,28 @@
 
 ``session.sweep`` starts one :class:`~openrl_jupyter.run.Run` per grid point at once (each through
 ``session.train``; all of them share the service, whose engine packs their steps together), named
-``<sweep>-lr1e-4-r8-ppo`` and so on. Successive halving: at each rung (a step number) a run that
-reaches it is held (paused between steps) until every live run has reached it, so they are compared
-at the same step; they are ranked by the mean of ``metric`` over the history rows since the previous
-rung, the better ``keep`` share (rounded up, at least one) resumes and the others are stopped, with
-``stop_reason`` "stopped by the sweep at rung k (…)". Every run is created with
-``user_metadata {"openrl.sweep": <sweep name>}`` (the lab panel groups by it); ``detach=`` on
-``session.sweep`` runs the whole sweep in a job that outlives the kernel (``openrl_jupyter.jobs``). A run that pauses on an error, or that the user
-pauses, does not hold the others up: it is ranked on the rows it has. ``budget`` caps the steps of all
-runs together: once spent, every live run is stopped. When every run is done, the best surviving run
-that did not fail (by its mean ``metric`` since the last rung) is ``sweep.best`` and its weights are saved as the
-checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
+``<sweep>-lr1e-4-r8-ppo`` and so on. Every run is created with ``user_metadata {"openrl.sweep":
+<sweep name>}`` (the lab panel groups by it); ``detach=`` on ``session.sweep`` runs the whole sweep in
+a job that outlives the kernel (``openrl_jupyter.jobs``).
+
+How runs are ranked — one number, the **score** (:meth:`Sweep.score_of`, through :func:`window_mean`):
+the mean of the sweep's ``metric`` (default ``reward_mean``; ``mode`` says whether higher or lower is
+better) over the run's history rows in a window of steps. For a run still in the sweep the window is
+every step after the last rung decided (all its steps before the first); for a run dropped at rung k
+it is the window it was ranked on there, from rung k-1 to rung k, so its score is the one in its
+``stop_reason``. A run with no row in its window (it ended right at the rung) is scored on all its
+rows up to the window's end. The repr, ``_repr_html_`` (and the dashboard's table), ``to_pandas()``'s
+``score`` and ``score_steps`` columns and ``sweep.best`` all show this same number, and say which
+steps it averages; ``sweep.score_rule()`` says it in words.
+
+Successive halving: at each rung (a step number) a run that reaches it is held (paused between steps)
+until every live run has reached it, so they are compared at the same step; they are ranked by their
+score over the steps since the previous rung, the better ``keep`` share (rounded up, at least one)
+resumes and the others are stopped, with ``stop_reason`` "stopped by the sweep at rung k (…)". A run
+that pauses on an error, or that the user pauses, does not hold the others up: it is ranked on the
+rows it has. ``budget`` caps the steps of all runs together: once spent, every live run is stopped.
+When every run is done, the surviving run with the best score that did not fail is ``sweep.best`` and
+its weights are saved as the checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
 
 Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
 normalize_std, overlap, and reward (a list of reward names or functions, to compare rewards).
@@ -36,7 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from openrl_jupyter._exceptions import OpenRLError, UsageError
 
@@ -170,6 +181,37 @@ def plan_rungs(rungs: Any, steps: int, n: int, keep: float) -> list[int]:
     if at != sorted(set(at)):
         raise UsageError(f"rungs must be increasing step numbers; got {at!r}")
     return at
+
+
+class Score(NamedTuple):
+    """A run's score: the mean of the sweep's metric over its rows from step ``first`` to ``last``."""
+
+    value: float | None  # None: no row in the window has the metric
+    first: int | None  # the first and last step averaged (None with value)
+    last: int | None
+
+    @property
+    def steps(self) -> str:
+        """The steps averaged, as the repr and ``to_pandas()['score_steps']`` write them: "21-40", "7"."""
+        if self.first is None:
+            return ""
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+def window_mean(history: Sequence[Mapping[str, Any]], metric: str, since: int, upto: int | None) -> Score:
+    """The mean of ``metric`` over the history rows with ``since < step <= upto`` (None: no end), and
+    the steps it covers: the one place a sweep's score is computed."""
+    end = math.inf if upto is None else upto
+    rows = [
+        r
+        for r in history
+        if since < r["step"] <= end
+        and isinstance(r.get(metric), (int, float))
+        and not isinstance(r.get(metric), bool)
+    ]
+    if not rows:
+        return Score(None, None, None)
+    return Score(statistics.fmean(r[metric] for r in rows), rows[0]["step"], rows[-1]["step"])
 
 
 class Sweep:
@@ -309,27 +351,50 @@ class Sweep:
 
     @property
     def best(self) -> Run | None:
-        """The best run that neither failed (``RunState.FAILED``: the service lost it, so it has no
-        weights to save) nor was dropped at a rung, by its mean ``metric`` since the last rung; None
-        when no such run has scored."""
+        """The run with the best score (:meth:`score_of`) of those that neither failed
+        (``RunState.FAILED``: the service lost it, so it has no weights to save) nor were dropped at
+        a rung; None when no such run has scored."""
         from openrl_jupyter.run import RunState
 
         scored = [r for r in self._live() if r.state != RunState.FAILED and self.score(r) is not None]
         ranked = self._rank(scored, None)
         return ranked[0] if ranked else None
 
-    def score(self, run: Run, upto: int | None = None, since: int | None = None) -> float | None:
-        """The mean ``metric`` of the run's history rows with since < step <= upto (None: no rows)."""
+    def score_of(self, run: Run, upto: int | None = None, since: int | None = None) -> Score:
+        """The run's score and the steps it averages: the mean ``metric`` of its history rows with
+        since < step <= upto. By default (what every display and ``best`` use) the window is the
+        steps after the last rung decided, or, for a run dropped at rung k, rung k-1 to rung k (the
+        window it was ranked on). A window with no rows (the run ended right at a rung) falls back
+        to all of the run's rows up to ``upto``."""
+        if since is None and upto is None and run.name in self.stopped_at_rung:
+            k = self.stopped_at_rung[run.name]
+            since, upto = (self.rungs[k - 2] if k > 1 else 0), self.rungs[k - 1]
         since = self._last_rung() if since is None else since
-        values = [
-            r[self.metric]
-            for r in run.history
-            if since < r["step"] <= (upto if upto is not None else math.inf)
-            and isinstance(r.get(self.metric), (int, float))
-        ]
-        if not values and since > 0:  # stopped before any step after the rung: its rows before it
-            return self.score(run, upto, 0)
-        return statistics.fmean(values) if values else None
+        score = window_mean(run.history, self.metric, since, upto)
+        if score.value is None and since > 0:
+            score = window_mean(run.history, self.metric, 0, upto)
+        return score
+
+    def score(self, run: Run, upto: int | None = None, since: int | None = None) -> float | None:
+        """The run's score (see :meth:`score_of`); None when it has no rows with the metric."""
+        return self.score_of(run, upto, since).value
+
+    def score_rule(self) -> str:
+        """How the runs are ranked now, in words: "score = mean reward_mean (higher is better) over
+        each run's steps since rung 2 (step 20); ..."."""
+        better = "higher" if self.mode == "max" else "lower"
+        head = f"score = mean {self.metric} ({better} is better) over "
+        decided = self._next_rung
+        if not self.rungs:
+            return head + "each run's steps (no rungs)"
+        if decided == 0:
+            return (
+                head + f"each run's steps so far (no rung decided yet; rungs at steps {_steps(self.rungs)})"
+            )
+        return head + (
+            f"each run's steps since rung {decided} (step {self.rungs[decided - 1]}); "
+            "a run dropped at a rung keeps the score it was ranked on there"
+        )
 
     def wait(self, timeout: float | None = None) -> Sweep:
         """Block until every run is done and the best is saved; TimeoutError after ``timeout`` s."""
@@ -382,31 +447,39 @@ class Sweep:
         return self._dashboard
 
     def to_pandas(self):
-        """One row per run: its grid parameters, final/best/score metric, steps, state, rung dropped at."""
+        """One row per run, indexed by run name: its grid parameters; ``score`` (what ranks the
+        runs, see :meth:`score_of`) and ``score_steps`` (the steps it averages, "21-40");
+        ``final_<metric>`` (the last step's value) and ``max_<metric>`` (``min_`` when mode="min":
+        the best single step) for reference, neither of which ranks anything; ``steps`` done,
+        ``state``, ``stopped_at_rung`` (<NA> for a survivor) and ``best`` (True for ``sweep.best``).
+        ``frame.attrs["score"]`` is :meth:`score_rule`."""
         try:
             import pandas as pd
         except ImportError:
             raise UsageError("to_pandas() needs pandas: pip install pandas") from None
         frame = pd.DataFrame(self.rows()).set_index("run")
         frame["stopped_at_rung"] = frame["stopped_at_rung"].astype("Int64")  # 1, 2... or <NA>
+        frame.attrs["score"] = self.score_rule()
         return frame
 
     def rows(self) -> list[dict]:
+        """The rows of ``to_pandas()`` as dicts (with the run's name under ``run``)."""
         best = self.best
+        pick, peak = (max, "max") if self.mode == "max" else (min, "min")
         out = []
         for run in self.runs:
-            history = run.history
-            values = [r[self.metric] for r in history if isinstance(r.get(self.metric), (int, float))]
+            values = [r[self.metric] for r in run.history if isinstance(r.get(self.metric), (int, float))]
+            score = self.score_of(run)
             row = {"run": run.name}
             row.update(
                 {k: _reward_label(v) if k == "reward" else v for k, v in self.params[run.name].items()}
             )
-            pick = max if self.mode == "max" else min
             row.update(
                 {
+                    "score": score.value,
+                    "score_steps": score.steps,
                     f"final_{self.metric}": values[-1] if values else None,
-                    f"best_{self.metric}": pick(values) if values else None,
-                    "score": self.score(run),
+                    f"{peak}_{self.metric}": pick(values) if values else None,
                     "steps": run.step,
                     "state": str(run.state),
                     "stopped_at_rung": self.stopped_at_rung.get(run.name),
@@ -424,7 +497,7 @@ class Sweep:
         return self.rungs[self._next_rung - 1] if self._next_rung > 0 else 0
 
     def _rank(self, runs: list[Run], upto: int | None, since: int | None = None) -> list[Run]:
-        """Best first; runs with no rows last (a failed run never wins over one that stepped)."""
+        """Best score first; runs with no rows last (a failed run never wins over one that stepped)."""
         scored = [(self.score(r, upto, since), i, r) for i, r in enumerate(runs)]
         sign = -1 if self.mode == "max" else 1
         scored.sort(key=lambda t: (t[0] is None, sign * t[0] if t[0] is not None else 0.0, t[1]))
@@ -461,10 +534,11 @@ class Sweep:
             cut = self.score(kept[-1], rung, since) if kept else None
             for run in dropped:
                 self.stopped_at_rung[run.name] = k
-                own = self.score(run, rung, since)
+                own = self.score_of(run, rung, since)
+                over = f" over {_steps_words(own.steps)}" if own.steps else ""
                 run.stop_reason = (
-                    f"stopped by the sweep at rung {k} (step {rung}): {self.metric} "
-                    f"{_fmt(own)} vs {_fmt(cut)} for the last of the {n_keep} kept"
+                    f"stopped by the sweep at rung {k} (step {rung}): score (mean {self.metric}{over}) "
+                    f"{_fmt(own.value)} vs {_fmt(cut)} for the last of the {n_keep} kept"
                 )
                 run.stop()
             self.rung_log.append(
@@ -540,16 +614,18 @@ class Sweep:
     def __repr__(self) -> str:
         rows = self.rows()
         state = "done" if self.done else "running"
-        head = (
+        lines = [
             f"<openrl Sweep {self.name!r} {state}: {len(self.runs)} runs, {self.steps} steps, "
-            f"rungs at {self.rungs or 'none'}, keep {self.keep:g}, {self.metric} ({self.mode})>"
-        )
-        lines = [head]
+            f"rungs at {self.rungs or 'none'}, keep {self.keep:g}>",
+            f"  ranked by {self.score_rule()}",
+        ]
         for r in rows:
             mark = "*" if r["best"] else " "
             rung = f"dropped at rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else ""
+            over = f" ({_steps_words(r['score_steps'])})" if r["score_steps"] else ""
             lines.append(
-                f" {mark} {r['run']:<40} {r['state']:<9} step {r['steps']:>4}  score {_fmt(r['score'])}  {rung}"
+                f" {mark} {r['run']:<40} {r['state']:<9} step {r['steps']:>4}  "
+                f"score {_fmt(r['score'])}{over}  {rung}".rstrip()
             )
         if self.checkpoint:
             lines.append(f"best saved: {self.checkpoint}")
@@ -559,7 +635,8 @@ class Sweep:
         rows = self.rows()
         keys = list(self.points[0]) if self.points else []
         head = "".join(
-            f"<th>{html.escape(h)}</th>" for h in ["run", *keys, "state", "steps", "score", "dropped at"]
+            f"<th>{html.escape(h)}</th>"
+            for h in ["run", *keys, "state", "steps", "score", "score steps", "dropped at"]
         )
         body = []
         for r in rows:
@@ -568,18 +645,35 @@ class Sweep:
                 if r["best"]
                 else (' style="color:#999"' if r["stopped_at_rung"] else "")
             )
-            cells = [r["run"], *(r[k] for k in keys), r["state"], r["steps"], _fmt(r["score"])]
+            cells = [
+                r["run"],
+                *(r[k] for k in keys),
+                r["state"],
+                r["steps"],
+                _fmt(r["score"]),
+                r["score_steps"],
+            ]
             cells.append(f"rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else "")
             body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
         title = html.escape(
-            f"sweep {self.name}: {len(self.runs)} runs, rungs at {self.rungs or 'none'}, "
-            f"{self.metric} ({self.mode}){' — done' if self.done else ''}"
+            f"sweep {self.name}: {len(self.runs)} runs, rungs at {self.rungs or 'none'}"
+            f"{' — done' if self.done else ''}"
         )
+        rule = f"<div>ranked by {html.escape(self.score_rule())}</div>"
         saved = (
             f"<div>best saved: <code>{html.escape(self.checkpoint)}</code></div>" if self.checkpoint else ""
         )
-        return f"<div><b>{title}</b><table><tr>{head}</tr>{''.join(body)}</table>{saved}</div>"
+        return f"<div><b>{title}</b>{rule}<table><tr>{head}</tr>{''.join(body)}</table>{saved}</div>"
 
 
 def _fmt(v: Any) -> str:
     return "—" if v is None else f"{v:.4g}"
+
+
+def _steps(at: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in at)
+
+
+def _steps_words(steps: str) -> str:
+    """A ``score_steps`` in words: "3-4" is "steps 3-4", "7" is "step 7"."""
+    return f"steps {steps}" if "-" in steps else f"step {steps}"

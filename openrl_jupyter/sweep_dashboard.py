@@ -1,5 +1,7 @@
 """The live comparison view of a sweep: one metric line per run, runs dropped at a rung greyed and
-dashed, the best run highlighted, a dotted line at each rung, and the sweep's results table.
+dashed, the best run highlighted, a dotted line at each rung, and the sweep's results table (its
+``_repr_html_``: each run's score, the steps it averages, and the rule that ranks them; see
+``openrl_jupyter.sweep``).
 
     dash = sweep.dashboard()     # subscribes to every run of the sweep; display it in a cell
 
@@ -43,7 +45,7 @@ class SweepDashboard(_LiveDashboard):
         fig.update_layout(
             height=420,
             margin={"l": 60, "r": 20, "t": 40, "b": 40},
-            title=f"sweep {sweep.name}: {sweep.metric} per run",
+            title=f"sweep {sweep.name}: {sweep.metric} per run (dotted: rungs; the table's score ranks them)",
             xaxis_title="step",
             yaxis_title=sweep.metric,
             uirevision="sweep",

@@ -1,8 +1,10 @@
 /**
  * The left side panel: the connected service (URL, model, health, device utilisation) and the runs (name,
  * state, step / steps, a reward sparkline, device share) with pause / resume / stop buttons. A sweep's
- * runs ("openrl.sweep" in their user_metadata) sit together under the sweep's header (live / total, best
- * reward, Stop sweep), ended ones greyed; a detached run carries a badge saying where it runs.
+ * runs ("openrl.sweep" in their user_metadata) sit together under the sweep's header (live / total, Stop
+ * sweep), ended ones greyed; a detached run carries a badge saying where it runs. The header shows no
+ * score: a sweep ranks its runs in the process that runs it (by the mean of its metric since the last
+ * rung, which this panel cannot see), so the header says where to read the ranking instead.
  */
 import { Widget } from '@lumino/widgets';
 
@@ -180,22 +182,18 @@ export class OpenRLPanel extends Widget {
     }
   }
 
-  /** A sweep: a header (name, live/total, best reward so far, Stop sweep) over its runs. */
+  /** A sweep: a header (name, live/total, Stop sweep) over its runs. */
   private _renderSweep(sweep: string, runs: IRun[]): HTMLLIElement {
     const li = h('li', 'jp-OpenRL-sweep');
     li.dataset.sweep = sweep;
     const live = runs.filter(isLive);
-    const rewards = runs
-      .map(r => r.last_reward)
-      .filter((v): v is number => typeof v === 'number');
     const top = h('div', 'jp-OpenRL-sweep-top');
     const title = h('span', 'jp-OpenRL-sweep-name', `sweep ${sweep}`);
-    const count = h(
-      'span',
-      'jp-OpenRL-sweep-count',
-      `${live.length} of ${runs.length} running` +
-        (rewards.length ? ` · best reward ${Math.max(...rewards).toFixed(3)}` : '')
-    );
+    title.title =
+      `The sweep ranks its runs by their score: the mean of its metric (reward_mean unless set) ` +
+      `over each run's steps since the last rung. The notebook that runs it shows the scores ` +
+      `(the sweep's table, sweep.to_pandas()["score"]); a run's "reward" here is its latest step's.`;
+    const count = h('span', 'jp-OpenRL-sweep-count', `${live.length} of ${runs.length} running`);
     const stop = h('button', 'jp-OpenRL-sweep-stop jp-mod-styled', 'Stop sweep');
     stop.dataset.key = `stop-sweep:${sweep}`;
     stop.disabled = live.length === 0;
@@ -269,6 +267,9 @@ export class OpenRLPanel extends Widget {
           ? `loss ${run.last_loss.toFixed(3)}`
           : ''
     );
+    if (typeof run.last_reward === 'number') {
+      reward.title = "the latest step's mean reward (a sweep ranks its runs by its own score)";
+    }
     const share = h('span', 'jp-OpenRL-run-share', `${percent(run.share)} of device`);
     share.title = "this run's share of the device time over the last minute";
     info.append(step, sparkline(this.model.rewards.get(run.run_id) ?? []), reward, share);

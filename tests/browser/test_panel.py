@@ -458,7 +458,8 @@ def test_notebook7_shell_opens_the_panel_from_the_command_palette(browser, tmp_p
 
 def test_a_sweeps_runs_sit_under_the_sweep_and_stop_together(server, panel_lab, panel_page):
     """A sweep started with session.sweep (here in the test's own process, as the same user): the panel
-    shows its runs under one sweep header with their count, and "Stop sweep" stops every one of them —
+    shows its runs under one sweep header with their count and how the sweep ranks them (no score:
+    the ranking lives with the sweep), and "Stop sweep" stops every one of them —
     in the process that runs them (run.state "stopped", the panel's reason), and the sweep ends."""
     from openrl_jupyter import session as sess
 
@@ -495,6 +496,10 @@ def test_a_sweeps_runs_sit_under_the_sweep_and_stop_together(server, panel_lab, 
             page,
             panel_lab,
         )
+        # no score in the header (the panel cannot see the sweep's ranking): it says where it is read
+        assert header.inner_text().strip() == "2 of 2 running"
+        ranking = group.locator(".jp-OpenRL-sweep-name").get_attribute("title") or ""
+        assert "mean of its metric" in ranking and "since the last rung" in ranking, ranking
         screenshot(page, "panel-sweep")
         group.locator(".jp-OpenRL-sweep-stop").click()
         sweep.wait(timeout=60)

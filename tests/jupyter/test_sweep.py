@@ -5,6 +5,8 @@ three rewards' ranges do not overlap, so no training noise can reorder them."""
 
 from __future__ import annotations
 
+import html
+import statistics
 import subprocess
 import sys
 import threading
@@ -15,7 +17,15 @@ from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
 from openrl_jupyter.run import RunState
 from openrl_jupyter.session import UsageError
-from openrl_jupyter.sweep import Sweep, expand_grid, plan_rungs, point_label, survivors
+from openrl_jupyter.sweep import (
+    Score,
+    Sweep,
+    expand_grid,
+    plan_rungs,
+    point_label,
+    survivors,
+    window_mean,
+)
 from tests._support.runs import PROMPTS, SMALL, forget_runs, letters
 from tests.conftest import ALICE_KEY
 
@@ -62,7 +72,9 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
     assert [e["dropped"] for e in sweep.rung_log] == [[lo.name], [mi.name]]
     assert lo.state == RunState.STOPPED and lo.step == 1  # held at the rung, then stopped: no step wasted
     assert mi.state == RunState.STOPPED and mi.step == 2
-    assert lo.stop_reason.startswith("stopped by the sweep at rung 1 (step 1): reward_mean")
+    assert lo.stop_reason.startswith(
+        "stopped by the sweep at rung 1 (step 1): score (mean reward_mean over step 1)"
+    )
     assert mi.stop_reason.startswith("stopped by the sweep at rung 2 (step 2)")
     assert hi.state == RunState.FINISHED and hi.step == 4
     assert all(0.8 <= r["reward_mean"] <= 0.9 for r in hi.history)
@@ -78,8 +90,39 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
     assert frame["stopped_at_rung"].tolist()[0] == 1 and frame["stopped_at_rung"].tolist()[2] == 2
     assert frame.loc[hi.name, "best"] and not frame.loc[lo.name, "best"]
     assert 0.8 <= frame.loc[hi.name, "score"] <= 0.9 and frame.loc[lo.name, "final_reward_mean"] <= 0.1
+    assert "max_reward_mean" in frame.columns and "best_reward_mean" not in frame.columns
+
+    # one score ranks the runs, and every surface shows that number and the steps it averages:
+    # a survivor's since the last rung (2, at step 2), a dropped run's the window it was dropped on
+    rule = sweep.score_rule()
+    assert rule.startswith(
+        "score = mean reward_mean (higher is better) over each run's steps since rung 2 (step 2)"
+    )
+    assert frame.attrs["score"] == rule
+    assert list(frame["score_steps"]) == ["1", "3-4", "2"]
+    assert frame.loc[hi.name, "score"] == pytest.approx(
+        statistics.fmean(r["reward_mean"] for r in hi.history if r["step"] > 2)
+    )
+    assert frame.loc[lo.name, "score"] == dict(sweep.rung_log[0]["ranking"])[lo.name]
+    assert frame.loc[mi.name, "score"] == dict(sweep.rung_log[1]["ranking"])[mi.name]
+    at_rung_2 = dict(sweep.rung_log[1]["ranking"])
+    assert mi.stop_reason == (
+        "stopped by the sweep at rung 2 (step 2): score (mean reward_mean over step 2) "
+        f"{at_rung_2[mi.name]:.4g} vs {at_rung_2[hi.name]:.4g} for the last of the 1 kept"
+    )
+    kept = frame[frame["stopped_at_rung"].isna() & (frame["state"] != "failed")]
+    assert kept["score"].idxmax() == sweep.best.name
+
     text, page = repr(sweep), sweep._repr_html_()
     assert "* sw-high-lr1e-4" in text and "dropped at rung 1" in text and sweep.checkpoint in text
+    assert text.splitlines()[1] == f"  ranked by {rule}" and f"ranked by {html.escape(rule)}" in page
+    for name in names:
+        score, steps = f"{frame.loc[name, 'score']:.4g}", frame.loc[name, "score_steps"]
+        (line,) = [ln for ln in text.splitlines() if f" {name} " in ln]
+        over = f"steps {steps}" if "-" in steps else f"step {steps}"
+        assert f"score {score} ({over})" in line, line
+        cells = page.split(f"<td>{name}</td>", 1)[1].split("</tr>", 1)[0]
+        assert f"<td>{score}</td><td>{steps}</td>" in cells, cells
     assert "font-weight:bold" in page.split("sw-high-lr1e-4")[0].rsplit("<tr", 1)[1]
 
     dash = sweep.dashboard(call_later=lambda delay, fn: None)  # drawn once when built
@@ -91,6 +134,7 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
         assert list(dropped.x) == [1] and dropped.line.color == "#b0b0b0" and "rung 1" in dropped.name
         assert list(traces[f"run:{mi.name}"].y) == [r["reward_mean"] for r in mi.history]
         assert "sw-best" in dash.table.value and dash._repr_mimebundle_()["text/plain"] == repr(sweep)
+        assert dash.table.value == page  # the dashboard's table is the sweep's html: the same scores
     finally:
         dash.close()
 
@@ -106,6 +150,16 @@ def test_the_budget_caps_the_steps_of_all_runs_together(session):
         assert run.state == RunState.STOPPED
         assert run.stop_reason == "stopped by the sweep: its budget of 4 steps is spent"
     assert sweep.stopped_at_rung == {} and sweep.best in sweep.runs
+    # two survivors, no rungs: the best is the one with the top score over all its steps
+    frame = sweep.to_pandas()
+    assert (
+        frame.attrs["score"] == "score = mean reward_mean (higher is better) over each run's steps (no rungs)"
+    )
+    assert frame["score"].idxmax() == sweep.best.name
+    for run in sweep.runs:
+        rows = [r for r in run.history if "reward_mean" in r]
+        assert frame.loc[run.name, "score"] == pytest.approx(statistics.fmean(r["reward_mean"] for r in rows))
+        assert frame.loc[run.name, "score_steps"] == ("1" if run.step == 1 else f"1-{run.step}")
 
 
 def test_sweep_stop_stops_every_run(session):
@@ -141,6 +195,8 @@ def test_a_failed_run_is_never_the_best(session):
     assert sweep.checkpoint is not None and sweep.checkpoint.endswith("/weights/fl-best"), sweep.save_error
     frame = sweep.rows()
     assert [r["best"] for r in frame] == [False, True]
+    assert frame[0]["score"] > frame[1]["score"]  # the top score failed: the best is the top survivor
+    assert [ln[:3] for ln in repr(sweep).splitlines()[2:4]] == ["   ", " * "]
     # the fixture's disconnect closes the session: a failed run is done with, its RunFailed is not raised
 
 
@@ -177,6 +233,19 @@ def test_a_sweep_needs_exactly_one_source_of_reward():
         Sweep(None, prompts=PROMPTS, grid={"lr": [1e-4]})
     with pytest.raises(UsageError, match="not both"):
         Sweep(None, reward="letters", prompts=PROMPTS, grid={"reward": [letters]})
+
+
+def test_a_score_is_the_mean_of_the_metric_over_a_window_of_steps():
+    history = [{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": 0.3}, {"step": 3, "loss": 1.0}]
+    history.append({"step": 4, "reward_mean": 0.8})
+    assert window_mean(history, "reward_mean", 0, None) == Score(pytest.approx(0.4), 1, 4)
+    assert window_mean(history, "reward_mean", 1, 3) == Score(0.3, 2, 2)
+    assert window_mean(history, "reward_mean", 4, None) == Score(None, None, None)
+    assert [s.steps for s in (Score(0.4, 1, 4), Score(0.3, 2, 2), Score(None, None, None))] == [
+        "1-4",
+        "2",
+        "",
+    ]
 
 
 def test_grid_points_names_and_rungs():
