@@ -11,6 +11,14 @@ or dies, so no service outlives its owner. Its output goes to ``service.log`` in
 own process session (a kernel's death or interrupt does not reach it), a persistent data folder,
 and a discovery file marked ``"detached": true`` by which ``find_detached()`` finds it again from
 the next kernel. No torch here (the notebook side imports this module).
+
+The notebook's embedded service (``connect(local=True)``, ``start_local``) keeps its data in one
+folder of the user's, ``local_data_dir()`` (the Jupyter data folder's ``openrl-local``, or
+``$OPENRL_LOCAL_DATA_DIR``), with the key the service generated there (``api-key``, mode 0600): what
+a run saved and the key that reads it are the same after a kernel restart. One service owns a data
+folder (its lock, ``openrl-service.lock``, names its pid and URL), so a second kernel of the user
+finds it by that lock and joins it (``running_on``) instead of starting another; ``openrl-service
+stop --data-dir DIR`` (or ``stop_on(DIR)``) stops whichever holds it.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -39,6 +49,10 @@ READY_TIMEOUT_S = 300.0
 DISCOVERY_PREFIX = (
     "openrl-local-"  # <jupyter runtime dir>/openrl-local-<pid>.json: read by the server extension
 )
+LOCK_NAME = "openrl-service.lock"  # openrl_service.storage.lock.LOCK_NAME (not imported: no torch side)
+KEY_NAME = "api-key"  # the key serve generates in its data folder (openrl_service.api.auth)
+EXIT_DATA_DIR_IN_USE = 3  # serve's exit code when another process holds its data folder
+LOG_KEEP_BYTES = 4 << 20  # a kept data folder's service.log: the older part is dropped past this
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,6 +103,7 @@ class LocalService:
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     discovery_path: str | None = None  # set by advertise(): removed again on stop()
     detached: bool = False  # outlives this process (start_service(detached=True) or find_detached())
+    owned: bool = True  # started by this process; False: joined (another kernel's, or found running)
 
     @property
     def log_path(self) -> str:
@@ -245,10 +260,100 @@ def user_data_folder(variable: str, name: str) -> str:
         return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", name)
 
 
-def detached_data_dir() -> str:
-    """Where a detached embedded service keeps its data: ``$OPENRL_LOCAL_DATA_DIR``, else the
-    Jupyter data folder's ``openrl-local`` (it must outlive the kernel, unlike a temporary one)."""
-    return user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
+def local_data_dir(model: str | None = None) -> str:
+    """Where the notebook's embedded service of ``model`` keeps its data, detached or not:
+    ``$OPENRL_LOCAL_DATA_DIR``, else the Jupyter data folder's ``openrl-local``
+    (``~/.local/share/jupyter/openrl-local`` on Linux; it follows ``$XDG_DATA_HOME`` /
+    ``$JUPYTER_DATA_DIR``), for the tiny model; another model's is beside it,
+    ``openrl-local-<model>-<hash>``, so kernels of different models do not contend for one folder. It
+    outlives kernels: checkpoints and the key."""
+    base = user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
+    if model in (None, "tiny", "openrl/tiny"):
+        return base
+    slug = re.sub(r"[^A-Za-z0-9._]+", "-", os.path.basename(os.path.normpath(model)) or model).strip("-._")
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]  # two folders of one name stay apart
+    return f"{base.rstrip(os.sep)}-{slug[-40:] or 'model'}-{digest}"
+
+
+def local_data_dirs() -> list[str]:
+    """Every embedded service's data folder of this user (the tiny model's and the others beside it)."""
+    base = local_data_dir().rstrip(os.sep)
+    return [base, *sorted(glob.glob(glob.escape(base) + "-*-" + "[0-9a-f]" * 8))]
+
+
+def lock_holder(data_dir: str | os.PathLike[str]) -> dict | None:
+    """What the service holding ``data_dir`` wrote in its lock file (pid, host, since, url), when that
+    process runs on this host and is an openrl service; None when nothing holds the folder. Read, never
+    locked: a probe must not keep a starting service out. A lock file of another account, or one
+    others may write, names nothing (a planted one must not make a kernel send its key elsewhere)."""
+    path = os.path.join(data_dir, LOCK_NAME)
+    if not _own_private_file(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    if holder.get("host") not in (None, socket.gethostname()):  # a folder shared between hosts
+        return None
+    return holder if _alive(holder["pid"]) else None
+
+
+def running_on(data_dir: str | os.PathLike[str]) -> LocalService | None:
+    """The service that holds ``data_dir`` (another kernel's embedded service, a detached one, or one
+    started by hand with ``--data-dir``), to join: its URL from the lock, its key from the folder's
+    ``api-key`` (None if it was started with other keys). ``detached``: it does not stop with the
+    process that started it. None when nothing holds the folder."""
+    holder = lock_holder(data_dir)
+    url = holder.get("url") if holder is not None else None
+    if not isinstance(url, str):
+        return None
+    url = re.sub(r"^http://(0\.0\.0\.0|\[::\])(:\d+)$", r"http://127.0.0.1\2", url)  # all interfaces
+    if not re.fullmatch(r"http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url):
+        return None  # the key goes to a loopback service only
+    pid = holder["pid"]
+    key = None
+    key_path = os.path.join(data_dir, KEY_NAME)
+    if _own_private_file(key_path):
+        with contextlib.suppress(OSError), open(key_path, encoding="utf-8") as f:
+            key = f.read().strip() or None
+    return LocalService(
+        _Running(pid),
+        url,
+        os.fspath(data_dir),
+        key,
+        detached=b"--exit-with-parent" not in _cmdline(pid),
+        owned=False,
+    )
+
+
+def stop_on(data_dir: str | os.PathLike[str], timeout_s: float = 30.0) -> int | None:
+    """Stop the service holding ``data_dir`` (SIGTERM: it drains and exits; SIGKILL after
+    ``timeout_s``); its pid, or None when nothing held the folder."""
+    holder = lock_holder(data_dir)
+    if holder is None:
+        return None
+    proc = _Running(holder["pid"])
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    for path in glob.glob(os.path.join(discovery_dir() or "", f"{DISCOVERY_PREFIX}{holder['pid']}.json")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return holder["pid"]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b"--exit-with-parent"  # no /proc (macOS): assume it stops with its parent
 
 
 def _gone(pid: int) -> bool:
@@ -277,7 +382,8 @@ def _alive(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"openrl_service" in f.read()
+            cmdline = f.read()
+            return b"openrl_service" in cmdline or b"openrl-service" in cmdline  # -m, or the script
     except OSError:
         return True  # no /proc (macOS): the pid check alone
 
@@ -298,25 +404,30 @@ def start_service(
     """Start a service and return it once ``/readyz`` answers ready.
 
     ``api_key``: the key it accepts (tenant "default"), passed through the environment, never the
-    command line; without one it generates its own into its data folder (``service.key`` is read from
-    there); ``auth=False`` serves without keys. ``data_dir``: a temporary folder by default (removed
+    command line; without one it generates its own into its data folder, or reuses the one there
+    (``service.key`` is read from there; keys from this process's environment are not passed on);
+    ``auth=False`` serves without keys. ``data_dir``: a temporary folder by default (removed
     on ``stop``). ``args``: more ``serve`` flags (``--device``, ``--fusion``...); ``env``: more
     environment. ``progress`` is told once if the start takes more than a second. ``detached``:
     outlive this process (see the module docstring); its data folder defaults to
-    ``detached_data_dir()``.
+    ``local_data_dir()``.
     """
     port = free_port()
     tmp = None
     if data_dir is None and detached:
-        data_dir = detached_data_dir()
+        data_dir = local_data_dir(model)
     if data_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="openrl-local-")
         data_dir = tmp.name
     data_dir = os.fspath(data_dir)
-    os.makedirs(data_dir, exist_ok=True)
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
     child_env = {**os.environ, **(env or {})}
     if api_key is not None:
         child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
+    elif auth:  # the data folder's own key, not keys (or a hub) this process happens to have
+        for var in ("OPENRL_API_KEYS", "OPENRL_API_KEYS_FILE", "OPENRL_HUB_API_URL"):
+            child_env.pop(var, None)
+    _trim_log(os.path.join(data_dir, "service.log"))
     cmd = [sys.executable, "-m", "openrl_service.cli", "serve"]
     if not detached:
         cmd.append("--exit-with-parent")
@@ -350,6 +461,16 @@ def start_service(
     return service
 
 
+def _trim_log(path: str) -> None:
+    """A kept data folder's log keeps its newest ``LOG_KEEP_BYTES`` (a kernel a day for a year adds up)."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) > LOG_KEEP_BYTES:
+            with open(path, "rb") as f:
+                f.seek(-LOG_KEEP_BYTES // 2, os.SEEK_END)
+                tail = f.read()
+            write_atomic(path, b"(older lines dropped)\n" + tail.split(b"\n", 1)[-1], mode=0o600)
+
+
 def _wait_ready(
     service: LocalService, model: str, timeout_s: float, progress: Callable[[str], None] | None
 ) -> None:
@@ -358,9 +479,11 @@ def _wait_ready(
     with httpx.Client(base_url=service.url, timeout=5.0) as http:
         while True:
             if service.process.poll() is not None:
-                raise ServiceUnavailable(
+                err = ServiceUnavailable(
                     f"the openrl service exited with code {service.process.returncode}:\n{service.log_tail(2000)}"
                 )
+                err.exit_code = service.process.returncode
+                raise err
             with contextlib.suppress(httpx.TransportError, ValueError):
                 r = http.get("/readyz")
                 if r.status_code == 200 and r.json().get("status") == "ready":

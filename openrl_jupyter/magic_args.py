@@ -280,8 +280,16 @@ def parsers() -> dict[str, MagicArgumentParser]:
     )
     at.add_argument("name", help="the detached run's (job's) name, as %%openrl runs lists it")
     at.add_argument("--session", default=None)
-    d = p["disconnect"] = parser("disconnect", "Close a connection (an embedded service stops).")
+    d = p["disconnect"] = parser(
+        "disconnect", "Close a connection (an embedded service this kernel started stops; its data stay)."
+    )
     d.add_argument("name", nargs="?", default=None, help="the connection's name (default: the only one)")
+    d.add_argument(
+        "--stop-service",
+        action="store_true",
+        dest="stop_service",
+        help="also stop the embedded service, even a detached one or another kernel's (its data stay)",
+    )
     h = p["help"] = parser("help", "This text, or one subcommand's options: %%openrl help train.")
     h.add_argument("verb", nargs="?", default=None, metavar="SUBCOMMAND", help="the subcommand to explain")
     for v in p.values():  # every verb that picks a connection says how

@@ -8,10 +8,8 @@ service and the remedy (``OpenRLError._render_traceback_``). Keys never come fro
 
 from __future__ import annotations
 
-import html
 import os
 import shlex
-import textwrap
 import time
 from collections.abc import Callable
 
@@ -20,8 +18,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from traitlets import Float, Unicode
 
 import openrl_jupyter.session as sessions
-from openrl_jupyter import hub
+from openrl_jupyter import hub, listing
 from openrl_jupyter._exceptions import OpenRLError, RewardCellError, UsageError
+from openrl_jupyter.listing import Table
 from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers, suggest
 from openrl_jupyter.rewards import registry
 
@@ -34,46 +33,6 @@ KEY_SOURCES = {
     "local": "the embedded service's",
     "none": "none",
 }
-
-
-class Table:
-    """A small result table with text and HTML reprs (what ``%openrl runs`` returns)."""
-
-    def __init__(self, columns: list[str], rows: list[list], title: str = ""):
-        self.columns, self.rows, self.title = columns, rows, title
-
-    MAX_WIDTH = 60  # a column wider than this wraps (a long error does not pad every other row)
-    LAST_WIDTH = 100  # the last column is never padded; it wraps at this
-
-    def __repr__(self) -> str:
-        last = len(self.columns) - 1
-        cap = [self.LAST_WIDTH if i == last else self.MAX_WIDTH for i in range(len(self.columns))]
-        widths = [
-            min(cap[i], max([len(str(c)), *(len(str(r[i])) for r in self.rows)]))
-            for i, c in enumerate(self.columns)
-        ]
-
-        def lines(row: list) -> list[str]:
-            cells = [
-                textwrap.wrap(str(v), w, break_on_hyphens=False) or [""]
-                for v, w in zip(row, widths, strict=True)
-            ]
-            out = []
-            for k in range(max(len(c) for c in cells)):
-                parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
-                out.append("  ".join(parts).rstrip())
-            return out
-
-        body = [text for r in [self.columns, *self.rows] for text in lines(r)]
-        return "\n".join(([self.title] if self.title else []) + body)
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(str(c))}</th>" for c in self.columns)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in self.rows
-        )
-        title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
-        return f"{title}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 @magics_class
@@ -172,14 +131,31 @@ class OpenRLMagics(Magics):
             progress=lambda msg: print(msg, flush=True),
             detached=a.detached,
         )
-        kind = "an embedded service" if session.local else "the service"
-        if session.local is not None and session.local.detached:
-            kind = f"a detached embedded service (pid {session.local.process.pid}, it outlives this kernel)"
+        local = session.local
+        kind = "the service"
+        if local is not None:
+            pid = local.process.pid
+            if local.detached:
+                kind = f"your detached embedded service (pid {pid}, it outlives kernels)"
+            elif local.owned:
+                kind = f"your embedded service (pid {pid}, it stops with this kernel)"
+            else:
+                kind = f"your embedded service another kernel started (pid {pid}, it stops with that kernel)"
         who = " as your JupyterHub user" if session.credential == "hub" else ""
         print(
             f"openrl: session {session.name!r} connected to {kind} at {session.url}{who} "
             f"(model {session.model})"
         )
+        if local is not None:
+            print(
+                f"openrl: its data (checkpoints, the key, service.log) stay in {local.data_dir} and the next "
+                "%openrl connect --local finds them"
+                + (
+                    f"; stop it with: openrl-service stop --data-dir {local.data_dir}"
+                    if local.detached
+                    else ""
+                )
+            )
 
     def _session(self, name: str | None):
         if not sessions.sessions():
@@ -325,89 +301,7 @@ class OpenRLMagics(Magics):
         print(f"openrl: saved run {run.name!r} at step {run.step}: {path}")
 
     def _runs(self, a):
-        session = self._session(a.session)
-        rows = []
-        mine = set()
-        for run in session.runs.values():
-            mine.add(run.run_id)
-            last = run.history[-1] if run.step else {}
-            mean = last.get("reward_mean")
-            rows.append(
-                [
-                    run.name,
-                    run.run_id or "-",
-                    "kernel",
-                    str(run.state),
-                    f"{run.step}/{run.total_steps}",
-                    f"{run.reward_name} v{run.reward_version or '-'}",
-                    f"{mean:.3f}" if mean is not None else "-",
-                ]
-            )
-        service_runs = {r["run_id"]: r for r in session.client.list_runs()}
-        try:
-            jobs = session.jobs()
-        except OpenRLError:  # a service without the jobs API: its runs are listed below all the same
-            jobs = []
-        for job in jobs:
-            run_ids = list(job.get("runs") or [])
-            mine.update(run_ids)
-            runs = [service_runs[r] for r in run_ids if r in service_runs]
-            # steps done: the rows a run stored (a step with nothing to train stores one too)
-            done = [int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in runs]
-            per_run = (
-                (job.get("meta") or {}).get("steps") or next((r.get("steps") for r in runs), None) or "?"
-            )
-            if job.get("kind") == "run":  # its newest run (a retried Kubernetes pod creates another)
-                steps_text = f"{done[-1] if done else 0}/{per_run}"
-            else:  # a sweep: per run; runs dropped at a rung by halving stop early on purpose
-                steps_text = f"{max(done, default=0)}/{per_run} per run"
-                if (
-                    job.get("state") == "finished"
-                    and isinstance(per_run, int)
-                    and any(d < per_run for d in done)
-                ):
-                    steps_text += " (halved)"
-            mean = next((r["last_reward"] for r in runs[::-1] if r.get("last_reward") is not None), None)
-            where = job.get("where", "?") + (f" pid {job['pid']}" if job.get("pid") else "")
-            kind = "" if job.get("kind") == "run" else f" ({len(run_ids)} runs)"
-            rows.append(
-                [
-                    job.get("name", "?") + kind,
-                    ", ".join(run_ids) or "-",
-                    where,
-                    str(job.get("state")),
-                    steps_text,
-                    (job.get("meta") or {}).get("reward", "-"),
-                    f"{mean:.3f}" if isinstance(mean, (int, float)) else "-",
-                ]
-            )
-        others = [r for r in service_runs.values() if r["run_id"] not in mine]
-        pruned = []
-        if a.prune:
-            for r in [r for r in others if _abandoned(r)]:
-                try:
-                    session.client.delete_run(r["run_id"])
-                except OpenRLError as exc:  # gone meanwhile, or refused: say so, keep the rest going
-                    print(f"openrl: could not forget run {r['name']!r} ({r['run_id']}): {exc}")
-                    continue
-                pruned.append(r)
-                others.remove(r)
-        for r in others:
-            where = "Tinker SDK" if r.get("kind") == "sdk" else "another kernel"
-            state = str(r.get("state") or "?") + (" (orphaned)" if r.get("orphaned") else "")
-            done = int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0)  # a row a step
-            steps = f"{done}/{r['steps']}" if r.get("steps") else str(r["step"])
-            last = r.get("last_reward")
-            mean = f"{last:.3f}" if isinstance(last, (int, float)) else "-"
-            rows.append([r["name"], r["run_id"], where, state, steps, "-", mean])
-        caption = f"runs on {session.url}"
-        if pruned:
-            caption += f"; forgot {len(pruned)} ended or orphaned: " + ", ".join(r["name"] for r in pruned)
-        elif a.prune:
-            caption += "; nothing to prune (no ended or orphaned run of another kernel)"
-        elif any(_abandoned(r) for r in others):
-            caption += "; %openrl runs --prune forgets the ended and orphaned ones (their checkpoints stay)"
-        return Table(["name", "run_id", "where", "state", "step", "reward", "reward mean"], rows, caption)
+        return listing.runs_table(self._session(a.session), prune=a.prune)
 
     def _attach(self, a):
         session = self._session(a.session)
@@ -417,7 +311,7 @@ class OpenRLMagics(Magics):
         session = self._session(a.session)
         job = self._job(a)
         if job is not None:
-            return self._job_status(job)
+            return listing.job_status(job)
         if a.run is not None:
             run = session.get_run(a.run)
             return Table(
@@ -459,38 +353,6 @@ class OpenRLMagics(Magics):
                 ["utilisation", f"{util['value']:.0%} ({util['label']})" if util else "-"],
             ],
         )
-
-    def _job_status(self, job) -> Table:
-        """A detached run or sweep in the rows a kernel run's status has, and where it logs."""
-        e = job.refresh()
-        meta = e.get("meta") or {}
-        steps = meta.get("steps") or "?"
-        runs = list(e.get("runs") or [])
-        step = "-"
-        mean = None
-        if runs:
-            described = {r["run_id"]: r for r in job.session.client.list_runs() if r.get("run_id") in runs}
-            newest = [described[r] for r in runs if r in described]
-            if newest:
-                done = [int(r.get("metrics_count") or 0) + int(r.get("metrics_dropped") or 0) for r in newest]
-                step = f"{done[-1]}/{steps}" if job.kind == "run" else f"{max(done)}/{steps} per run"
-                mean = next(
-                    (r["last_reward"] for r in newest[::-1] if r.get("last_reward") is not None), None
-                )
-        where = job.where + (f" pid {e['pid']}" if e.get("pid") else "")
-        rows = [
-            ["run" if job.kind == "run" else "sweep", f"{job.name} (detached, {where})"],
-            ["state", str(e.get("state"))],
-            ["step", step],
-            [
-                "reward",
-                f"{meta.get('reward', '-')}" + (f", last mean {mean:.3f}" if mean is not None else ""),
-            ],
-            ["message", e.get("message") or "-"],
-        ]
-        if job.log_path:
-            rows.append(["log", f"{job.log_path} (%openrl logs {job.name})"])
-        return Table(["field", "value"], rows)
 
     def _logs(self, a):
         job = self._job(a, a.run)
@@ -575,9 +437,28 @@ class OpenRLMagics(Magics):
 
     def _disconnect(self, a):
         session = self._session(a.name)
+        local = session.local
+        if a.stop_service and local is None:
+            raise UsageError(
+                f"--stop-service: session {session.name!r} is connected to {session.url}, not an embedded service"
+            )
         stopped = sessions.disconnect(session.name)
         note = f"; stopped its active runs: {', '.join(stopped)}" if stopped else ""
         print(f"openrl: session {session.name!r} disconnected{note}")
+        if a.stop_service:
+            from openrl_jupyter.local import stop_on
+
+            pid = stop_on(local.data_dir)
+            print(
+                f"openrl: stopped the embedded service (pid {pid}); its data stay in {local.data_dir}"
+                if pid is not None
+                else f"openrl: the embedded service had already stopped; its data stay in {local.data_dir}"
+            )
+        elif local is not None and (local.detached or not local.owned):
+            print(
+                f"openrl: the embedded service (pid {local.process.pid}) goes on; "
+                "%openrl disconnect --stop-service stops it"
+            )
 
     def _help(self, a):
         verb = getattr(a, "verb", None)
@@ -665,14 +546,6 @@ def _when(created) -> str:
     if not isinstance(created, (int, float)):
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
-
-
-def _abandoned(run: dict) -> bool:
-    """A notebook run nothing drives any more: its kernel ended it, or went away (orphaned). A Tinker
-    SDK session ends by its own heartbeat rules; it is never pruned from here."""
-    if run.get("kind") == "sdk":
-        return False
-    return bool(run.get("orphaned")) or run.get("state") in ("stopped", "finished", "failed", "ended")
 
 
 def _split(line: str) -> list[str]:

@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter import credentials
-from openrl_jupyter._exceptions import OpenRLError, UsageError
+from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable, UsageError
 from openrl_jupyter.client import AsyncClient, Client
 from openrl_jupyter.hub import keep_alive
-from openrl_jupyter.local import READY_TIMEOUT_S, LocalService, advertise, find_detached, start_service
+from openrl_jupyter.local import (
+    EXIT_DATA_DIR_IN_USE,
+    READY_TIMEOUT_S,
+    LocalService,
+    _wait_ready,
+    advertise,
+    local_data_dir,
+    running_on,
+    start_service,
+)
 
 if TYPE_CHECKING:
     from openrl_jupyter.feed import EventFeed
@@ -220,8 +228,8 @@ class Session:
         self.client.close()
         for job in self.detached.values():
             job.close()
-        if self.local is not None and not self.local.detached:
-            self.local.stop()  # a detached embedded service goes on (its jobs need it)
+        if self.local is not None and self.local.owned and not self.local.detached:
+            self.local.stop()  # a detached one goes on (its jobs need it); a joined one is its owner's
 
 
 _sessions: dict[str, Session] = {}
@@ -277,27 +285,64 @@ def start_local(
     detached: bool = False,
     check_model: bool = False,
 ) -> tuple[LocalService, str]:
-    """Start an embedded service; returns it and its fresh key once it answers /readyz.
+    """The user's embedded service of ``model`` and its key, once it answers /readyz: the one already
+    running on its data folder (``local_data_dir(model)``: another kernel's, or a detached one),
+    joined, else a new one started there. Its key is the folder's ``api-key``, the same after a restart.
 
-    ``detached``: one that outlives this process (for detached runs), found again by the next
-    kernel through its discovery file (then reused, not started twice)."""
-    if detached:
-        found = find_detached()
+    ``detached``: one that outlives this process (for detached runs); a running one that stops with
+    another kernel is refused then (it cannot be made to outlive it)."""
+    data_dir = os.fspath(data_dir or local_data_dir(model))
+    for attempt in range(3):
+        found = running_on(data_dir)
         if found is not None:
-            if check_model:  # a model asked for by name: the running one must serve it
-                _check_detached_model(found, model)
-            return found, Secret(found.key)
-    if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
+            try:
+                joined = _join(found, model, detached=detached, check_model=check_model, timeout_s=timeout_s)
+            except ServiceUnavailable:  # it was on its way out (its kernel just ended): start another
+                if found.process.poll() is None or attempt == 2:
+                    raise
+                continue
+            return joined, Secret(found.key)
+        if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
+            raise UsageError(
+                "connect(local=True) needs the service installed in this environment: "
+                "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
+            )
+        try:
+            local = start_service(
+                model=model, data_dir=data_dir, timeout_s=timeout_s, progress=progress, detached=detached
+            )
+        except ServiceUnavailable as exc:  # another kernel started one on the folder meanwhile: join it
+            if getattr(exc, "exit_code", None) == EXIT_DATA_DIR_IN_USE and attempt < 2:
+                continue
+            raise
+        if not local.key:
+            local.stop()
+            raise OpenRLError(f"the embedded service wrote no key to {os.path.join(data_dir, 'api-key')}")
+        advertise(local)  # the Jupyter server's OpenRL panel finds it there (removed when it stops)
+        return local, Secret(local.key)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _join(
+    found: LocalService, model: str, *, detached: bool, check_model: bool, timeout_s: float
+) -> LocalService:
+    """Check a running embedded service before a kernel joins it."""
+    pid, folder = found.process.pid, found.data_dir
+    if detached and not found.detached:
         raise UsageError(
-            "connect(local=True) needs the service installed in this environment: "
-            "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
+            f"the embedded service of another kernel (pid {pid}, {found.url}) holds {folder} and stops "
+            f"with that kernel, so it cannot serve detached runs: stop it (openrl-service stop --data-dir "
+            f"{folder}, or %openrl disconnect --stop-service in that kernel) and connect --local --detached again"
         )
-    key = Secret("tml-" + secrets.token_urlsafe(24))
-    local = start_service(
-        model=model, data_dir=data_dir, api_key=key, timeout_s=timeout_s, progress=progress, detached=detached
-    )
-    advertise(local)  # the Jupyter server's OpenRL panel finds it there (removed when it stops)
-    return local, key
+    if not found.key:
+        raise UsageError(
+            f"the service holding {folder} (pid {pid}, {found.url}) was started with keys of its own: "
+            f"connect to it by URL with its key, or stop it (openrl-service stop --data-dir {folder})"
+        )
+    _wait_ready(found, model, timeout_s, None)
+    if check_model:  # a model asked for by name: the running one must serve it
+        _check_detached_model(found, model)
+    return found
 
 
 def connect(
@@ -363,7 +408,7 @@ def connect(
                 )
     except OpenRLError:
         client.close()
-        if local_service is not None and not local_service.detached:
+        if local_service is not None and local_service.owned and not local_service.detached:
             local_service.stop()
         raise
     old = _sessions.pop(name, None)
@@ -392,10 +437,11 @@ def _check_detached_model(found: LocalService, model: str) -> None:
         except OpenRLError:
             return  # it does not answer: connect() says so next
     if served and served_name(model, dict.fromkeys(served)) is None:
+        kind = "a detached embedded service" if found.detached else "another kernel's embedded service"
         raise UsageError(
-            f"a detached embedded service is already running (pid {found.process.pid}, {found.url}) "
+            f"{kind} is already running (pid {found.process.pid}, {found.url}) "
             f"and serves {', '.join(repr(m) for m in served)}, not {model!r}: connect with that model "
-            "(or none), or stop it first (openrl_jupyter.local.find_detached().stop()) and connect again"
+            f"(or none), or stop it first (openrl-service stop --data-dir {found.data_dir}) and connect again"
         )
 
 

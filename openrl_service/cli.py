@@ -300,6 +300,30 @@ def _admin_target(data_dir: Path) -> tuple[str, str]:
     return url, key
 
 
+def _stop(args: argparse.Namespace) -> int:
+    from openrl_jupyter.local import local_data_dirs, stop_on
+
+    if args.local and args.data_dir is not None:
+        print("openrl-service stop: give --local or --data-dir, not both", file=sys.stderr)
+        return 2
+    folders = local_data_dirs() if args.local else [args.data_dir or cfg.default_data_dir()]
+    stopped = 0
+    for folder in folders:
+        pid = stop_on(folder, timeout_s=args.timeout)
+        if pid is not None:
+            stopped += 1
+            print(f"openrl-service stop: stopped the service on {folder} (pid {pid}); its data stay there")
+    if not stopped:
+        where = (
+            "any embedded service's folder (" + ", ".join(map(str, folders)) + ")"
+            if args.local
+            else folders[0]
+        )
+        print(f"openrl-service stop: no openrl-service is running on {where}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _admin(args: argparse.Namespace) -> int:
     import json
 
@@ -510,6 +534,20 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
     t.add_argument("dir", type=Path)
     t.set_defaults(func=_make_tiny)
+    st = sub.add_parser(
+        "stop",
+        help="stop the service running on a data dir: it drains (finishes what it is doing) and exits",
+    )
+    st.add_argument(
+        "--data-dir", type=Path, default=None, help="the data dir of the service to stop (default: serve's)"
+    )
+    st.add_argument(
+        "--local",
+        action="store_true",
+        help="the notebook's embedded services (%%openrl connect --local), on their data dirs",
+    )
+    st.add_argument("--timeout", type=float, default=30.0, help="seconds to wait before killing it")
+    st.set_defaults(func=_stop)
     a = sub.add_parser(
         "admin",
         help="the operator's view of a running service: list tenants, remove one (see docs/security.md)",

@@ -29,6 +29,14 @@ BOB_KEY = "tml-bob-0123456789abcdef"
 TINY = "openrl/tiny"
 
 
+@pytest.fixture(autouse=True)
+def own_local_data_dir(tmp_path_factory, monkeypatch):
+    """Each test its own folder for the notebook's embedded service (``connect(local=True)`` keeps its
+    data and key in the user's data dir and joins a service already running there): no test joins
+    or reads what another left, and none touches the user's own."""
+    monkeypatch.setenv("OPENRL_LOCAL_DATA_DIR", str(tmp_path_factory.mktemp("openrl-local")))
+
+
 @dataclass
 class LiveServer:
     url: str

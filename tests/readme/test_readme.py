@@ -42,7 +42,7 @@ from tests._support.readme import Block, MarkerError, blocks
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 K8S_README = ROOT / "k8s" / "README.md"
-BLOCK_TIMEOUT_S = 180  # a hang guard, not a speed check: each block takes under a minute on an idle machine
+BLOCK_TIMEOUT_S = 300  # a hang guard, not a speed check: each block takes under a minute on an idle machine
 READY_TIMEOUT_S = 120
 # What the reader's environment does not have: the test's own service and keys come from the README.
 CLEARED_PREFIXES = ("OPENRL_", "TINKER_", "HF_", "JUPYTER_", "XDG_DATA_HOME", "HF_HOME")

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 
 import pytest
 
-from openrl_jupyter.local import DISCOVERY_PREFIX, discovered, find_detached
+from openrl_jupyter.local import DISCOVERY_PREFIX, LOCK_NAME, discovered, find_detached, running_on
 
 
 @pytest.fixture
@@ -76,3 +77,50 @@ def test_a_discovery_file_that_is_a_link_is_not_trusted(tmp_path, service_pid):
     os.symlink(real, tmp_path / f"{DISCOVERY_PREFIX}{service_pid}.json")
     assert discovered(str(elsewhere)) is not None
     assert discovered(str(tmp_path)) is None
+
+
+def _plant_lock(folder, pid: int, url: str = "http://127.0.0.1:1") -> str:
+    """A data folder as a running embedded service leaves it: its lock (pid, host, url) and its key."""
+    lock = folder / LOCK_NAME
+    lock.write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "since": "now", "url": url}))
+    lock.chmod(0o644)  # as serve writes it
+    key = folder / "api-key"
+    key.write_text("tml-mine\n")
+    key.chmod(0o600)
+    return str(lock)
+
+
+def test_the_lock_file_local_py_reads_is_the_one_serve_writes():
+    from openrl_service.storage.lock import LOCK_NAME as SERVED
+
+    assert LOCK_NAME == SERVED
+
+
+def test_a_kernel_joins_an_embedded_service_only_by_a_lock_of_its_own_account(
+    tmp_path, monkeypatch, service_pid
+):
+    """Attack: another account plants a lock file in (or makes one writable in) the folder a kernel's
+    --local joins by, naming its own service: the kernel must not send its key there."""
+    lock = _plant_lock(tmp_path, service_pid)
+    found = running_on(tmp_path)
+    assert found is not None and found.url == "http://127.0.0.1:1" and found.key == "tml-mine"  # ours
+    os.chmod(lock, 0o666)
+    assert running_on(tmp_path) is None
+    os.chmod(lock, 0o644)
+    _foreign(lock, monkeypatch)
+    assert running_on(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "url", ["http://10.0.0.7:8000", "https://evil.example:443", "http://127.0.0.1.evil:80"]
+)
+def test_a_kernel_sends_its_key_only_to_a_loopback_service_named_by_the_lock(tmp_path, url, service_pid):
+    _plant_lock(tmp_path, service_pid, url=url)
+    assert running_on(tmp_path) is None
+
+
+def test_a_lock_of_a_dead_process_names_nothing(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _plant_lock(tmp_path, dead.pid)
+    assert running_on(tmp_path) is None
