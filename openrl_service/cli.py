@@ -250,11 +250,16 @@ def _exit_when_stdin_closes() -> None:
     import signal
     import threading
 
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
+        # os.read on the descriptor, not sys.stdin.buffer: a daemon thread blocked inside the buffered
+        # reader holds its lock, and the interpreter's exit then aborts (SIGABRT, "could not acquire
+        # lock for <stdin>") instead of exiting 0
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(fd, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -71,6 +71,7 @@ from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
 from openrl_service.errors import ApiError, Conflict, NotFound, UserError
+from openrl_service.lifecycle import ShuttingDown
 from openrl_service.sampling.base import SampleJob
 from openrl_service.storage.checkpoints import check_name
 from openrl_service.telemetry import NvmlReader
@@ -976,8 +977,15 @@ class NativeRuns:
         }
 
     async def _result(self, rec):
-        """The op's result; a 503 naming the worker (not an endless wait) if the worker has died."""
+        """The op's result; a 503 naming the worker (not an endless wait) if the worker has died, or
+        saying the service is shutting down once the drain holds the futures (a held wait returns at
+        once: looping on it would keep the event loop from finishing the shutdown)."""
         while not await self.svc.futures.wait(rec, 1.0):
+            if self.svc.futures.held:
+                raise ShuttingDown(
+                    "openrl-service is shutting down; this request is journaled and runs when it restarts: "
+                    "send it again then (with the same Idempotency-Key it is not run twice)"
+                )
             self.svc.engine.require_alive()
         if rec.error is not None:
             raise rec.error

@@ -267,6 +267,44 @@ def test_sigterm_with_the_journal_keeps_what_did_not_run_and_the_restart_runs_it
     assert '"steps": 1' in manifest, manifest
 
 
+def test_a_notebook_sample_in_flight_when_the_journal_takes_over_gets_503_and_the_service_exits(
+    tmp_path, tiny_model_dir
+):
+    """The notebook API's waits on a held future: a kernel's sampling calls are queued when the drain
+    hands its work to the journal. Each answers 503 "shutting down" (its client retries after the
+    restart) and the service exits in time. Before, such a wait spun on the event loop and the
+    service never exited (a kernel's embedded service hung at 100% CPU after its kernel ended)."""
+    grace_s = 1.0
+    args = ("--drain-grace-s", str(grace_s))
+    with serving(tmp_path / "data", tiny_model_dir, *args, env=LONG_QUEUE_ENV) as served:
+        http = httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=HANG_GUARD_S)
+        run_id = http.post("/openrl/v1/runs", json={"name": "busy"}).json()["run_id"]
+        answers: list = []
+
+        def sample() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # a connection the exiting service closed
+                r = http.post(
+                    f"/openrl/v1/runs/{run_id}/sample", json={"prompts": ["Count:"] * 16, "max_tokens": 64}
+                )
+                answers.append((r.status_code, r.text))
+
+        callers = [threading.Thread(target=sample, daemon=True) for _ in range(8)]
+        for t in callers:
+            t.start()
+        wait_for(lambda: served.proc.poll() is None and http.get("/readyz").status_code == 200, "ready")
+        time.sleep(1.0)  # the calls are queued behind each other
+        served.proc.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        assert finish(served, grace_s + EXIT_MARGIN_S) == 0, served.stderr
+        assert time.monotonic() - sigterm_at < grace_s + EXIT_MARGIN_S
+        for t in callers:
+            t.join(HANG_GUARD_S)
+        http.close()
+    assert "journaled and run after the restart" in served.stderr, served.stderr
+    held = [text for status, text in answers if status == 503]
+    assert held and all("shutting down" in text for text in held), answers
+
+
 @pytest.mark.parametrize("value", ["-1", "soon"])
 def test_a_bad_drain_grace_is_refused_naming_the_setting(tmp_path, value):
     argv, env = cli("serve", "--data-dir", str(tmp_path), env={"OPENRL_DRAIN_GRACE_S": value})
@@ -362,3 +400,19 @@ def test_readyz_reports_a_model_that_failed_to_load(tmp_path):
         assert (
             r.status_code == 503 and r.json()["status"] == "failed" and "no-such-model" in r.json()["error"]
         )
+
+
+def test_an_embedded_service_signalled_while_its_parent_lives_exits_0(tmp_path):
+    """`--exit-with-parent` watches its stdin from a daemon thread; a SIGTERM while that pipe is still
+    open must exit 0, not abort at interpreter exit (SIGABRT: "could not acquire lock for <stdin>")."""
+    from openrl_jupyter.local import start_service
+
+    service = start_service(data_dir=tmp_path / "data")
+    try:
+        service.process.send_signal(signal.SIGTERM)
+        code = service.process.wait(HANG_GUARD_S)
+    finally:
+        service.stop()
+    log = service.log_tail(20_000)
+    assert code == 0, log
+    assert "Fatal Python error" not in log and "drained in" in log
