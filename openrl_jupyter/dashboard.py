@@ -209,6 +209,18 @@ class _LiveDashboard(abc.ABC):
         total.x, total.y = xs, [util.total[i] for i in idx]
 
 
+def _error_html(error: str) -> str:
+    """A run's error in the header: its first line, and the rest (a traceback) folded under it."""
+    first, _, rest = error.strip().partition("\n")
+    head = f"<span style='color:#cf222e'>error: {html.escape(clip(first, 300))}</span>"
+    if not rest.strip():
+        return head
+    return (
+        f"<details style='display:inline'><summary>{head}</summary>"
+        f"<pre style='margin:0;font-size:85%'>{html.escape(rest)}</pre></details>"
+    )
+
+
 def _runner_call_later(delay_s: float, fn: Callable[[], None]) -> None:
     from openrl_jupyter.runner import get_runner
 
@@ -242,6 +254,7 @@ class RunDashboard(_LiveDashboard):
         self._rows = Rows()
         self._state = str(run.state)
         self._error: str | None = run.last_error
+        self._failure: Any = getattr(run, "reward_failure", None)  # a RewardFailure (rewards.py)
         self._action_error: str | None = None
         self._step = int(run.step or 0)
         self._logs: deque[str] = deque(maxlen=LOG_LINES)
@@ -251,6 +264,7 @@ class RunDashboard(_LiveDashboard):
         self._markers: list[tuple[int, str]] | None = None
 
         self.header = widgets.HTML()
+        self.failure_box = widgets.HTML()  # the reward's last failure: error, version, a sample
         self.progress = widgets.IntProgress(min=0, max=max(1, int(run.total_steps or 1)), value=0)
         self.fig = self._make_figure()
         self.samples = widgets.HTML()
@@ -266,6 +280,7 @@ class RunDashboard(_LiveDashboard):
         buttons = widgets.HBox([self.pause_button, self.resume_button, self.stop_button])
         self._small = [
             self.header,
+            self.failure_box,
             self.progress,
             self.samples,
             self.log,
@@ -273,11 +288,19 @@ class RunDashboard(_LiveDashboard):
             self.resume_button,
             self.stop_button,
         ]
-        self.widget = widgets.VBox([self.header, self.progress, buttons, self.fig, self.samples, self.log])
+        self.widget = widgets.VBox(
+            [self.header, self.failure_box, self.progress, buttons, self.fig, self.samples, self.log]
+        )
         self._small.append(buttons)
 
         with self._render_lock:
+            # subscribe first, then read the run: what happened while the widgets were being built
+            # (a reward that failed at step 1, the pause) is in what is read, not lost between them
             self._unsubscribe = run.subscribe(self.handle)
+            self._state, self._error = str(run.state), run.last_error
+            self._failure = getattr(run, "reward_failure", None)
+            with self._lock:  # events queued before that read are in it: a stale state must not win
+                self._pending = [e for e in self._pending if e.get("kind") not in ("state", "reward_error")]
             for row in run.history:
                 self._add_row(row)
             self._redraw()
@@ -341,7 +364,12 @@ class RunDashboard(_LiveDashboard):
     def _apply(self, event: dict) -> None:
         kind = event.get("kind")
         if kind == "step":
-            self._add_row(event.get("row") or {})
+            row = event.get("row") or {}
+            self._add_row(row)
+            if row.get("failed") == 0:
+                self._failure = None  # a clean step: the box goes, the log keeps what happened
+        elif kind == "reward_error":
+            self._failure = event.get("failure")
         elif kind == "state":
             self._state = str(event.get("state"))
             if event.get("error") is not None:
@@ -381,10 +409,11 @@ class RunDashboard(_LiveDashboard):
             f" · reward {reward} · mean {html.escape(fmt(self._rows.last().get('reward_mean')))}"
         ]
         if self._error:
-            lines.append(f"<span style='color:#cf222e'>error: {html.escape(self._error)}</span>")
+            lines.append(_error_html(self._error))
         if self._action_error:
             lines.append(f"<span style='color:#9a6700'>{html.escape(self._action_error)}</span>")
         self.header.value = "<div>" + "<br>".join(lines) + "</div>"
+        self.failure_box.value = self._failure.html() if self._failure is not None else ""
         self.progress.max = max(1, total)
         self.progress.value = min(self._step, self.progress.max)
         self.progress.bar_style = BAR_STYLES.get(self._state, "")
@@ -462,7 +491,7 @@ class RunDashboard(_LiveDashboard):
 
     def _summary(self) -> tuple[str, str]:
         name, version = self._reward()
-        return summary_pair(
+        plain, rich = summary_pair(
             str(self.run.name),
             self._state,
             self._step,
@@ -471,6 +500,9 @@ class RunDashboard(_LiveDashboard):
             name,
             version,
         )
+        if self._failure is not None:
+            plain, rich = f"{plain}\n{self._failure.text()}", rich + self._failure.html()
+        return plain, rich
 
 
 class ServiceDashboard(_LiveDashboard):

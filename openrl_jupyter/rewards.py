@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import html
 import inspect
 import io
 import math
@@ -31,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_jupyter._exceptions import UsageError
+from openrl_jupyter.summary import clip
+
+SAMPLE_CHARS = 200  # a failing sample's prompt and completion, as shown
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,103 @@ class Scored:
     @property
     def all_failed(self) -> bool:
         return all(r is None for r in self.rewards)
+
+    def failure(
+        self, *, run: str, step: int, prompts: Sequence[str], completions: Sequence[str]
+    ) -> RewardFailure | None:
+        """The step's reward failure, with the first sample that failed (None when none did)."""
+        first = next((i for i, e in enumerate(self.errors) if e is not None), None)
+        if first is None or self.version is None:
+            return None
+        return RewardFailure(
+            run=run,
+            reward=self.version.name,
+            version=self.version.version,
+            step=step,
+            error=str(self.errors[first]),
+            prompt=str(prompts[first]),
+            completion=str(completions[first]),
+            failed=sum(e is not None for e in self.errors),
+            n=len(self.errors),
+            paused=self.all_failed,
+            traceback=self.traceback,
+        )
+
+
+FAILURE_BOX = (
+    "border:1px solid #cf222e;border-left:4px solid #cf222e;background:rgba(207,34,46,0.08);"
+    "padding:6px 10px;margin:4px 0;border-radius:4px"
+)
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """A reward that raised (or returned no finite number) on some of a step's samples: what the cell
+    that started the run and its dashboard show at once, with one sample that triggered it.
+
+        run.reward_failure            # the last one (None while the reward never failed)
+        run.reward_failure.error      # "ZeroDivisionError: division by zero"
+    """
+
+    run: str
+    reward: str
+    version: int
+    step: int
+    error: str  # the exception, one line ("ZeroDivisionError: division by zero"), or what was returned
+    prompt: str  # the first failing sample's prompt and completion
+    completion: str
+    failed: int  # how many of the step's n samples failed
+    n: int
+    paused: bool  # every sample failed: the run paused on this step
+    traceback: str | None = None  # the user's frames only
+
+    @property
+    def headline(self) -> str:
+        return (
+            f"openrl run {self.run!r}: reward {self.reward} v{self.version} failed on "
+            f"{self.failed} of {self.n} samples at step {self.step}: {self.error}"
+        )
+
+    @property
+    def consequence(self) -> str:
+        if self.paused:
+            return "the run is paused: fix the reward, then run.resume() (run.wait() raises RunPaused)"
+        return "those samples are left out of the update; the run goes on"
+
+    def text(self) -> str:
+        lines = [
+            self.headline,
+            f"  {self.consequence}",
+            f"  sample prompt:     {clip(self.prompt, SAMPLE_CHARS)!r}",
+            f"  sample completion: {clip(self.completion, SAMPLE_CHARS)!r}",
+        ]
+        if self.traceback:
+            lines.append(self.traceback)
+        return "\n".join(lines)
+
+    def html(self) -> str:
+        """A red box (escaped HTML): headline, consequence, the sample, the traceback folded."""
+        e = html.escape
+        cell = "text-align:left;white-space:pre-wrap;font-family:monospace;padding:1px 6px"
+        trace = (
+            f"<details><summary>traceback</summary><pre style='margin:0'>{e(self.traceback)}</pre></details>"
+            if self.traceback
+            else ""
+        )
+        return (
+            f"<div class='openrl-reward-failure' style='{FAILURE_BOX}'>"
+            f"<b>reward {e(self.reward)} v{self.version} failed</b> on {self.failed} of {self.n} samples"
+            f" at step {self.step} of run <b>{e(self.run)}</b>: <code>{e(self.error)}</code>"
+            f"<br>{e(self.consequence)}"
+            "<table style='margin:4px 0'>"
+            f"<tr><th style='text-align:left'>prompt</th><td style='{cell}'>{e(clip(self.prompt, SAMPLE_CHARS))}</td></tr>"
+            f"<tr><th style='text-align:left'>completion</th><td style='{cell}'>"
+            f"{e(clip(self.completion, SAMPLE_CHARS))}</td></tr>"
+            f"</table>{trace}</div>"
+        )
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.text(), "text/html": self.html()}
 
 
 class RewardRegistry:

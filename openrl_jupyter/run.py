@@ -18,15 +18,17 @@ Each step, on the shared runner thread (see ``runner.py``):
    (the dashboard).
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
-trained is lost and ``resume()`` retries the step (with the newest reward version). A service that is
-unavailable (connection refused, or 503 while it drains or restarts) does not pause the run: its log
-(and dashboard) says "service unavailable — retrying in N s" and the step is retried by itself, backing
-off from 1 s to 30 s, until the service answers again. A step whose train_step got no answer (the
-service may have applied it) is not sampled again: the retry (or ``resume()``) re-sends that same
-train_step with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and
-stopping take effect between steps. While the run is not done (paused included) it heartbeats the
-service every third of the service's ``idle_timeout_s`` (at most 2 min apart, and a third of its
-``orphan_after_s``), so a paused run is not reaped as abandoned nor listed as orphaned.
+trained is lost and ``resume()`` retries the step (with the newest reward version). A failing reward
+shows at once in the cell that started the run and on its dashboard (``rewards.RewardFailure``: the
+exception, the reward's version, a sample), not only at ``wait()``. A service that is unavailable
+(connection refused, or 503 while it drains or restarts) does not pause the run: its log (and
+dashboard) says "service unavailable — retrying in N s" and the step is retried by itself, backing off
+from 1 s to 30 s, until the service answers again. A step whose train_step got no answer (the service
+may have applied it) is not sampled again: the retry (or ``resume()``) re-sends that same train_step
+with the same ``X-Idempotency-Key``, and the service answers the first reply. Pausing and stopping take
+effect between steps. While the run is not done (paused included) it heartbeats the service every third
+of the service's ``idle_timeout_s`` (at most 2 min apart, and a third of its ``orphan_after_s``), so a
+paused run is not reaped as abandoned nor listed as orphaned.
 
 Run control from outside the kernel (the JupyterLab side panel, ``POST /openrl/v1/runs/{id}/control``):
 each heartbeat reports the run's state to the service and reads back its ``control``; before each
@@ -61,15 +63,14 @@ from openrl_jupyter._exceptions import (
 )
 from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
-from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
-from openrl_jupyter.runner import get_runner, notify
+from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
+from openrl_jupyter.runner import CellOutput, get_runner, notify
 from openrl_jupyter.steps import REPORTED, PreparedStep, step_row
 
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
-UNAVAILABLE_RETRY_MAX_S = (
-    30.0  # a step the service could not take is retried after 1, 2, 4... s, at most this
-)
+# a step the service could not take is retried after 1, 2, 4... s, at most this
+UNAVAILABLE_RETRY_MAX_S = 30.0
 CONTROL_POLL_S = 1.0  # while paused, the run asks the service for a resume or stop this often
 CONTROL_WAIT_S = 3.0  # the most a step waits for the service's control answer before going on
 STOPPED_IN_NOTEBOOK = "stopped in the notebook (run.stop())"
@@ -77,11 +78,7 @@ STOPPED_IN_NOTEBOOK = "stopped in the notebook (run.stop())"
 
 def heartbeat_interval(idle_timeout_s: Any) -> float:
     """How often a run heartbeats: a third of the service's idle timeout, between 0.5 s and 2 min."""
-    if (
-        isinstance(idle_timeout_s, bool)
-        or not isinstance(idle_timeout_s, (int, float))
-        or idle_timeout_s <= 0
-    ):
+    if type(idle_timeout_s) not in (int, float) or idle_timeout_s <= 0:  # JSON's numbers; not a bool
         return HEARTBEAT_MAX_S
     return max(0.5, min(HEARTBEAT_MAX_S, idle_timeout_s / 3))
 
@@ -120,6 +117,7 @@ class Run:
         self.reward_name = config.reward
         self.reward_version: int | None = None
         self.last_error: str | None = None
+        self.reward_failure: RewardFailure | None = None  # the reward's last failure, with a sample
         self.started_at = time.time()
         self._state = RunState.STARTING
         self._step = 0
@@ -132,9 +130,8 @@ class Run:
         self._want_pause = False
         self._want_stop = False
         self._paused_on_error = False
-        self._prefetch: tuple[int, asyncio.Task, list[dict]] | None = (
-            None  # --overlap 1: (step, sampling, prompts)
-        )
+        # --overlap 1: (step, sampling, prompts)
+        self._prefetch: tuple[int, asyncio.Task, list[dict]] | None = None
         self._wake: asyncio.Event | None = None
         self._dashboard = None
         self._rng = random.Random(config.seed)
@@ -147,9 +144,11 @@ class Run:
         self.stop_reason: str | None = None  # why it stopped: run.stop(), or the panel's reason
         self._control_at: float | None = None  # the service's control state last obeyed (its "at")
         self._report_lock: asyncio.Lock | None = None
+        self._cell = CellOutput()  # where a reward failure is shown at once: the cell that started it
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
+        self._cell = CellOutput.capture()
         try:
             created = self._runner.submit(self._create()).result(timeout)
         except Exception as exc:
@@ -231,6 +230,7 @@ class Run:
         with self._lock:
             if not self.done:
                 self._want_stop = True
+                self._paused_on_error = False  # stopping is the answer to the error: wait() waits for it
                 self.stop_reason = self.stop_reason or STOPPED_IN_NOTEBOOK
                 self._set_state(RunState.STOPPING)
         self._poke()
@@ -614,7 +614,8 @@ class Run:
     async def _score(
         self, version: RewardVersion, step: int, prompts: list[dict], samples: list[dict], groups: list
     ) -> Scored:
-        """Score in the runner's pool; keep and show the samples; pause if every one failed."""
+        """Score in the runner's pool; keep and show the samples; show a failure at once (the dashboard,
+        and the starting cell: once per reward version, and at every pause); pause if every one failed."""
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
         infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
         completions = [s["text"] for s in samples]
@@ -628,15 +629,18 @@ class Run:
         with self._lock:
             self._samples.extend(kept)
         self._emit({"kind": "samples", "step": step, "samples": kept[-16:]})
-        failures = [e for e in scored.errors if e is not None]
-        if scored.all_failed:
-            detail = scored.traceback or failures[0]
+        failure = scored.failure(run=self.name, step=step, prompts=texts, completions=completions)
+        if failure is None:
+            return scored
+        self.reward_failure = failure
+        self._emit({"kind": "reward_error", "failure": failure})
+        self._cell.show(failure, once=None if failure.paused else (failure.reward, failure.version))
+        if failure.paused:
             raise _StepPaused(
                 f"step {step}: every sample failed in reward {version.name} v{version.version}; "
-                f"the run is paused (fix the reward, then resume()):\n{detail}"
+                f"the run is paused (fix the reward, then resume()):\n{failure.traceback or failure.error}"
             )
-        if failures:
-            self._log(f"step {step}: {len(failures)} of {len(samples)} samples failed: {failures[0]}")
+        self._log(f"step {step}: {failure.failed} of {failure.n} samples failed: {failure.error}")
         return scored
 
     async def _train(self, client, pending: PreparedStep) -> dict:

@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures
 import os
 import queue
+import sys
 import threading
 import traceback
 import weakref
@@ -151,6 +152,63 @@ class Runner:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+class CellOutput:
+    """The output area of the cell that started something, for messages sent later from any thread.
+
+        out = CellOutput.capture()    # on the kernel thread, while the cell runs
+        out.show(obj)                 # later, from the runner thread: obj appears under that cell
+
+    In a kernel the display is published with the captured cell's parent header (ipykernel 7's
+    ``set_thread_parent``, for this thread only), so JupyterLab appends it to that cell's output even
+    while another cell runs; the runner never calls ``set_parent`` (that would move the running
+    cell's own output). Outside a kernel (a script, a detached job's worker) the text goes to stderr.
+    """
+
+    def __init__(self, shell: Any = None, parent: dict | None = None) -> None:
+        self._shell = shell
+        self._parent = parent
+        self._shown: set[Any] = set()
+
+    @classmethod
+    def capture(cls) -> CellOutput:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        if shell is None or not hasattr(shell, "kernel") or not hasattr(shell, "get_parent"):
+            return cls()
+        if _runner is not None and _runner.on_runner_thread():
+            return cls()  # started by a listener on the runner: no cell of its own, so stderr
+        return cls(shell, dict(shell.get_parent() or {}))
+
+    def show(self, obj: Any, *, once: Any = None) -> None:
+        """Display ``obj`` (its mime bundle) under the captured cell; never raises. With ``once``, a
+        key: nothing when something was already shown with it."""
+        if once is not None:
+            if once in self._shown:
+                return
+            self._shown.add(once)
+        try:
+            if self._shell is None:
+                text = obj.text() if hasattr(obj, "text") else str(obj)
+                print(text, file=sys.stderr, flush=True)
+                return
+            from IPython.display import display
+
+            route = getattr(self._shell, "set_thread_parent", None)
+            reset = getattr(self._shell, "reset_thread_parent", None)
+            tokens = route(self._parent) if route is not None and reset is not None and self._parent else None
+            try:
+                display(obj)
+            finally:
+                if tokens is not None:
+                    reset(tokens)
+        except Exception:  # noqa: BLE001 - a message that cannot be shown must not stop a run
+            traceback.print_exc()
 
 
 def notify(listeners: list[Callable[[dict], Any]], event: dict) -> None:

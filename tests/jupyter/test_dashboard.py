@@ -12,6 +12,7 @@ import comm
 import pytest
 
 from openrl_jupyter.dashboard import RunDashboard, ServiceDashboard, downsample
+from openrl_jupyter.rewards import RewardFailure
 from openrl_jupyter.summary import summary_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -315,6 +316,52 @@ def test_buttons_drive_the_run_and_follow_its_state(make_dash, timers):
     assert "failed" in dash.header.value
     assert "reward &lt;letters&gt; raised" in dash.header.value and "<letters>" not in dash.header.value
     assert dash.progress.bar_style == "danger"
+
+
+def failure(**kw):
+    fields = {
+        "run": "fake",
+        "reward": "letters",
+        "version": 2,
+        "step": 7,
+        "error": "ZeroDivisionError: division by zero",
+        "prompt": "Say <hi>:",
+        "completion": "x" * 5000,
+        "failed": 8,
+        "n": 8,
+        "paused": True,
+        "traceback": 'Traceback (most recent call last):\n  File "<cell>", line 2, in reward\nZeroDivisionError',
+    }
+    return RewardFailure(**{**fields, **kw})
+
+
+def test_a_reward_failure_is_boxed_with_its_version_and_sample_until_a_clean_step(make_dash, timers):
+    run = FakeRun([row(5), row(6)])
+    dash = make_dash(run)
+    assert dash.failure_box.value == ""
+    run.emit({"kind": "reward_error", "failure": failure()})
+    run.emit({"kind": "state", "state": "paused", "error": "step 7: every sample failed\nTraceback ..."})
+    timers.advance_to(0.5)
+    box = dash.failure_box.value
+    assert "reward letters v2 failed</b> on 8 of 8 samples at step 7" in box
+    assert "ZeroDivisionError: division by zero" in box and "run.resume()" in box
+    assert "Say &lt;hi&gt;:" in box and "<hi>" not in box  # escaped
+    assert "x" * 150 in box and "x" * 300 not in box  # the sample is clipped
+    assert "error: step 7: every sample failed" in dash.header.value  # the header keeps its first line
+    plain = dash._repr_mimebundle_()["text/plain"]
+    assert "reward letters v2 failed on 8 of 8 samples at step 7" in plain  # the static fallback too
+
+    run.emit({"kind": "state", "state": "running", "error": None})
+    run.emit({"kind": "step", "row": row(7, version=3, failed=0)})
+    timers.advance_to(1.0)
+    assert dash.failure_box.value == ""
+
+
+def test_a_dashboard_built_after_the_failure_shows_it(make_dash, timers):
+    run = FakeRun(state="paused")
+    run.reward_failure = failure(paused=True)
+    dash = make_dash(run)
+    assert "reward letters v2 failed" in dash.failure_box.value
 
 
 def test_a_failing_button_action_is_shown_not_lost(make_dash, timers):

@@ -158,7 +158,7 @@ def test_two_runs_in_one_process_progress_together(session):
     assert a.run_id != b.run_id
 
 
-def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(session):
+def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(session, capsys):
     name = unique("flaky")
 
     def flaky(prompt, completion, **info):
@@ -176,6 +176,14 @@ def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(sessi
     errors = {s["error"] for s in run.samples(16) if s["error"]}
     assert "ValueError: no greetings" in errors and any("not a finite number" in e for e in errors)
     assert all(s["reward"] is None for s in run.samples(16) if s["error"])
+    # said at once where a script looks (stderr), once for the reward's version, with a sample
+    failure = run.reward_failure  # the last one
+    assert (failure.reward, failure.version, failure.step, failure.paused) == (name, 1, 3, False)
+    assert failure.failed == 8 and failure.n == 16 and failure.prompt.startswith(("Say", "Write"))
+    said = capsys.readouterr().err
+    assert said.count(f"reward {name} v1 failed on 8 of 16 samples") == 1, said  # at step 1 only
+    assert f"reward {name} v1 failed on 8 of 16 samples at step 1: " in said
+    assert "left out of the update; the run goes on" in said
 
     broken = unique("broken")
 
@@ -190,6 +198,12 @@ def test_failed_samples_are_left_out_and_an_all_failed_step_pauses_the_run(sessi
     assert run.step == 0 and "RuntimeError: bug in my reward" in run.last_error
     assert "Traceback" in run.last_error and 'raise RuntimeError("bug in my reward")' in run.last_error
     assert "rewards.py" not in run.last_error  # only the user's frames
+    failure = run.reward_failure
+    assert failure.paused and failure.error == "RuntimeError: bug in my reward"
+    assert failure.prompt in PROMPTS and failure.completion in {s["completion"] for s in run.samples(8)}
+    said = capsys.readouterr().err
+    assert f"reward {broken} v1 failed on 8 of 8 samples at step 1: RuntimeError: bug in my reward" in said
+    assert "the run is paused: fix the reward, then run.resume()" in said
     registry.register(broken, letters)  # the fix
     run.resume()
     run.wait(120)
