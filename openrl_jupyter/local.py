@@ -405,7 +405,8 @@ def start_service(
 
     ``api_key``: the key it accepts (tenant "default"), passed through the environment, never the
     command line; without one it generates its own into its data folder, or reuses the one there
-    (``service.key`` is read from there; keys from this process's environment are not passed on);
+    (``service.key`` is read from there; keys in this process's environment are not passed on, keys
+    in ``env`` are);
     ``auth=False`` serves without keys. ``data_dir``: a temporary folder by default (removed
     on ``stop``). ``args``: more ``serve`` flags (``--device``, ``--fusion``...); ``env``: more
     environment. ``progress`` is told once if the start takes more than a second. ``detached``:
@@ -421,12 +422,13 @@ def start_service(
         data_dir = tmp.name
     data_dir = os.fspath(data_dir)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    child_env = {**os.environ, **(env or {})}
-    if api_key is not None:
-        child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
-    elif auth:  # the data folder's own key, not keys (or a hub) this process happens to have
+    child_env = dict(os.environ)
+    if api_key is None and auth:  # the data folder's own key, not keys (or a hub) this process has
         for var in ("OPENRL_API_KEYS", "OPENRL_API_KEYS_FILE", "OPENRL_HUB_API_URL"):
             child_env.pop(var, None)
+    child_env.update(env or {})  # what the caller passes on purpose is kept
+    if api_key is not None:
+        child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
     _trim_log(os.path.join(data_dir, "service.log"))
     cmd = [sys.executable, "-m", "openrl_service.cli", "serve"]
     if not detached:

@@ -634,7 +634,9 @@ def test_a_detached_sweep_with_the_sql_reward_rebuilds_its_databases_and_labels_
 
     from openrl_jupyter.magics import OpenRLMagics
 
-    table = OpenRLMagics(shell=InteractiveShell.instance())._runs(SimpleNamespace(session=session.name))
+    table = OpenRLMagics(shell=InteractiveShell.instance())._runs(
+        SimpleNamespace(session=session.name, prune=False)
+    )
     row = next(line for line in repr(table).splitlines() if line.startswith(name))
     assert "2/2 per run" in row and "halved" not in row, row  # per run, not 4/4 summed over runs
     message = job.entry["message"]

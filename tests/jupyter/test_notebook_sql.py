@@ -42,7 +42,12 @@ def test_sql_recipe_notebook_runs_every_phase_on_the_tiny_model(tmp_path):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "connected to an embedded service at http://127.0.0.1:" in text
+    assert re.search(
+        r"connected to your embedded service \(pid \d+, it stops with this kernel\) at http://127", text
+    )
+    assert (
+        "its data (checkpoints, the key, service.log) stay in" in text
+    )  # the test's own OPENRL_LOCAL_DATA_DIR
 
     # each phase printed its held-out score, on the same number of questions
     printed = {m.group(1): m for m in SCORE_RE.finditer(text)}

@@ -42,7 +42,12 @@ def test_quickstart_notebook_learns_and_leaks_no_key(tmp_path):
     assert "application/vnd.jupyter.widget-view+json" in bundle  # the live dashboard
     assert "quick" in bundle["text/html"] and "quick" in bundle["text/plain"]  # the fallback
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "connected to an embedded service at http://127.0.0.1:" in text
+    assert re.search(
+        r"connected to your embedded service \(pid \d+, it stops with this kernel\) at http://127", text
+    )
+    assert (
+        "its data (checkpoints, the key, service.log) stay in" in text
+    )  # the test's own OPENRL_LOCAL_DATA_DIR
     assert re.search(r"tinker://\S+/weights/quick-paused", text)
     assert "demo: mean reward" in text
     nbformat.validate(nb)
