@@ -4,8 +4,9 @@
     dash                            # header, progress, one plotly figure, samples, log, pause/resume/stop
 
 Design. Events arrive on the runner thread, often many per second, while a browser pays for every
-comm message: re-assigning one plotly trace costs 4 messages carrying the whole array, and each
-``FigureWidget`` opens with the 5 MB plotly.js bundle (jupyter-notes §2.3). So:
+comm message: re-assigning one plotly trace costs 4 messages carrying the whole array, and plotly's
+``FigureWidget`` opens with the 5 MB plotly.js bundle in its state (jupyter-notes §2.3), which a
+notebook saved with widget state keeps. So:
 
 * ``handle(event)`` never touches a widget. It appends the event to a buffer under a lock and, when
   no flush is pending, schedules one with ``call_later`` at ``last_flush + interval_s`` (or now, if
@@ -15,11 +16,16 @@ comm message: re-assigning one plotly trace costs 4 messages carrying the whole 
 * ``flush()`` folds the buffered events into a Python-side history (full resolution, deduplicated
   by step, and it stays there), then redraws inside ``fig.batch_update()`` and every small widget's
   ``hold_sync()``: one batch of messages per flush, and none for traces whose data did not change.
-* Each trace gets at most ``max_points`` points: ``downsample`` (series.py) keeps the recent half at full
-  resolution and each older bucket's minimum and maximum, so spikes and the first point survive.
-* One ``FigureWidget`` per dashboard (``make_subplots``), never one per metric.
+* Each trace gets at most ``max_points`` (500) points: ``downsample`` (series.py) keeps the recent half
+  at full resolution and each older bucket's minimum and maximum, so spikes and the first point
+  survive; values go at 4 significant digits.
+* One figure per dashboard (``make_subplots``), never one per metric: ``figure_widget.FigureWidget``,
+  plotly's widget with its bundle sent as a message, so widget state stays small (kilobytes).
 * ``_repr_mimebundle_`` adds ``text/plain`` and ``text/html`` summaries next to the widget view,
-  so nbconvert, a saved notebook or a frontend without widgets still shows the run.
+  so nbconvert, a saved notebook or a frontend without widgets still shows the run. Shown with a
+  display id, that output is rewritten when the run settles (paused, finished, stopped, failed): the
+  final summary and a static SVG of its curves (``series.svg_panels``), which the figure also draws
+  when a saved notebook is opened without its kernel.
 
 Utilisation comes from the service's telemetry ticks and is plotted under the tick's own label:
 NVML GPU utilisation where the service has a GPU, else "engine busy" (the engine's busy time, not a
@@ -29,184 +35,31 @@ the utilisation panel through ``_LiveDashboard``.
 
 from __future__ import annotations
 
-import abc
-import contextlib
+import base64
 import html
-import logging
-import threading
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from openrl_jupyter.series import Rows, Utilisation, downsample, downsample_indices
+from openrl_jupyter.figure_widget import FigureWidget
+from openrl_jupyter.live import MAX_POINTS, CallLater, _LiveDashboard
+from openrl_jupyter.series import Rows, downsample, svg_panels
 from openrl_jupyter.summary import STATE_COLOURS, clip, fmt, plural, summary_pair
 
 __all__ = ["RunDashboard", "ServiceDashboard", "downsample"]
 
-log = logging.getLogger(__name__)
-
-CallLater = Callable[[float, Callable[[], None]], Any]
-
 LOG_LINES = 200
+SNAPSHOT_S = 10.0  # the static picture of a running run's curves is redrawn at most this often
+SETTLED = ("paused", "finished", "stopped", "failed")
 SAMPLE_ROWS = 8
 ACTIVE_STATES = ("starting", "running", "pausing", "paused")
 BAR_STYLES = {"finished": "success", "failed": "danger", "paused": "warning", "stopped": "warning"}
-
-
-class _LiveDashboard(abc.ABC):
-    """The throttled flush shared by the dashboards; subclasses fold events in and draw."""
-
-    utilisation_row = 1
-
-    def __init__(
-        self,
-        *,
-        interval_s: float,
-        max_points: int,
-        clock: Callable[[], float],
-        call_later: CallLater | None,
-    ) -> None:
-        if interval_s < 0:
-            raise ValueError(f"interval_s must be ≥ 0; got {interval_s}")
-        if max_points < 2:
-            raise ValueError(f"max_points must be ≥ 2; got {max_points}")
-        self.interval_s = interval_s
-        self.max_points = max_points
-        self.flush_count = 0
-        self._clock = clock
-        self._call_later = call_later or _runner_call_later
-        self._lock = threading.Lock()
-        self._render_lock = threading.RLock()
-        self._pending: list[dict] = []
-        self._scheduled = False
-        self._closed = False
-        self._last_flush = clock()
-        self._traces: dict[str, int] = {}
-        self._util = Utilisation()
-        self._util_dirty = False
-        self._unsubscribe: Callable[[], None] | None = None
-        self.fig: go.FigureWidget
-        self.widget: widgets.VBox
-        self._small: list[widgets.DOMWidget] = []
-
-    def handle(self, event: dict) -> None:
-        """Take one event (from any thread); it reaches the widgets at the next flush."""
-        with self._lock:
-            if self._closed:
-                return
-            self._pending.append(event)
-            if self._scheduled:
-                return
-            self._scheduled = True
-            now = self._clock()
-            due = max(now, self._last_flush + self.interval_s)
-        self._call_later(due - now, self._on_timer)
-
-    def flush(self) -> None:
-        """Apply every pending event to the widgets in one batch (a no-op when nothing is pending)."""
-        with self._render_lock:
-            with self._lock:
-                events, self._pending = self._pending, []
-                self._scheduled = False
-                self._last_flush = self._clock()
-                if self._closed or not events:
-                    return
-            for event in events:
-                try:
-                    self._apply(event)
-                except Exception:
-                    log.exception("dashboard skipped an event it could not read: %.200r", event)
-            self._redraw()
-            self.flush_count += 1
-
-    def close(self) -> None:
-        """Stop listening and close the widgets (a closed dashboard ignores later events)."""
-        with self._lock:
-            self._closed = True
-            self._pending = []
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-        with self._render_lock:
-            for w in [*self._small, self.fig, self.widget]:
-                w.close()
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
-        plain, rich = self._summary()
-        bundle["text/plain"] = plain
-        bundle["text/html"] = rich
-        return bundle
-
-    def _on_timer(self) -> None:
-        try:
-            self.flush()
-        except Exception:
-            log.exception("dashboard flush failed")
-
-    def _redraw(self) -> None:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self.fig.batch_update())
-            for w in self._small:
-                stack.enter_context(w.hold_sync())
-            self._draw()
-
-    @abc.abstractmethod
-    def _apply(self, event: dict) -> None:
-        """Fold one event into the Python-side state (no widget is touched)."""
-
-    @abc.abstractmethod
-    def _draw(self) -> None:
-        """Write the state into the widgets (inside one batch)."""
-
-    @abc.abstractmethod
-    def _summary(self) -> tuple[str, str]:
-        """The plain and HTML one-line summaries for the fallback repr."""
-
-    def _run_label(self, run_id: str) -> str:
-        return run_id
-
-    def _trace(self, key: str, row: int, *, secondary_y: bool = False, **props: Any) -> Any:
-        """The trace ``key`` of subplot ``row``, added on first use.
-
-        The fixed traces are added while ``self.fig`` is still a plain ``go.Figure``, so they reach
-        the browser inside the widget's one comm_open instead of as messages of their own.
-        """
-        i = self._traces.get(key)
-        if i is None:
-            extra = {"secondary_y": True} if secondary_y else {}
-            self.fig.add_trace(go.Scatter(meta=key, x=[], y=[], **props), row=row, col=1, **extra)
-            i = self._traces[key] = len(self.fig.data) - 1
-        return self.fig.data[i]
-
-    def _set_line(self, trace: Any, xs: Sequence[Any], ys: Sequence[Any]) -> None:
-        xs, ys = downsample(xs, ys, self.max_points)
-        trace.x, trace.y = xs, ys
-
-    def _draw_utilisation(self) -> None:
-        util, row = self._util, self.utilisation_row
-        label = util.label or "utilisation"
-        self.fig.update_yaxes(title_text=label, row=row, col=1)
-        if not self._util_dirty:
-            return
-        self._util_dirty = False
-        idx = downsample_indices(util.total, self.max_points)
-        xs = [datetime.fromtimestamp(util.times[i]) for i in idx]
-        for run_id, column in util.by_run.items():
-            trace = self._trace(
-                f"util:{run_id}", row, mode="lines", stackgroup="utilisation", line={"width": 0.5}
-            )
-            trace.name = self._run_label(run_id)
-            trace.x, trace.y = xs, [column[i] for i in idx]
-        total = self._trace("util:total", row, name=f"{label} (all)", mode="lines", line={"dash": "dot"})
-        total.name = f"{label} (all)"
-        total.x, total.y = xs, [util.total[i] for i in idx]
 
 
 def _error_html(error: str) -> str:
@@ -221,12 +74,6 @@ def _error_html(error: str) -> str:
     )
 
 
-def _runner_call_later(delay_s: float, fn: Callable[[], None]) -> None:
-    from openrl_jupyter.runner import get_runner
-
-    get_runner().call_later(delay_s, fn)
-
-
 class RunDashboard(_LiveDashboard):
     """The live view of one run: header, progress, metrics figure, latest samples, log, buttons.
 
@@ -239,13 +86,14 @@ class RunDashboard(_LiveDashboard):
     """
 
     utilisation_row = 4
+    digits = 4
 
     def __init__(
         self,
         run: Any,
         *,
         interval_s: float = 0.5,
-        max_points: int = 2000,
+        max_points: int = MAX_POINTS,
         clock: Callable[[], float] = time.monotonic,
         call_later: CallLater | None = None,
     ) -> None:
@@ -262,6 +110,8 @@ class RunDashboard(_LiveDashboard):
         self._samples: list[dict] = []
         self._rows_dirty = True
         self._markers: list[tuple[int, str]] | None = None
+        self._snapshot_key: Any = None
+        self._snapshot_at = -math.inf
 
         self.header = widgets.HTML()
         self.failure_box = widgets.HTML()  # the reward's last failure: error, version, a sample
@@ -343,7 +193,7 @@ class RunDashboard(_LiveDashboard):
         self._trace("loss", 2, name="loss", mode="lines", connectgaps=True)
         self._trace("ratio_mean", 3, name="ratio mean", mode="lines", connectgaps=True)
         self._trace("kl", 3, secondary_y=True, name="KL", mode="lines", connectgaps=True)
-        return go.FigureWidget(fig)
+        return FigureWidget(fig)
 
     def _act(self, action: Callable[[], Any]) -> None:
         try:
@@ -430,7 +280,41 @@ class RunDashboard(_LiveDashboard):
         if self._rows_dirty:
             self._rows_dirty = False
             self._draw_rows()
+        self._draw_snapshot()
         self._draw_utilisation()
+
+    def _settled(self) -> Any:
+        return (self._state, self._step, self._failure) if self._state in SETTLED else None
+
+    def _draw_snapshot(self) -> None:
+        """Keep the figure's static picture (what a saved notebook shows without its kernel) current:
+        at once when the run settles, else at most every SNAPSHOT_S."""
+        now, key = self._clock(), (self._state, len(self._rows.keys), self._rows.keys[-1:])
+        if key == self._snapshot_key or (self._state not in SETTLED and now - self._snapshot_at < SNAPSHOT_S):
+            return
+        self._snapshot_key, self._snapshot_at = key, now
+        self.fig._fallback_html = f"<div>{self._snapshot_img()}</div>"
+
+    def _snapshot_img(self) -> str:
+        """The curves as an <img> of an SVG data URI: sanitizers that drop inline SVG (an untrusted
+        notebook in JupyterLab) keep it."""
+        svg = base64.b64encode(self._snapshot_svg().encode()).decode()
+        return f"<img alt='reward, loss and KL per step' src='data:image/svg+xml;base64,{svg}'>"
+
+    def _snapshot_svg(self) -> str:
+        steps, rows = self._rows.keys, self._rows
+        reward = [
+            ("mean", steps, rows.column("reward_mean"), "#636efa"),
+            ("min", steps, rows.column("reward_min"), "#b4b9fb"),
+            ("max", steps, rows.column("reward_max"), "#b4b9fb"),
+        ]
+        return svg_panels(
+            [
+                ("reward", reward, [(float(s), label) for s, label in self._version_changes()]),
+                ("loss", [("loss", steps, rows.column("loss"), "#ef553b")], []),
+                ("KL", [("KL", steps, rows.column("kl"), "#00cc96")], []),
+            ]
+        )
 
     def _draw_rows(self) -> None:
         steps = self._rows.keys
@@ -502,6 +386,8 @@ class RunDashboard(_LiveDashboard):
         )
         if self._failure is not None:
             plain, rich = f"{plain}\n{self._failure.text()}", rich + self._failure.html()
+        if self._rows.keys:  # the static picture, for a saved notebook where no widget is drawn
+            rich += self._snapshot_img()
         return plain, rich
 
 
@@ -516,6 +402,7 @@ class ServiceDashboard(_LiveDashboard):
     """
 
     utilisation_row = 2
+    digits = 4
 
     def __init__(
         self,
@@ -523,7 +410,7 @@ class ServiceDashboard(_LiveDashboard):
         *,
         runs: Iterable[dict] | None = None,
         interval_s: float = 0.5,
-        max_points: int = 2000,
+        max_points: int = MAX_POINTS,
         clock: Callable[[], float] = time.monotonic,
         call_later: CallLater | None = None,
     ) -> None:
@@ -545,7 +432,7 @@ class ServiceDashboard(_LiveDashboard):
         base.update_layout(height=600, margin={"l": 60, "r": 20, "t": 40, "b": 40}, uirevision="service")
         base.update_xaxes(title_text="step", row=1, col=1)
         base.update_yaxes(tickformat=".0%", range=[0, 1], row=2, col=1)
-        self.fig = go.FigureWidget(base)
+        self.fig = FigureWidget(base)
         self._small = [self.header]
         self.widget = widgets.VBox([self.header, self.fig])
         with self._render_lock:

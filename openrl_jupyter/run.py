@@ -294,11 +294,10 @@ class Run:
         return self._dashboard
 
     def _sync_dashboard(self) -> None:
-        """Called on the kernel thread after a wait: the dashboard's last update then belongs to the
-        current cell, so nbclient and saved notebooks keep the final state."""
+        """After a wait, on the kernel thread: the dashboard's last update is this cell's (nbclient)."""
         if self._dashboard is not None:
             with contextlib.suppress(Exception):
-                self._dashboard.flush()
+                self._dashboard.sync()
 
     # -- reprs (never the key) ----------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -311,16 +310,18 @@ class Run:
             f" reward {self.reward_name}{version}{reward}>"
         )
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
+    def _ipython_display_(self) -> None:
+        """Its live dashboard (its output rewritten when the run settles), else its summary."""
+        from IPython.display import display
+
         from openrl_jupyter.summary import summary_html, widgets_frontend
 
-        bundle = {"text/plain": repr(self), "text/html": summary_html(self)}
         if widgets_frontend():
             try:
-                bundle = {**self.dashboard()._repr_mimebundle_(), **bundle}
-            except Exception as exc:  # noqa: BLE001 - the fallback repr still shows the run
+                return self.dashboard()._ipython_display_()
+            except Exception as exc:  # noqa: BLE001 - the summary still shows the run
                 self._log(f"dashboard unavailable: {type(exc).__name__}: {exc}")
-        return bundle
+        display({"text/plain": repr(self), "text/html": summary_html(self)}, raw=True)
 
     # -- internals ------------------------------------------------------------------------------
     def _wait_for(self, predicate: Callable[[], bool], timeout: float | None, what: str) -> None:

@@ -6,6 +6,7 @@ step rows deduplicated by step, and the telemetry ticks of the utilisation panel
 from __future__ import annotations
 
 import bisect
+import html
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -130,3 +131,69 @@ class Utilisation:
             for column in self.by_run.values():
                 del column[:-UTIL_WINDOW]
         return True
+
+
+Line = tuple[str, Sequence[float], Sequence[float | None], str]  # label, xs, ys, colour
+Panel = tuple[str, Sequence[Line], Sequence[tuple[float, str]]]  # title, lines, markers (x, label)
+SVG_LEFT, SVG_RIGHT, SVG_TOP, SVG_BOTTOM = 46, 8, 16, 14  # margins of each panel, px
+
+
+def svg_panels(panels: Sequence[Panel], *, width: int = 640, height: int = 110, max_points: int = 200) -> str:
+    """A small static picture of line panels, one under the other: plain SVG (no script), a few KB.
+
+    What a saved notebook shows where the live figure cannot be drawn (no kernel, no widgets). Each
+    line is downsampled to ``max_points``; missing values break it; markers are dashed verticals
+    with a label (a reward version change); each panel gives its y and x ranges.
+    """
+    total = height * len(panels)
+    parts = [
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{total}' "
+        f"viewBox='0 0 {width} {total}' font-family='sans-serif' font-size='10'>"
+    ]
+    for p, panel in enumerate(panels):
+        parts.extend(_svg_panel(panel, p * height, width, height, max_points))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _svg_panel(panel: Panel, top: int, width: int, height: int, max_points: int) -> list[str]:
+    title, lines, markers = panel
+    left, y0 = SVG_LEFT, top + SVG_TOP
+    w, h = width - SVG_LEFT - SVG_RIGHT, height - SVG_TOP - SVG_BOTTOM
+    legend = " · ".join(
+        f"<tspan fill='{colour}'>{html.escape(label)}</tspan>" for label, _, _, colour in lines
+    )
+    parts = [
+        f"<text x='{left}' y='{y0 - 4}'><tspan font-weight='bold'>{html.escape(title)}</tspan> {legend}</text>",
+        f"<rect x='{left}' y='{y0}' width='{w}' height='{h}' fill='none' stroke='#d0d7de'/>",
+    ]
+    points = [(x, y) for _, xs, ys, _ in lines for x, y in zip(xs, ys, strict=True) if not missing(y)]
+    if not points:
+        return [*parts, f"<text x='{left + 6}' y='{y0 + h / 2}' fill='#57606a'>no data yet</text>"]
+    x_lo, x_hi = min(x for x, _ in points), max(x for x, _ in points)
+    y_lo, y_hi = min(y for _, y in points), max(y for _, y in points)
+    x_scale, y_scale = w / ((x_hi - x_lo) or 1.0), h / ((y_hi - y_lo) or 1.0)
+    for x, label in markers:
+        mx = left + (x - x_lo) * x_scale
+        parts.append(
+            f"<line x1='{mx:.1f}' x2='{mx:.1f}' y1='{y0}' y2='{y0 + h}' stroke='#888' stroke-dasharray='3,3'/>"
+            f"<text x='{mx + 2:.1f}' y='{y0 + 10}' fill='#57606a'>{html.escape(label)}</text>"
+        )
+    for _, xs, ys, colour in lines:
+        xs, ys = downsample(xs, ys, max_points)
+        run: list[str] = []
+        for x, y in [*zip(xs, ys, strict=True), (None, None)]:
+            if x is not None and not missing(y):
+                run.append(f"{left + (x - x_lo) * x_scale:.1f},{y0 + h - (y - y_lo) * y_scale:.1f}")
+            elif run:
+                parts.append(
+                    f"<polyline points='{' '.join(run)}' fill='none' stroke='{colour}' stroke-width='1.5'/>"
+                )
+                run = []
+    parts += [
+        f"<text x='{left - 4}' y='{y0 + 8}' text-anchor='end'>{y_hi:.3g}</text>",
+        f"<text x='{left - 4}' y='{y0 + h}' text-anchor='end'>{y_lo:.3g}</text>",
+        f"<text x='{left}' y='{y0 + h + 11}'>{x_lo:g}</text>",
+        f"<text x='{left + w}' y='{y0 + h + 11}' text-anchor='end'>{x_hi:g}</text>",
+    ]
+    return parts

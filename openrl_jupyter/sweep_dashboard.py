@@ -19,6 +19,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from openrl_jupyter.dashboard import CallLater, _LiveDashboard
+from openrl_jupyter.figure_widget import FigureWidget
 from openrl_jupyter.series import Rows
 
 PALETTE = ("#636efa", "#ef553b", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880", "#ff97ff")
@@ -56,7 +57,7 @@ class SweepDashboard(_LiveDashboard):
             self._trace(
                 f"run:{run.name}", 1, name=run.name, mode="lines+markers", line={"color": PALETTE[i % 8]}
             )
-        self.fig = go.FigureWidget(fig)
+        self.fig = FigureWidget(fig)  # plotly's, with its 5 MB front end sent as a message, not as state
         self.table = widgets.HTML()
         self._small = [self.table]
         self.widget = widgets.VBox([self.fig, self.table])

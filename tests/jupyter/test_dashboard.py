@@ -3,6 +3,7 @@ and a fake clock with a fake ``call_later`` decides when flushes run."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import random
@@ -13,6 +14,7 @@ import pytest
 
 from openrl_jupyter.dashboard import RunDashboard, ServiceDashboard, downsample
 from openrl_jupyter.rewards import RewardFailure
+from openrl_jupyter.series import svg_panels
 from openrl_jupyter.summary import summary_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -408,6 +410,53 @@ def test_fallback_html_summarises_the_run(make_dash):
         assert part in bundle["text/html"] and part in bundle["text/plain"]
     run.name = "<evil>"
     assert "&lt;evil&gt;" in summary_html(run) and "<evil>" not in summary_html(run)
+
+
+def test_a_settled_run_rewrites_its_shown_output_with_the_final_summary_and_curves(
+    make_dash, timers, monkeypatch
+):
+    """What a saved notebook keeps of a dashboard: its output's text/html (readers without widgets) and
+    the figure's snapshot (a reopened notebook without its kernel), both as of when the run settled."""
+    import IPython.display
+
+    shown: list[tuple[str, str, dict]] = []
+    monkeypatch.setattr(
+        IPython.display, "display", lambda b, raw, display_id: shown.append(("show", display_id, b))
+    )
+    monkeypatch.setattr(
+        IPython.display, "update_display", lambda b, raw, display_id: shown.append(("update", display_id, b))
+    )
+    run = FakeRun([row(1, 0.2), row(2, 0.4)], total_steps=3)
+    dash = make_dash(run)
+    dash._ipython_display_()
+    ((how, display_id, first),) = shown
+    assert how == "show" and WIDGET_VIEW in first and "running" in first["text/plain"]
+    run.emit({"kind": "step", "row": row(3, 0.6, version=2)})
+    timers.advance_to(0.5)
+    assert len(shown) == 1  # a running run's output is left alone (each rewrite redraws it)
+    run.emit({"kind": "state", "state": "finished", "error": None})
+    timers.advance_to(1.0)
+    how, same_id, final = shown[-1]
+    assert (how, same_id) == ("update", display_id)
+    assert final["text/plain"] == "openrl run 'fake': finished, step 3/3, letters v2 mean 0.6"
+    assert WIDGET_VIEW in final and "data:image/svg+xml;base64," in final["text/html"]
+    picture = base64.b64decode(final["text/html"].split("base64,", 1)[1].split("'", 1)[0]).decode()
+    assert picture.count("<polyline") >= 5 and ">v2<" in picture  # reward mean/min/max, loss, KL; the switch
+    assert "data:image/svg+xml;base64," in dash.fig._fallback_html  # what the figure draws with no kernel
+    dash.sync()  # after run.wait(), on the kernel thread: said again, in the waiting cell
+    assert shown[-1][:2] == ("update", display_id) and len(shown) == 3
+
+
+def test_the_static_picture_breaks_lines_at_missing_values_and_says_when_empty():
+    picture = svg_panels(
+        [
+            ("reward", [("mean", [1, 2, 3, 4], [0.1, None, 0.3, 0.4], "#636efa")], [(3, "v<2>")]),
+            ("loss", [("loss", [], [], "#ef553b")], []),
+        ]
+    )
+    assert picture.count("<polyline") == 2  # 1 | 3-4: the missing step is a gap
+    assert "v&lt;2&gt;" in picture and "no data yet" in picture
+    assert len(picture) < 4000
 
 
 def test_close_stops_listening(make_dash, sent, timers):
