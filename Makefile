@@ -191,6 +191,24 @@ conformance: $(STAMP) ## run the Tinker conformance script against TINKER_BASE_U
 k8s-check: $(STAMP) ## render k8s/ overlays and check them (strict 1.33 schemas, policies, reachability), hub values, Dockerfiles
 	$(BIN)/python -m pytest -q tests/k8s
 
+# The images of k8s/images, built with podman or docker (k8s/images/images.py: a wheelhouse per image on
+# the host, then the build with it bind-mounted; the base is debian:bookworm-slim where a registry
+# answers, else a stand-in built from Debian's packages), and run as the cluster runs them (tests/images).
+IMAGES = $(BIN)/python k8s/images/images.py
+.PHONY: images image-cuda image-check podman
+podman: ## install podman, runc and mmdebstrap for the images (root or passwordless sudo), or say how
+	@.ci/ensure-podman
+
+images: $(STAMP) $(LABEXT) podman ## build the CPU service and notebook images, tagged as k8s/overlays/cpu and the hub values pull them
+	$(IMAGES) build service-cpu notebook
+
+image-check: images ## run them as the cluster would: the cpu overlay's container spec + the SDK, a restart, SIGTERM; a kernel in the notebook image trains
+	OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/images
+
+image-cuda: $(STAMP) podman ## opt-in (~5 GB of wheels): build the CUDA service image (vLLM) and check it imports
+	$(IMAGES) build service-cuda
+	OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider -q tests/images/cuda_check.py
+
 .PHONY: compat-doc
 compat-doc: $(STAMP) ## rewrite docs/tinker-compatibility.md from the Tinker SDK surface suite
 	OPENRL_WRITE_COMPAT_DOC=1 $(BIN)/python -m pytest -q tests/service/test_tinker_surface.py::test_compat_doc_is_current

@@ -3,6 +3,7 @@
     python k8s/images/images.py wheels IMAGE...   # fill build/images/IMAGE/ (wheelhouse + requirements)
     python k8s/images/images.py base              # the base image: the registry's, else a local stand-in
     python k8s/images/images.py build IMAGE...    # wheels + base + build; sizes in build/images/report.json
+    python k8s/images/images.py resolve IMAGE...  # what wheels would fetch, resolved without downloading
 
 IMAGE is service-cpu, notebook or service-cuda (`make images` builds the first two, `make image-cuda`
 the third). Each Dockerfile installs, offline, exactly the requirements below from a wheelhouse this
@@ -229,12 +230,47 @@ def wheels(spec: Image, torch_index: str | None) -> Path:
     # the project by its wheel (with extras), the rest by name
     targets = [f"{wheel}{r[1:]}" if r.startswith(".") else r for r in spec.requirements]
     t0 = time.monotonic()
-    run(pip + targets)
+    run(pip + targets, env=pip_env(spec))
     size = sum(p.stat().st_size for p in wheelhouse.iterdir())
     log(
         f"{spec.name}: {len(list(wheelhouse.iterdir()))} wheels, {size / 2**20:.0f} MiB in {time.monotonic() - t0:.0f} s"
     )
     return ctx
+
+
+def pip_env(spec: Image) -> dict:
+    """The CPU images take the machine's pip configuration (as `make venv` does: it may name a local CPU
+    wheel of torch); the CUDA image must not (a local `torch 2.13.0+cpu` satisfies vLLM's `torch==2.13.0`):
+    it resolves from the package index alone."""
+    env = dict(os.environ)
+    if not spec.cpu_torch:
+        env["PIP_CONFIG_FILE"] = os.devnull
+        for var in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL"):
+            env.pop(var, None)
+    return env
+
+
+def pip_target_args() -> list[str]:
+    """pip flags that resolve binary wheels for the image's Python and glibc, whatever this host runs."""
+    args = ["--only-binary=:all:", "--implementation", "cp", "--python-version", PYTHON, "--abi", "cp311"]
+    return args + [f"--platform={p}" for p in PLATFORMS]
+
+
+def resolve(spec: Image) -> dict[str, str]:
+    """What `wheels` would download, without downloading it (pip's dry run reads the index's metadata):
+    {name: version} for the image's Python and glibc. CI runs this for the CUDA image, whose ~5 GB of
+    wheels it does not fetch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed"]
+        cmd += ["--report", str(report), "--target", str(Path(tmp) / "target"), *pip_target_args()]
+        if spec.cpu_torch:
+            cmd += ["-c", str(ROOT / "constraints-cpu.txt")]
+        wheel = project_wheel(Path(tmp))
+        cmd += [f"{wheel}{r[1:]}" if r.startswith(".") else r for r in spec.requirements]
+        run(cmd, env=pip_env(spec))
+        data = json.loads(report.read_text())
+    return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in data["install"]}
 
 
 def wheelhouse_digest(ctx: Path) -> str:
@@ -331,7 +367,15 @@ def build(names: list[str], torch_index: str | None) -> dict:
         if eng == "podman":
             cmd += ["--ignorefile", str(ignore)]  # docker (BuildKit) finds <Dockerfile>.dockerignore itself
         t1 = time.monotonic()
-        run([*cmd, str(ROOT)], stdout=subprocess.DEVNULL if os.environ.get("QUIET") else None)
+        build_log = OUT / f"{name}.build.log"  # the engine's output; its tail is printed if the build fails
+        log(f"$ {' '.join(cmd)} {ROOT}  (output: {build_log.relative_to(ROOT)})")
+        with build_log.open("w") as f:
+            proc = subprocess.run([*cmd, str(ROOT)], stdout=f, stderr=subprocess.STDOUT)
+        if proc.returncode:
+            tail = build_log.read_text().splitlines()[-60:]
+            raise SystemExit(
+                "\n".join([*tail, f"images: building {name} failed (exit {proc.returncode}); {build_log}"])
+            )
         t_build = time.monotonic() - t1
         size = image_size(eng, tag)
         report[name] = {
@@ -382,9 +426,17 @@ def main(argv: list[str] | None = None) -> None:
             "default: none, pip's own configuration finds it, as `make venv` does)",
         )
     sub.add_parser("base")
+    p = sub.add_parser(
+        "resolve", help="resolve an image's wheels for its Python and glibc without downloading"
+    )
+    p.add_argument("images", nargs="+", choices=sorted(SPECS))
     args = parser.parse_args(argv)
     if args.cmd == "base":
         print(base(engine()))
+    elif args.cmd == "resolve":
+        for name in args.images:
+            pins = resolve(SPECS[name])
+            print(name, " ".join(f"{k}=={pins[k]}" for k in ("torch", "vllm", "transformers") if k in pins))
     elif args.cmd == "wheels":
         for name in args.images:
             print(wheels(SPECS[name], args.torch_index))
