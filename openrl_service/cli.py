@@ -1,4 +1,4 @@
-"""`openrl-service serve | make-tiny-model | admin`: the command line."""
+"""`openrl-service serve | make-tiny-model | stop | admin`: the command line."""
 
 from __future__ import annotations
 

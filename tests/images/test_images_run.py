@@ -83,7 +83,7 @@ def test_the_container_runs_with_the_overlays_security_context(eng, service):
         service.name,
         "sh",
         "-c",
-        "id -u; id -g; id -G; grep -E '^Cap(Eff|Prm|Bnd):' /proc/1/status; grep -E '^NoNewPrivs' /proc/1/status; touch /opt/x 2>&1; touch /data/probe && echo data-writable; cat /proc/1/cmdline | tr '\\0' ' '",
+        "id -u; id -g; id -G; grep -E '^Cap(Eff|Prm|Bnd):' /proc/1/status; grep -E '^NoNewPrivs' /proc/1/status; touch /opt/x 2>&1; touch /data/probe && echo data-writable; cat /proc/1/cmdline /proc/1/environ | tr '\\0' ' '",
     ).stdout
     uid, gid, groups = out.splitlines()[:3]
     assert (uid, gid) == ("10001", "10001") and "10001" in groups.split(), out  # runAsUser/Group, fsGroup
