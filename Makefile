@@ -202,8 +202,8 @@ podman: ## install podman, runc and mmdebstrap for the images (root or passwordl
 images: $(STAMP) $(LABEXT) podman ## build the CPU service and notebook images, tagged as k8s/overlays/cpu and the hub values pull them
 	$(IMAGES) build service-cpu notebook
 
-image-check: images ## run them as the cluster would: the cpu overlay's container spec + the SDK, a restart, SIGTERM; a kernel in the notebook image trains
-	OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/images
+image-check: images $(CHP) ## run them as the cluster would: the cpu overlay's container spec + the SDK, a restart, SIGTERM; a hub spawns the notebook image and a kernel trains
+	$(TEST_ENV) OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/images
 
 image-cuda: $(STAMP) podman ## opt-in (~5 GB of wheels): build the CUDA service image (vLLM) and check it imports
 	$(IMAGES) build service-cuda

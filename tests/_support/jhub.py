@@ -237,10 +237,23 @@ c.ConfigurableHTTPProxy.command = cfg["proxy_command"]
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:%d" % cfg["proxy_api_port"]
 c.ConfigurableHTTPProxy.auth_token = cfg["proxy_token"]
 c.ConfigurableHTTPProxy.pid_file = cfg["root"] + "/proxy.pid"
-c.JupyterHub.spawner_class = "jupyterhub.spawner.SimpleLocalProcessSpawner"
-c.SimpleLocalProcessSpawner.home_dir_template = cfg["root"] + "/home/{{username}}"
-c.Spawner.cmd = [cfg["python"], "-m", "jupyterhub.singleuser"]
-c.Spawner.args = ["--allow-root"]  # the tests run as root
+if cfg["docker"]:
+    # the notebook image as containers (DockerSpawner against podman's Docker-compatible API), on the
+    # host's network: the hub, the service and the kernels' ports are on loopback for the harness too
+    from dockerspawner import DockerSpawner
+
+    class HostNetworkDockerSpawner(DockerSpawner):
+        async def get_ip_and_port(self):
+            return self.host_ip, self.port
+
+    c.JupyterHub.spawner_class = HostNetworkDockerSpawner
+    for key, value in cfg["docker"].items():
+        setattr(c.DockerSpawner, key, value)
+else:
+    c.JupyterHub.spawner_class = "jupyterhub.spawner.SimpleLocalProcessSpawner"
+    c.SimpleLocalProcessSpawner.home_dir_template = cfg["root"] + "/home/{{username}}"
+    c.Spawner.cmd = [cfg["python"], "-m", "jupyterhub.singleuser"]
+    c.Spawner.args = ["--allow-root"]  # the tests run as root
 c.Spawner.environment = cfg["environment"]
 c.Spawner.server_token_scopes = cfg["server_token_scopes"]
 c.Spawner.start_timeout = 120
@@ -256,11 +269,19 @@ def running_hub(
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
     service_tokens: dict[str, str] | None = None,
+    docker: dict | None = None,
 ) -> Iterator[Hub]:
     """A JupyterHub with the chart's roles and scopes; ``environment``: added to every single-user
     server's (e.g. OPENRL_URL); ``service_tokens``: {service: token}, as the admin sets
     ``hub.services.<name>.apiToken``. Stopped, with everything it started, on exit."""
-    hub = start_hub(root, environment=environment, users=users, values=values, service_tokens=service_tokens)
+    hub = start_hub(
+        root,
+        environment=environment,
+        users=users,
+        values=values,
+        service_tokens=service_tokens,
+        docker=docker,
+    )
     try:
         wait_hub(hub)
         yield hub
@@ -275,7 +296,10 @@ def start_hub(
     users: tuple[str, ...] = ("alice", "bob"),
     values: Path = VALUES,
     service_tokens: dict[str, str] | None = None,
+    docker: dict | None = None,
 ) -> Hub:
+    """``docker``: DockerSpawner settings (image, client_kwargs, port, volumes, ...) to spawn servers as
+    containers on the host's network instead of local processes."""
     proxy = proxy_command()
     root.mkdir(parents=True, exist_ok=True)
     (root / "home").mkdir(exist_ok=True)
@@ -297,7 +321,8 @@ def start_hub(
     marker = secrets.token_hex(8)
     port, hub_port, proxy_api_port = free_port(), free_port(), free_port()
     env = {
-        "PYTHONPATH": str(REPO),  # this checkout's openrl_jupyter in the kernels
+        # this checkout's openrl_jupyter in the kernels (a container has its own, installed)
+        **({} if docker else {"PYTHONPATH": str(REPO)}),
         "OPENRL_HUB_TEST_MARKER": marker,
         "HF_HUB_OFFLINE": "1",
         "TINKER_TELEMETRY": "0",
@@ -316,6 +341,7 @@ def start_hub(
         "python": sys.executable,
         "environment": env,
         "server_token_scopes": server_token_scopes,
+        "docker": docker or {},
     }
     config = root / "jupyterhub_config.py"
     config.write_text(CONFIG.format(cfg=json.dumps(cfg)))
