@@ -213,6 +213,34 @@ def test_a_kernel_in_the_notebook_image_trains_against_the_service_container(eng
     assert "openrl-service:8000" in connect, texts
 
 
+def test_the_gpu_check_runs_inside_the_service_image(eng):
+    """bench/gpu_check.sh, mounted read-only, runs in the image as its uid with a read-only root (the
+    command k8s/README.md gives for the CUDA image on a GPU machine; here --smoke, on the CPU)."""
+    tag = image_or_skip(eng, "service-cpu")
+    run = [
+        eng,
+        "run",
+        "--rm",
+        *images.limit_args(eng),
+        "--user",
+        "10001:10001",
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+    ]
+    run += [
+        "--tmpfs",
+        "/tmp:rw,size=2g,mode=1777",
+        "--volume",
+        f"{ROOT}:/src:ro",
+        "--env",
+        "OUT=/tmp/gpu-check",
+    ]
+    run += ["--env", "PYTHON=python3", "--entrypoint", "bash", tag, "/src/bench/gpu_check.sh", "--smoke"]
+    out = sh(*run, timeout=400).stdout
+    assert "gpu_check.sh: exit 0" in out and " 0 failed" in out, out[-3000:]
+
+
 def test_a_checkpoint_survives_a_restart(eng, service):
     import tinker
     from tinker import types
