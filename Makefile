@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q --upgrade pip
 	# the Makefile builds and links the lab extension itself (labextension, labextension-link); unlink it
 	# first, or pip writes the wheel's install.json through the link into openrl_jupyter/labextension
-	rm -f $(LABEXT_LINK)
+	if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
 	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 

@@ -83,7 +83,10 @@ def log(msg: str) -> None:
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    log("$ " + " ".join(cmd))
+    shown = [a for a in cmd if not a.startswith("--platform=")]
+    if len(shown) < len(cmd):  # PLATFORMS, once
+        shown.append(f"--platform=<{PLATFORMS[-4]} .. {PLATFORMS[0]}>")
+    log("$ " + " ".join(shown))
     return subprocess.run(cmd, check=True, **kw)
 
 
