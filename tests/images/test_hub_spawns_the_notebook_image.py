@@ -124,7 +124,7 @@ def test_a_hub_user_trains_from_the_notebook_image_spawned_as_a_container(tmp_pa
                 " shutil.which('jupyterhub-singleuser'))"
             ).stdout.split()
             assert who[:4] == ["1000", "100", "/home/jovyan", "True"], who
-            connect = k.execute("%load_ext openrl_jupyter\n%openrl connect").stdout
+            connect = k.execute("%load_ext openrl_jupyter\n%openrl connect", timeout=120).stdout
             # no arguments: $OPENRL_URL, and the server's own hub token as the credential
             assert f"127.0.0.1:{service_port}" in connect and "as your JupyterHub user" in connect, connect
             k.execute(
