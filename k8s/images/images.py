@@ -365,8 +365,10 @@ def build(names: list[str], torch_index: str | None) -> dict:
             "--build-arg",
             f"WHEELHOUSE={wheelhouse_digest(spec.context)}",
         ]
+        # base.digest is the registry's manifest digest (the images workflow sets it); a local build
+        # records the base it used by name and by the engine's image id
         cmd += ["--label", f"org.opencontainers.image.base.name={base_ref}"]
-        cmd += ["--label", f"org.opencontainers.image.base.digest={base_id}"]
+        cmd += ["--label", f"io.openrl.base.image-id={base_id}"]
         if eng == "podman":
             cmd += ["--ignorefile", str(ignore)]  # docker (BuildKit) finds <Dockerfile>.dockerignore itself
         t1 = time.monotonic()
@@ -386,7 +388,7 @@ def build(names: list[str], torch_index: str | None) -> dict:
             "base": base_ref,
             "base_id": base_id,
             "size_mb": round(size / 1e6),
-            "base_size_mb": round(image_size(eng, base_ref) / 1e6),
+            "base_size_mb": round(image_size(eng, base_ref) / 1e6) if base_id else None,
             "wheels_s": round(t_wheels),
             "build_s": round(t_build),
             "largest": largest(eng, tag),

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The JupyterHub user image (singleuser.image in k8s/jupyterhub/values.yaml): Debian's Python 3.11, JupyterLab
 # with this project's panel and server extension, openrl-jupyter (the magics; no torch), the Tinker SDK
 # for `%openrl token`, pandas and matplotlib for the project's notebooks, and JupyterHub at the chart's

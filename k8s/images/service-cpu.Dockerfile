@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # openrl-service on CPU: the tiny model on any node (k8s/overlays/cpu). Debian's own Python 3.11 in a
 # venv; every Python package comes from the wheelhouse k8s/images/images.py fills on the host
 # (build/images/service-cpu: this project's wheel, torch's CPU wheel, the rest from PyPI, and the

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # openrl-service on an NVIDIA GPU with the vLLM sampler (k8s/overlays/gke-gpu-*). No CUDA base image:
 # vllm==0.32.0 (the `vllm` extra) pins torch 2.13.0, whose PyPI build brings the CUDA 13 runtime, cuDNN
 # and NCCL as wheels; the node provides the driver (GKE's driver installer mounts it at

@@ -57,15 +57,52 @@ def deployment(name: str = "cpu") -> dict:
     return dep
 
 
-def pod_run_args(dep: dict, host: Path, keys: str) -> tuple[list[str], dict]:
-    """`run` flags for the Deployment's openrl-service container, exactly as rendered: user and groups,
-    read-only root, dropped capabilities, no privilege escalation, the default seccomp profile (podman's
-    and docker's own, as RuntimeDefault), env values, args; its volumes under `host` laid out as kubelet
-    does (a PVC and a Secret owned by the pod's fsGroup, an emptyDir as a tmpfs of its size limit).
-    Returns (flags before the image, {"args": [...], "grace": s, "port": container port})."""
+# What the translation below handles; a field outside these sets fails it rather than being ignored.
+CONTAINER_KEYS = {
+    "name", "image", "imagePullPolicy", "args", "env", "ports", "resources", "securityContext",
+    "volumeMounts", "livenessProbe", "readinessProbe", "startupProbe",
+}  # fmt: skip
+CONTAINER_SECURITY = {"allowPrivilegeEscalation", "capabilities", "readOnlyRootFilesystem", "runAsNonRoot"}
+POD_SECURITY = {"fsGroup", "fsGroupChangePolicy", "runAsGroup", "runAsNonRoot", "runAsUser", "seccompProfile"}
+MOUNT_KEYS = {"name", "mountPath", "readOnly"}
+
+
+def quantity(q: str) -> int:
+    """A Kubernetes quantity in bytes (binary Ki/Mi/Gi, decimal k/M/G, or plain)."""
+    units = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }
+    for suffix in sorted(units, key=len, reverse=True):
+        if q.endswith(suffix):
+            return int(float(q[: -len(suffix)]) * units[suffix])
+    return int(q)
+
+
+def cpus(q: str) -> str:
+    return str(int(q[:-1]) / 1000) if q.endswith("m") else q
+
+
+def pod_run_args(dep: dict, host: Path, keys: str, eng: str = "podman") -> tuple[list[str], dict]:
+    """`run` flags for the Deployment's openrl-service container, as rendered: user and groups, read-only
+    root (podman's writable /run and /var/tmp tmpfs turned off), dropped capabilities, no privilege
+    escalation, the default seccomp profile (podman's and docker's own, as RuntimeDefault), env values,
+    args, the memory (no swap, as on the nodes) and CPU limits; its volumes under `host` laid out as
+    kubelet does (a PVC and a Secret owned by the pod's fsGroup; the emptyDir as a tmpfs of its size
+    limit, which counts against the memory limit here where the node's disk would hold it). Fields it
+    does not know fail it. Returns (flags before the image, {"args", "grace", "port", "memory"})."""
     pod = dep["spec"]["template"]["spec"]
     (c,) = [c for c in containers(dep) if c["name"] == "openrl-service"]
+    assert set(c) <= CONTAINER_KEYS, f"container fields with no local equivalent: {set(c) - CONTAINER_KEYS}"
     psc, csc = pod.get("securityContext", {}), c.get("securityContext", {})
+    assert set(psc) <= POD_SECURITY and set(csc) <= CONTAINER_SECURITY, (psc, csc)
+    assert set(csc.get("capabilities", {})) <= {"drop"}, csc
     uid, gid = psc["runAsUser"], psc.get("runAsGroup", psc["runAsUser"])
     fs_group = psc.get("fsGroup")
     flags = ["--user", f"{uid}:{gid}"]
@@ -73,6 +110,8 @@ def pod_run_args(dep: dict, host: Path, keys: str) -> tuple[list[str], dict]:
         flags += ["--group-add", str(fs_group)]
     if csc.get("readOnlyRootFilesystem"):
         flags.append("--read-only")
+        if eng == "podman":
+            flags.append("--read-only-tmpfs=false")
     for cap in csc.get("capabilities", {}).get("drop", []):
         flags += ["--cap-drop", cap]
     if csc.get("allowPrivilegeEscalation") is False:
@@ -80,40 +119,45 @@ def pod_run_args(dep: dict, host: Path, keys: str) -> tuple[list[str], dict]:
     assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", psc
     for e in c.get("env", []):
         if "value" in e:
+            assert "$(" not in e["value"], e  # kubelet would expand it
             flags += ["--env", f"{e['name']}={e['value']}"]
         else:  # a Secret that may be absent (the hub token): absent here, as without a hub
             assert e["valueFrom"]["secretKeyRef"].get("optional"), e
+    assert not any("$(" in a for a in c["args"]), c["args"]
     limits = c.get("resources", {}).get("limits", {})
-    if "memory" in limits:
-        flags += ["--memory", limits["memory"].replace("Gi", "g").replace("Mi", "m")]
+    memory = quantity(limits["memory"]) if "memory" in limits else None
+    if memory:
+        flags += ["--memory", str(memory), "--memory-swap", str(memory)]
+    if "cpu" in limits:
+        flags += ["--cpus", cpus(limits["cpu"])]
     volumes = {v["name"]: v for v in pod["volumes"]}
     for m in c["volumeMounts"]:
+        assert set(m) <= MOUNT_KEYS, m
         v = volumes[m["name"]]
         if "emptyDir" in v:
-            size = v["emptyDir"].get("sizeLimit", "1Gi").replace("Gi", "g").replace("Mi", "m")
-            flags += ["--tmpfs", f"{m['mountPath']}:rw,size={size},mode=1777"]
+            assert set(v["emptyDir"]) <= {"sizeLimit"} and "sizeLimit" in v["emptyDir"], v
+            flags += ["--tmpfs", f"{m['mountPath']}:rw,size={quantity(v['emptyDir']['sizeLimit'])},mode=1777"]
         elif "persistentVolumeClaim" in v:
             # kubelet gives the volume to the fsGroup: group-owned, group-writable, setgid
             d = host / v["persistentVolumeClaim"]["claimName"]
             d.mkdir(parents=True, exist_ok=True)
             os.chown(d, 0, fs_group)
             d.chmod(0o2770)
-            flags += ["--volume", f"{d}:{m['mountPath']}"]
+            flags += ["--volume", f"{d}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")]
         elif "secret" in v:
             # a Secret volume: root-owned files of defaultMode, group fsGroup, mounted read-only
+            assert set(v["secret"]) <= {"secretName", "defaultMode"}, v  # no items: one file per key
             d = host / v["secret"]["secretName"]
             d.mkdir(parents=True, exist_ok=True)
             (d / "api-keys").write_text(keys)
             os.chown(d / "api-keys", 0, fs_group)
             (d / "api-keys").chmod(v["secret"].get("defaultMode", 0o644))
-            flags += [
-                "--volume",
-                f"{d}:{m['mountPath']}:ro" if m.get("readOnly") else f"{d}:{m['mountPath']}",
-            ]
+            flags += ["--volume", f"{d}:{m['mountPath']}" + (":ro" if m.get("readOnly") else "")]
         else:
             raise AssertionError(f"volume {m['name']}: no local equivalent for {v}")
     (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "http"]
-    return flags, {"args": c["args"], "grace": pod["terminationGracePeriodSeconds"], "port": port}
+    spec = {"args": c["args"], "grace": pod["terminationGracePeriodSeconds"], "port": port, "memory": memory}
+    return flags, spec
 
 
 def free_port() -> int:
@@ -164,7 +208,7 @@ def network(eng: str):
 
 def remove(eng: str, *names: str) -> None:
     for n in names:
-        sh(eng, "rm", "-f", "-t", "0", n, check=False)
+        sh(eng, "rm", "-f", *(["-t", "0"] if eng == "podman" else []), n, check=False)
 
 
 def rmtree_as_root(path: Path) -> None:

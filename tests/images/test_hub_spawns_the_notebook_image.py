@@ -102,7 +102,7 @@ def test_a_hub_user_trains_from_the_notebook_image_spawned_as_a_container(tmp_pa
         home.chmod(0o2775)
 
         # the service container: the overlay's spec, its hub at this hub, on the host's network
-        flags, spec = pod_run_args(deployment("cpu"), tmp_path / "service", "# hub users only\n")
+        flags, spec = pod_run_args(deployment("cpu"), tmp_path / "service", "# hub users only\n", eng)
         args = list(spec["args"])
         args[args.index("--hub-api-url") + 1] = hub.api_url
         args[args.index("--port") + 1] = str(service_port)
@@ -147,12 +147,20 @@ def test_a_hub_user_trains_from_the_notebook_image_spawned_as_a_container(tmp_pa
             text = runs.stdout + "".join(str(o.get("text/plain", "")) for o in runs.outputs)
             assert "hub-image" in text, text
     finally:
-        if hub is not None:
-            hub.stop()
+        try:
+            if hub is not None:
+                hub.stop()
+        finally:
+            _cleanup(eng, service_name, api)
+
+
+def _cleanup(eng: str, service_name: str, api: subprocess.Popen | None) -> None:
+    try:
         remove(eng, service_name)
         for line in sh(eng, "ps", "-a", "--format", "{{.Names}}", check=False).stdout.split():
             if line.startswith("openrl-hub-alice-"):
                 remove(eng, line)
+    finally:
         if api is not None:
             api.terminate()
             api.wait(10)

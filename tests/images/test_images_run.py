@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -59,39 +60,48 @@ def service(eng, net, tmp_path_factory):
     tag = image_or_skip(eng, "service-cpu")
     host = tmp_path_factory.mktemp("service")
     key = "tml-" + secrets.token_hex(24)
-    flags, spec = pod_run_args(deployment("cpu"), host, f"admin {key}\n")
+    flags, spec = pod_run_args(deployment("cpu"), host, f"admin {key}\n", eng)
     port = free_port()
     name = f"openrl-service-{uuid.uuid4().hex[:8]}"
     run = [eng, "run", "-d", "--name", name, *images.limit_args(eng), *flags]
     # the ClusterIP Service's name on the container network, and a loopback port for the SDK here
     run += ["--network", net, "--network-alias", "openrl-service", "-p", f"127.0.0.1:{port}:{spec['port']}"]
-    sh(*run, tag, *spec["args"])
     url = f"http://127.0.0.1:{port}"
     try:
+        sh(*run, tag, *spec["args"])
         wait_http(f"{url}/readyz", 300, container=(eng, name))
-        yield SimpleNamespace(name=name, url=url, key=key, grace=spec["grace"], host=host, args=spec["args"])
+        yield SimpleNamespace(name=name, url=url, key=key, grace=spec["grace"], memory=spec["memory"])
     finally:
         remove(eng, name)
 
 
 def test_the_container_runs_with_the_overlays_security_context(eng, service):
-    """What the pod spec asks for is what the process got: uid/gid/groups, no capabilities, a
-    read-only root, the args (the key only as a file path)."""
-    out = sh(
-        eng,
-        "exec",
-        service.name,
-        "sh",
-        "-c",
-        "id -u; id -g; id -G; grep -E '^Cap(Eff|Prm|Bnd):' /proc/1/status; grep -E '^NoNewPrivs' /proc/1/status; touch /opt/x 2>&1; touch /data/probe && echo data-writable; cat /proc/1/cmdline /proc/1/environ | tr '\\0' ' '",
-    ).stdout
+    """What the pod spec asks for is what the process got: uid/gid/groups, no capabilities, no new
+    privileges, the runtime's seccomp filter, a read-only root (/run and /var/tmp too), the memory limit
+    without swap, the args (the key only as a file path, in neither the command line nor the env)."""
+    script = "; ".join(
+        [
+            "id -u; id -g; id -G",
+            "grep -E '^(Cap(Eff|Prm|Bnd)|NoNewPrivs|Seccomp):' /proc/1/status",
+            "for d in /opt /run /var/tmp /etc; do touch $d/probe 2>/dev/null && echo writable:$d; done",
+            "touch /data/probe && echo data-writable",
+            "echo memory:$(cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes)",
+            "echo swap:$(cat /sys/fs/cgroup/memory.swap.max 2>/dev/null"
+            " || cat /sys/fs/cgroup/memory/memory.memsw.limit_in_bytes 2>/dev/null || echo none)",
+            "cat /proc/1/cmdline /proc/1/environ | tr '\\0' ' '",
+        ]
+    )
+    out = sh(eng, "exec", service.name, "sh", "-c", script).stdout
     uid, gid, groups = out.splitlines()[:3]
     assert (uid, gid) == ("10001", "10001") and "10001" in groups.split(), out  # runAsUser/Group, fsGroup
     for cap in ("CapEff", "CapPrm", "CapBnd"):
         assert f"{cap}:\t0000000000000000" in out, out
-    assert "NoNewPrivs:\t1" in out, out
-    assert "Read-only file system" in out, out
+    assert "NoNewPrivs:\t1" in out and "Seccomp:\t2" in out, out  # 2: a seccomp filter is applied
+    assert "writable:" not in out, out  # the root, /run and /var/tmp are read-only
     assert "data-writable" in out, out
+    assert f"memory:{service.memory}" in out, out
+    swap = re.search(r"swap:(\S+)", out).group(1)
+    assert swap in ("0", str(service.memory), "none"), out  # cgroup v2 swap.max 0, v1 memsw = memory
     assert "--api-keys-file /etc/openrl/api-keys/api-keys" in out and service.key not in out, out
 
 
@@ -139,9 +149,9 @@ def notebook(eng, net, service, tmp_path_factory):
         "--no-browser",
         f"--IdentityProvider.token={token}",
     ]
-    sh(*run, tag, *cmd)
     url = f"http://127.0.0.1:{port}"
     try:
+        sh(*run, tag, *cmd)
         wait_http(f"{url}/api/status?token={token}", 120, container=(eng, name))
         yield SimpleNamespace(name=name, url=url, token=token, home=home)
     finally:
@@ -160,7 +170,10 @@ def test_jupyter_lab_in_the_notebook_image_serves_our_extensions(eng, notebook):
     # the running server loaded both: the page lists the panel, the extension's route answers
     page = httpx.get(f"{notebook.url}/lab?token={notebook.token}", timeout=30, follow_redirects=True)
     assert page.status_code == 200 and "openrl-jupyter-labextension" in page.text, page.text[:500]
-    sh(eng, "exec", notebook.name, "sh", "-c", "command -v jupyterhub-singleuser && id -un && echo $HOME")
+    who = sh(
+        eng, "exec", notebook.name, "sh", "-c", "command -v jupyterhub-singleuser && id -un && echo $HOME"
+    )
+    assert who.stdout.split() == ["/opt/venv/bin/jupyterhub-singleuser", "jovyan", "/home/jovyan"], who.stdout
 
 
 def _cell(source: str) -> dict:
@@ -296,8 +309,11 @@ def test_sigterm_drains_and_exits_0_within_the_grace(eng, service):
     def train():
         try:
             for _ in range(200):
-                tc.forward_backward([datum] * 8, "cross_entropy")
+                tc.forward_backward([datum] * 8, "cross_entropy").result()  # one call done: the service works
                 busy.set()
+                tc.forward_backward(
+                    [datum] * 8, "cross_entropy"
+                )  # and the next is in flight as SIGTERM comes
         except Exception:  # the service goes away under it: that is the point
             pass
 
