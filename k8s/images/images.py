@@ -213,19 +213,8 @@ def wheels(spec: Image, torch_index: str | None) -> Path:
     (ctx / "requirements.txt").write_text("".join(f"{r}\n" for r in reqs))
     # binary wheels for the image's Python and glibc, whatever this host runs: pip's Requires-Python and
     # platform checks see Debian bookworm's CPython 3.11.2 and glibc 2.36
-    pip = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "-q",
-        "-d",
-        str(wheelhouse),
-        "--find-links",
-        str(wheelhouse),
-    ]
-    pip += ["--only-binary=:all:", "--implementation", "cp", "--python-version", PYTHON, "--abi", "cp311"]
-    pip += [f"--platform={p}" for p in PLATFORMS]
+    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheelhouse)]
+    pip += ["--find-links", str(wheelhouse), *pip_target_args()]
     if spec.cpu_torch:
         pip += ["-c", str(ROOT / "constraints-cpu.txt")]
         if torch_index:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -160,14 +159,6 @@ def pod_run_args(dep: dict, host: Path, keys: str, eng: str = "podman") -> tuple
     return flags, spec
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_http(url: str, timeout: float, ok=lambda r: r.status_code == 200, container: tuple | None = None):
     """GET url until ok(response); on timeout, fail with the container's log."""
     deadline = time.monotonic() + timeout
@@ -209,7 +200,3 @@ def network(eng: str):
 def remove(eng: str, *names: str) -> None:
     for n in names:
         sh(eng, "rm", "-f", *(["-t", "0"] if eng == "podman" else []), n, check=False)
-
-
-def rmtree_as_root(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -19,11 +19,11 @@ import uuid
 
 import pytest
 
+from openrl_jupyter.local import free_port
 from tests._support.jhub import HubUnavailable, proxy_command, start_hub, wait_hub
 from tests.images._containers import (
     deployment,
     engine_or_skip,
-    free_port,
     image_or_skip,
     images,
     pod_run_args,

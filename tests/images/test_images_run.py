@@ -26,10 +26,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from openrl_jupyter.local import free_port
 from tests.images._containers import (
     deployment,
     engine_or_skip,
-    free_port,
     image_or_skip,
     images,
     network,
