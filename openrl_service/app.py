@@ -30,10 +30,12 @@ from openrl_service.api.jobs import build_jobs_router
 from openrl_service.api.keys import build_keys_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
+from openrl_service.api.openai import build_openai_routers, error_response, is_openai_path
 from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.container import Container
+from openrl_service.engine.inference import Inference
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
 from openrl_service.lifecycle import Lifecycle
@@ -165,6 +167,9 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
     app.state.admin = admin
     app.include_router(build_admin_router(admin))
+    app.state.inference = inference = Inference(svc)
+    for router in build_openai_routers(svc, inference):
+        app.include_router(router)
 
     @app.get("/healthz")
     async def healthz():
@@ -179,6 +184,10 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
 
     @app.exception_handler(ApiError)
     async def service_error(request: Request, exc: ApiError):
+        if is_openai_path(request.url.path):
+            return error_response(
+                exc.status_code, exc.message, exc.field, getattr(exc, "retry_after_s", None)
+            )
         resp = json_response(exc.to_json(), status=exc.status_code)
         if exc.status_code == 503:
             retry_after_s = getattr(exc, "retry_after_s", 2.0)
@@ -190,6 +199,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if is_openai_path(request.url.path):
+            return error_response(400, f"{where}: {first.get('msg', 'invalid request')}", where)
         return json_response(
             {"error": f"{where}: {first.get('msg', 'invalid request')}", "category": "user", "field": where},
             status=400,
@@ -197,6 +208,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if is_openai_path(request.url.path):
+            return error_response(exc.status_code, str(exc.detail), None)
         return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)
 
     app.add_middleware(

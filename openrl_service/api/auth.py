@@ -31,6 +31,7 @@ from openrl_service.api.hubauth import (
     Refusal,
     Throttled,
 )
+from openrl_service.api.openai import error_payload, is_openai_path
 from openrl_service.config import LOOPBACK_HOSTS, Settings
 from openrl_service.engine.jobs import JOB_KEY_PREFIX, JobRefusal, Jobs
 from openrl_service.keydigest import key_digest
@@ -277,6 +278,7 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         path = scope.get("path", "")
+        _error = functools.partial(_refuse, path=path)  # the OpenAI routes answer in OpenAI's shape
         admin_path = path.startswith(ADMIN_PREFIX)
         if admin_path and headers.get("origin"):  # the operator's command sends none; a page would
             return await _error(send, 403, "the admin routes take no cross-origin requests", "origin")
@@ -361,17 +363,22 @@ class _Refused:
         self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
 
-async def _error(
+async def _refuse(
     send,
     status: int,
     message: str,
     field: str | None,
     category: str = "user",
     retry_after_s: int | None = None,
+    *,
+    path: str = "",
 ) -> None:
-    payload = {"error": message, "category": category}
-    if field:
-        payload["field"] = field
+    if is_openai_path(path):
+        payload = error_payload(status, message, field)
+    else:
+        payload = {"error": message, "category": category}
+        if field:
+            payload["field"] = field
     body = orjson.dumps(payload)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after_s is not None:

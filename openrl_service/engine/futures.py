@@ -90,6 +90,13 @@ class FutureStore:
             if self._records.get(rec.request_id) is rec and not rec.done:
                 del self._records[rec.request_id]
 
+    def drop(self, rec: FutureRecord) -> None:
+        """Forget a future whose caller took its result directly (an OpenAI request held open): no one
+        polls for it, so it is neither kept for a retry nor written into a snapshot."""
+        with self._lock:
+            if self._records.get(rec.request_id) is rec:
+                del self._records[rec.request_id]
+
     def known(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._records
