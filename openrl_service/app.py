@@ -35,7 +35,6 @@ from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.container import Container
-from openrl_service.engine.inference import Inference
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError
 from openrl_service.lifecycle import Lifecycle
@@ -167,8 +166,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_keys_router(minted, settings.limits.max_body_bytes))
     app.state.admin = admin
     app.include_router(build_admin_router(admin))
-    app.state.inference = inference = Inference(svc)
-    for router in build_openai_routers(svc, inference):
+    for router in build_openai_routers(svc, svc.inference):
         app.include_router(router)
 
     @app.get("/healthz")

@@ -1,4 +1,4 @@
-"""`openrl-service serve | make-tiny-model | stop | admin`: the command line."""
+"""`openrl-service serve | export | make-tiny-model | stop | admin`: the command line."""
 
 from __future__ import annotations
 
@@ -536,6 +536,15 @@ def main(argv: list[str] | None = None) -> int:
         help="stop when stdin closes (an embedded service whose parent process exited)",
     )
     s.set_defaults(func=_serve)
+    e = sub.add_parser(
+        "export",
+        help="download a checkpoint as a PEFT adapter folder (or --merged, a Hugging Face model folder) "
+        "from a running service (TINKER_BASE_URL, TINKER_API_KEY)",
+    )
+    from openrl_common import export as export_cmd
+
+    export_cmd.add_arguments(e)
+    e.set_defaults(func=export_cmd.run)
     t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
     t.add_argument("dir", type=Path)
     t.set_defaults(func=_make_tiny)

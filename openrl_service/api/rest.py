@@ -115,6 +115,15 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
         b = await read_model(request, B.WeightsInfo, max_body)
         return json_response(await off(cat.weights_info, tenant(request), b.tinker_path))
 
+    @r.post("/exports", openapi_extra=body(S.Export))
+    async def export(request: Request):
+        """Build (or reuse) an export of a checkpoint: a PEFT adapter folder, or with ``merged`` a Hugging
+        Face model folder; answers its files with signed download URLs (an hour) and their SHA-256."""
+        b = await read_model(request, S.Export, max_body)
+        return json_response(
+            await off(cat.export, tenant(request), b.tinker_path, b.merged, _base_url(request))
+        )
+
     @r.post("/copy_weights", openapi_extra=body(B.CopyWeights))
     async def copy_weights(request: Request):
         """Copy a checkpoint into a session's run slot or a new session of a project."""

@@ -138,6 +138,14 @@ class WeightsInfo(Body):
     tinker_path: TinkerPath
 
 
+class Export(Body):
+    tinker_path: TinkerPath
+    merged: bool = Field(
+        False,
+        description="false: a PEFT adapter folder; true: a Hugging Face model folder with the adapter merged in",
+    )
+
+
 class AssignProject(Body):
     project_id: Str(1, 256)
 

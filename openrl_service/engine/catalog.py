@@ -49,6 +49,7 @@ class Catalog:
         self.svc = svc
         self.store = svc.store
         self._secret = secrets.token_bytes(32)
+        self.exports = svc.exports
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_json(self, m: dict) -> dict:
@@ -307,6 +308,13 @@ class Catalog:
         if time.time() > payload["exp"]:
             raise Gone("this download link has expired; ask for a new one", field="url")
         tenant = payload["tenant"]
+        if payload["what"] == "export":
+            folder = self.exports.folder(tenant, payload["export"])
+            if not (folder / "openrl_export.json").is_file():
+                raise NotFound(
+                    "this export is gone (exports are kept for an hour); export again", field="url"
+                )
+            return folder / payload["file"], payload["file"]
         if payload["what"] == "trace":
             return (
                 self.store.root / "traces" / tenant_folder(tenant) / f"{payload['session_id']}.json",
@@ -328,6 +336,27 @@ class Catalog:
             if p.is_file()
         }
         return {"urls": urls, "expires": iso(exp)}
+
+    def export(self, tenant: str, tinker_path: str, merged: bool, base_url: str) -> dict:
+        """Build (or reuse) an export (engine/export.py) and sign a download URL for each of its files."""
+        export_id, folder, info = self.exports.build(tenant, tinker_path, merged)
+        exp = time.time() + URL_TTL_S
+        files = []
+        for p in sorted(folder.iterdir()):
+            if not p.is_file():
+                continue
+            token = self._sign(
+                {"what": "export", "tenant": tenant, "export": export_id, "file": p.name, "exp": exp}
+            )
+            files.append(
+                {
+                    "name": p.name,
+                    "url": f"{base_url}/api/v1/downloads/{token}",
+                    "size_bytes": p.stat().st_size,
+                    "sha256": _file_sha256(p),
+                }
+            )
+        return {**info, "files": files, "expires": iso(exp)}
 
     def trace_export(self, tenant: str, session_id: str, base_url: str) -> dict:
         """The session's executed ops as a Chrome/Perfetto trace-event JSON, behind a signed URL."""
@@ -356,6 +385,14 @@ class Catalog:
             {"what": "trace", "tenant": tenant, "session_id": session_id, "exp": time.time() + URL_TTL_S}
         )
         return {"status": "ready", "url": f"{base_url}/api/v1/downloads/{token}"}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _status_matches(status: dict, queries: list) -> bool:

@@ -54,6 +54,7 @@ class Inference:
         self.svc = svc
         self._adapters: OrderedDict[tuple[str, str, str], Adapter] = OrderedDict()
         self._lock = threading.Lock()
+        svc.tenant_forgetters.append(self.forget_tenant)
 
     # -- naming ---------------------------------------------------------------------------------
     def _base(self, name: str, field: str) -> tuple[ServedModel, int]:
@@ -101,7 +102,9 @@ class Inference:
             return Target(model, None, ctx, name)
         ref = parse_tinker_path(path, field=field)
         try:
-            manifest = self.svc.store.manifest(tenant, ref)  # a foreign checkpoint is as absent as a missing one
+            manifest = self.svc.store.manifest(
+                tenant, ref
+            )  # a foreign checkpoint is as absent as a missing one
         except NotFound as e:
             raise NotFound(f"{field}: {e.message}", field=field) from None
         model = self.svc.models.get(manifest.get("base_model"))

@@ -57,6 +57,9 @@ class Registry:
     # Called as fn(now) on each housekeeping round (after idle sessions are reaped), so layers above
     # the engine expire what they keep by age even when no new traffic arrives (the sample store).
     sweepers: list[Callable[[float], None]]
+    # Called as fn(tenant) when a tenant is removed, so what layers above keep per tenant (cached
+    # adapters of the OpenAI API, built exports) goes with it.
+    tenant_forgetters: list[Callable[[str], None]]
 
     def _init_registry(self) -> None:
         self.sessions = {}
@@ -67,6 +70,7 @@ class Registry:
         self._lock = threading.Lock()
         self.session_listeners = []
         self.sweepers = []
+        self.tenant_forgetters = []
 
     # -- sessions -------------------------------------------------------------------------------
     def create_session(
@@ -217,6 +221,8 @@ class Registry:
 
     def _forget_tenant_files(self, tenant: str, move_to: str | None, live: list[SessionRecord]) -> dict:
         freed = self.store.forget_tenant(tenant, Path(move_to) if move_to else None)
+        for forget in self.tenant_forgetters:
+            forget(tenant)
         log.warning(
             "tenant %s removed: %d sessions ended, %d checkpoint bytes %s",
             tenant,

@@ -39,7 +39,9 @@ from openrl_service import crashpoints
 from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
+from openrl_service.engine.export import Exports
 from openrl_service.engine.futures import FutureRecord, FutureStore
+from openrl_service.engine.inference import Inference
 from openrl_service.engine.ops import Fusable, Op
 from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine
@@ -111,6 +113,8 @@ class TrainingService(Registry):
         self.refused_runs: dict[str, UserError] = {}
         self.last_loss: dict[str, float] = {}
         self._init_registry()
+        self.inference = Inference(self)  # sampling by model name (the OpenAI-compatible API)
+        self.exports = Exports(self)  # checkpoints as PEFT or merged Hugging Face folders
         self.durability = Durability(self)
         self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant
         self.futures.on_complete = self.durability.completed

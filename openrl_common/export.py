@@ -1,0 +1,136 @@
+"""Download an export of a checkpoint from a running openrl-service: ``openrl-service export``,
+``run.export`` and ``%openrl export`` call :func:`download_export`. Needs only httpx: the service builds
+the folder (engine/export.py), this fetches its files through signed URLs, checks each file's SHA-256
+and puts the folder in place only when every file arrived whole.
+
+    openrl-service export tinker://<run>/sampler_weights/<name> ./my-adapter            # PEFT folder
+    openrl-service export tinker://<run>/sampler_weights/<name> ./my-model --merged     # HF model folder
+
+The service and key are found as the Tinker SDK finds them: ``--base-url`` / ``TINKER_BASE_URL`` and
+``--api-key`` / ``TINKER_API_KEY`` (``OPENRL_URL`` / ``OPENRL_TOKEN`` also work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class ExportError(Exception):
+    """The service refused the export, or a file did not arrive whole."""
+
+
+def _find(base_url: str | None, api_key: str | None) -> tuple[str, str]:
+    url = base_url or os.environ.get("TINKER_BASE_URL") or os.environ.get("OPENRL_URL")
+    key = api_key or os.environ.get("TINKER_API_KEY") or os.environ.get("OPENRL_TOKEN")
+    if not url:
+        raise ExportError("no service to export from: pass --base-url or set TINKER_BASE_URL")
+    if not key:
+        raise ExportError("no API key: pass --api-key or set TINKER_API_KEY")
+    return url.rstrip("/"), key
+
+
+def download_export(
+    tinker_path: str,
+    dest: str | os.PathLike,
+    *,
+    merged: bool = False,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    overwrite: bool = False,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Export ``tinker_path`` into the folder ``dest`` (created; an existing non-empty one only with
+    ``overwrite``). Returns the export's description: format, base model, base weights' SHA-256, files."""
+    url, key = _find(base_url, api_key)
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not overwrite:
+        raise ExportError(f"{dest} exists and is not empty; choose another folder or overwrite it")
+    headers = {"X-API-Key": key}
+    with httpx.Client(timeout=timeout, follow_redirects=False) as http:
+        r = http.post(
+            f"{url}/api/v1/exports",
+            json={"tinker_path": tinker_path, "merged": bool(merged)},
+            headers=headers,
+        )
+        if r.status_code != 200:
+            try:
+                why = r.json().get("error", r.text)
+            except ValueError:
+                why = r.text
+            raise ExportError(f"the service refused the export of {tinker_path} ({r.status_code}): {why}")
+        info = r.json()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            for f in info["files"]:
+                name = Path(f["name"]).name  # a file name, never a path
+                h = hashlib.sha256()
+                with http.stream("GET", f["url"]) as resp, (tmp / name).open("wb") as out:
+                    if resp.status_code != 200:
+                        raise ExportError(f"downloading {name} failed ({resp.status_code})")
+                    for chunk in resp.iter_bytes(1 << 20):
+                        h.update(chunk)
+                        out.write(chunk)
+                if h.hexdigest() != f["sha256"]:
+                    raise ExportError(f"{name} arrived damaged (its SHA-256 does not match); export again")
+            if dest.exists():
+                shutil.rmtree(dest)
+            tmp.rename(dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return {k: v for k, v in info.items() if k != "files"} | {"files": [f["name"] for f in info["files"]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="openrl-service export",
+        description="Download a checkpoint as a PEFT adapter folder, or with --merged as a Hugging Face model "
+        "folder, from a running openrl-service (found as the Tinker SDK finds it: TINKER_BASE_URL, "
+        "TINKER_API_KEY).",
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("tinker_path", help="tinker://<run>/<sampler_weights|weights|external_weights>/<name>")
+    p.add_argument("dir", type=Path, help="the folder to create")
+    p.add_argument("--merged", action="store_true", help="a full model folder with the adapter merged in")
+    p.add_argument("--base-url", default=None, help="the service (default: TINKER_BASE_URL)")
+    p.add_argument("--api-key", default=None, help="the key (default: TINKER_API_KEY)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        info = download_export(
+            args.tinker_path,
+            args.dir,
+            merged=args.merged,
+            base_url=args.base_url,
+            api_key=args.api_key,
+            overwrite=args.force,
+        )
+    except (ExportError, httpx.HTTPError) as e:
+        print(f"openrl-service export: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{args.dir}: {info['format']} export of {info['tinker_path']} on {info['base_model']} "
+        f"(base weights sha256 {info['base_weights_sha256'][:16]}…): {', '.join(info['files'])}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

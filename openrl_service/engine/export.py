@@ -1,0 +1,241 @@
+"""Exports: a checkpoint as a folder other tools load, built by the service and downloaded through the API
+(``POST /api/v1/exports``; ``openrl-service export`` and ``run.export`` download it, needing neither
+torch nor the base weights).
+
+    peft     adapter_model.safetensors (the checkpoint's bytes) + adapter_config.json: what
+             ``PeftModel.from_pretrained(base, DIR)`` and ``vllm serve --enable-lora --lora-modules``
+             load
+    merged   a Hugging Face model folder: the base weights with the adapter added in
+             (W + s·B·A, in fp32, stored in the base's dtype), config, generation config and
+             tokenizer: what ``AutoModelForCausalLM.from_pretrained(DIR)`` loads. An adapter on an
+             ``lm_head`` tied to the input embeddings unties them (``tie_word_embeddings: false``) so
+             the embeddings keep the base's values and only the output layer changes.
+
+Both carry ``openrl_export.json``: the checkpoint, the base model's name and source, and the SHA-256 of
+the exact base weights the adapter was trained on (as the service holds them: a GGUF base is
+dequantised, so its digest is not the digest of the model it names). Exports live under
+``<data>/exports/<tenant>/`` for an hour (their download links' lifetime); a tenant keeps at most
+``MAX_PER_TENANT``, the oldest going first.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+from openrl_service.config import tenant_folder
+from openrl_service.engine.state import ServedModel, spec_from_manifest
+from openrl_service.errors import NotFound, UserError
+from openrl_service.storage.checkpoints import parse_tinker_path
+
+if TYPE_CHECKING:
+    from openrl_service.engine.service import TrainingService
+
+log = logging.getLogger(__name__)
+
+EXPORT_TTL_S = 3600.0
+MAX_PER_TENANT = 4
+FORMAT_VERSION = 1
+
+
+def base_state(model: ServedModel) -> dict[str, torch.Tensor]:
+    """The base model's weights under their Hugging Face names (the LoRA wrappers' ``.base`` removed)."""
+    wrapped = {t.name for t in model.base.targets}
+    out = {}
+    for key, value in model.base.model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if owner.endswith(".base") and owner[: -len(".base")] in wrapped:
+            key = f"{owner[: -len('.base')]}.{leaf}"
+        elif owner == "base" and "" in wrapped:
+            key = leaf
+        out[key] = value
+    return out
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class Exports:
+    def __init__(self, svc: TrainingService):
+        self.svc = svc
+        self.root = Path(svc.store.root) / "exports"
+        self._digests: dict[str, str] = {}
+        self._lock = threading.Lock()
+        svc.sweepers.append(self.sweep)
+        svc.tenant_forgetters.append(
+            lambda tenant: shutil.rmtree(self._tenant_dir(tenant), ignore_errors=True)
+        )
+
+    def base_digest(self, model: ServedModel) -> str:
+        with self._lock:
+            if model.name not in self._digests:
+                self._digests[model.name] = weights_digest(base_state(model))
+            return self._digests[model.name]
+
+    def _tenant_dir(self, tenant: str) -> Path:
+        return self.root / tenant_folder(tenant)
+
+    def folder(self, tenant: str, export_id: str) -> Path:
+        if not export_id.isalnum():
+            raise NotFound("unknown export", field="url")
+        return self._tenant_dir(tenant) / export_id
+
+    def build(self, tenant: str, tinker_path: object, merged: object) -> tuple[str, Path, dict]:
+        """(export id, its folder, its provenance) for ``tenant``'s checkpoint; reused while fresh."""
+        if not isinstance(merged, bool):
+            raise UserError(
+                "merged must be true (a full model folder) or false (a PEFT adapter)", field="merged"
+            )
+        ref = parse_tinker_path(tinker_path, field="tinker_path")
+        try:
+            manifest = self.svc.store.manifest(tenant, ref)
+        except NotFound as e:
+            raise NotFound(e.message, field="tinker_path") from None
+        model = self.svc.models.get(manifest.get("base_model"))
+        if model is None:
+            raise NotFound(
+                f"tinker_path: {ref.path} was trained on {manifest.get('base_model')!r}, which this service "
+                "does not serve now (an export needs its base weights)",
+                field="tinker_path",
+            )
+        spec = spec_from_manifest(manifest)
+        self.svc.checks.check_adapter_file(tenant, ref, spec, "tinker_path", base=model.base)
+        adapter_digest = (manifest.get("files") or {}).get("adapter_model.safetensors", "")
+        fmt = "merged" if merged else "peft"
+        export_id = hashlib.sha256(f"{ref.path}|{adapter_digest}|{fmt}".encode()).hexdigest()[:32]
+        final = self._tenant_dir(tenant) / export_id
+        info_file = final / "openrl_export.json"
+        if info_file.is_file():
+            final.touch()  # used again: the newest
+            return export_id, final, json.loads(info_file.read_text())
+        info = {
+            "format_version": FORMAT_VERSION,
+            "format": fmt,
+            "tinker_path": ref.path,
+            "base_model": model.name,
+            "base_model_source": model.base.source,
+            "base_weights_sha256": self.base_digest(model),
+            "base_weights_dtype": str(model.base.dtype).removeprefix("torch."),
+            "base_dequantized_from_gguf": str(model.base.source).endswith(".gguf"),
+            "lora": spec.to_json(),
+            "adapter_sha256": adapter_digest,
+            "exported_at": time.time(),
+        }
+        tmp = self._tenant_dir(tenant) / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir(parents=True)
+        try:
+            src = self.svc.store.folder(tenant, ref)
+            if merged:
+                self._merged(tenant, ref, model, tmp)
+            else:
+                shutil.copyfile(src / "adapter_model.safetensors", tmp / "adapter_model.safetensors")
+                config = json.loads((src / "adapter_config.json").read_text())
+                config["base_model_name_or_path"] = model.name
+                config["revision"] = None
+                (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            (tmp / "README.md").write_text(_card(info))
+            (tmp / "openrl_export.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+            try:
+                tmp.rename(final)
+            except OSError:  # built meanwhile by another request: keep that one
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._keep_newest(tenant)
+        return export_id, final, json.loads(info_file.read_text())
+
+    def _merged(self, tenant: str, ref, model: ServedModel, out: Path) -> None:
+        manifest, tensors, _ = self.svc.store.load(tenant, ref)
+        spec = spec_from_manifest(manifest)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            body = key[len("base_model.model.") : -len(".weight")]
+            name, _, which = body.rpartition(".")
+            pairs.setdefault(name, {})[which] = t
+        state = base_state(model)
+        config = copy.deepcopy(model.base.model.config)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        weights: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, value in state.items():
+            value = value.detach().to("cpu")
+            ptr = value.data_ptr()
+            weights[name] = value.clone() if ptr in seen else value.contiguous()
+            seen.add(ptr)
+        for name, ab in pairs.items():
+            key = f"{name}.weight"
+            if key not in weights:
+                raise UserError(
+                    f"tinker_path: the adapter names {name!r}, which the base model lacks",
+                    field="tinker_path",
+                )
+            w = weights[key]
+            delta = (ab["lora_B"].to(torch.float32) @ ab["lora_A"].to(torch.float32)) * spec.scale
+            weights[key] = (w.to(torch.float32) + delta).to(w.dtype).contiguous()
+        if tied:
+            if "lm_head" in pairs:
+                config.tie_word_embeddings = False  # the output layer changed, the embeddings did not
+            else:
+                weights.pop("lm_head.weight", None)  # tied again on load
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(out)
+        gen = getattr(model.base.model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(out)
+        model.base.tokenizer.save_pretrained(out)
+
+    def _keep_newest(self, tenant: str) -> None:
+        d = self._tenant_dir(tenant)
+        done = sorted(
+            (p for p in d.iterdir() if not p.name.startswith(".")),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        for old in done[MAX_PER_TENANT:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def sweep(self, now: float) -> None:
+        """Remove exports (and abandoned partial builds) older than their links' hour."""
+        if not self.root.is_dir():
+            return
+        for tenant_dir in self.root.iterdir():
+            for p in tenant_dir.iterdir() if tenant_dir.is_dir() else ():
+                try:
+                    if now - p.stat().st_mtime > EXPORT_TTL_S:
+                        shutil.rmtree(p, ignore_errors=True)
+                except FileNotFoundError:
+                    continue
+
+
+def _card(info: dict) -> str:
+    how = (
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(DIR)\ntokenizer = AutoTokenizer.from_pretrained(DIR)\n"
+        if info["format"] == "merged"
+        else "from peft import PeftModel\nmodel = PeftModel.from_pretrained(base_model, DIR)\n"
+        f"# base_model: {info['base_model']} (its weights' SHA-256 is in openrl_export.json)\n"
+    )
+    return (
+        f"# {info['tinker_path']}\n\n"
+        f"Exported by openrl-service as a {'merged Hugging Face model' if info['format'] == 'merged' else 'PEFT LoRA adapter'} "
+        f"of `{info['base_model']}` (LoRA rank {info['lora']['rank']}).\n\n```python\n{how}```\n"
+    )
