@@ -161,6 +161,8 @@ class _Base:
         try:
             body = response.json()
             message, field = body.get("error") or body.get("detail") or response.text, body.get("field")
+            if isinstance(message, dict):  # the OpenAI-compatible routes: {"error": {"message", "param"}}
+                message, field = message.get("message") or response.text, message.get("param")
         except (ValueError, AttributeError):
             message, field = _short(response.text) or response.reason_phrase, None
         where = f"{method} {path} on {self.url}"

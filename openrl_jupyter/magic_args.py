@@ -229,6 +229,29 @@ def parsers() -> dict[str, MagicArgumentParser]:
     s.add_argument("checkpoint", nargs="?", default=None, help="checkpoint name (default: RUN-stepN)")
     s.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     s.add_argument("--session", default=None)
+    ch = p["chat"] = parser(
+        "chat",
+        "Talk to a model through the service's OpenAI-compatible API: a tinker:// checkpoint, a base model or "
+        "a run of this kernel (its current weights). With a message, prints the reply (the conversation "
+        "continues on the next %%openrl chat of the same model); without one, shows a chat box.",
+    )
+    ch.add_argument("model", help="a tinker:// checkpoint, a base model, or a run name")
+    ch.add_argument("message", nargs="*", help="what to say (quote it or not)")
+    ch.add_argument("--new", action="store_true", help="start a new conversation with this model")
+    ch.add_argument("--system", default=None, help="a system message for a new conversation")
+    ch.add_argument("--max-tokens", type=int, default=128, help="longest reply in tokens")
+    ch.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ch.add_argument("--session", default=None)
+    ex = p["export"] = parser(
+        "export",
+        "Download a checkpoint (or a run's current weights) as a PEFT adapter folder, or with --merged a "
+        "Hugging Face model folder that AutoModelForCausalLM loads.",
+    )
+    ex.add_argument("model", help="a tinker:// checkpoint or a run name")
+    ex.add_argument("dir", help="the folder to create")
+    ex.add_argument("--merged", action="store_true", help="merge the adapter into a full model folder")
+    ex.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    ex.add_argument("--session", default=None)
     r = p["runs"] = parser(
         "runs",
         "This session's runs, the detached runs (where they run: local pid, k8s) and the other runs the "

@@ -56,6 +56,7 @@ class OpenRLMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self._parsers = parsers()
         self._service_dashboard = None
+        self._chats: dict[tuple[str, str], list[dict]] = {}  # (session, model) -> the conversation so far
         self._verbs: dict[str, Callable] = {
             "connect": self._connect,
             "train": self._train,
@@ -64,6 +65,8 @@ class OpenRLMagics(Magics):
             "resume": self._resume,
             "stop": self._stop,
             "save": self._save,
+            "chat": self._chat,
+            "export": self._export,
             "runs": self._runs,
             "attach": self._attach,
             "logs": self._logs,
@@ -299,6 +302,29 @@ class OpenRLMagics(Magics):
                 raise
             raise UsageError(str(e).replace("pass overwrite=True", "add --overwrite")) from None
         print(f"openrl: saved run {run.name!r} at step {run.step}: {path}")
+
+    def _chat(self, a):
+        session = self._session(a.session)
+        key = (session.name, a.model)
+        if a.new or key not in self._chats:
+            self._chats[key] = [{"role": "system", "content": a.system}] if a.system else []
+        history = self._chats[key]
+        params = {"max_tokens": a.max_tokens, "temperature": a.temperature}
+        if a.message:
+            print(session.chat(a.model, " ".join(a.message), history=history, **params))
+            return None
+        from openrl_jupyter.chat import ChatBox
+
+        return ChatBox(lambda text: session.chat(a.model, text, history=history, **params), title=a.model)
+
+    def _export(self, a):
+        session = self._session(a.session)
+        info = session.export(a.model, a.dir, merged=a.merged, overwrite=a.force)
+        kind = "Hugging Face model folder (merged)" if info["format"] == "merged" else "PEFT adapter folder"
+        print(
+            f"openrl: exported {info['tinker_path']} to {a.dir}: a {kind} on {info['base_model']} "
+            f"(base weights sha256 {info['base_weights_sha256'][:16]}…)"
+        )
 
     def _runs(self, a):
         return listing.runs_table(self._session(a.session), prune=a.prune)

@@ -265,6 +265,11 @@ class Run:
         extra = {"overwrite": True} if overwrite else {}
         return self._runner.submit(client.save(self.run_id, name, **extra)).result(timeout)
 
+    def export(self, dest: Any, *, merged: bool = False, overwrite: bool = False) -> dict:
+        """Save the current weights and download them into the folder ``dest``: a PEFT adapter, or with
+        ``merged=True`` a Hugging Face model folder (see ``Session.export``)."""
+        return self.session.export(self.name, dest, merged=merged, overwrite=overwrite)
+
     def subscribe(self, fn: Callable[[dict], None]) -> Callable[[], None]:
         """Call ``fn(event)`` (on the runner thread) for every step, state, log, samples and
         telemetry event; returns the function that unsubscribes."""

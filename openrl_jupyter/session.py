@@ -195,6 +195,58 @@ class Session:
             raise UsageError(f"no run named {name!r}; runs: {', '.join(self.runs)}")
         return self.runs[name]
 
+    def chat(
+        self,
+        model: str,
+        message: str,
+        *,
+        history: list[dict] | None = None,
+        system: str | None = None,
+        **params: Any,
+    ) -> str:
+        """One chat turn with ``model`` through the service's OpenAI-compatible API: a base model, a
+        ``tinker://`` checkpoint (``run.save()`` gives one) or a run of this kernel by name (its current
+        weights, saved first). ``history`` (a list of {role, content}) is extended with the turn;
+        ``params`` are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
+        messages.append({"role": "user", "content": message})
+        reply = self.client.request(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": self.model_ref(model), "messages": messages, **params},
+        )
+        text = reply["choices"][0]["message"]["content"]
+        if history is not None:
+            history += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
+        return text
+
+    def model_ref(self, model: str) -> str:
+        """What the OpenAI-compatible API calls ``model``: a run of this kernel by name becomes a
+        checkpoint of its current weights; anything else (a base model, a tinker:// path) is as given."""
+        if model in self.runs:
+            return self.runs[model].save(overwrite=True)
+        return model
+
+    def export(
+        self, model: str, dest: str | os.PathLike, *, merged: bool = False, overwrite: bool = False
+    ) -> dict:
+        """Download ``model`` (a tinker:// checkpoint, or a run of this kernel by name: its current
+        weights) into the folder ``dest`` as a PEFT adapter, or with ``merged=True`` as a Hugging Face
+        model folder (``AutoModelForCausalLM.from_pretrained(dest)``). The service builds it; this
+        needs neither torch nor the base weights. Returns what was exported (format, base model, the
+        SHA-256 of the base weights, files)."""
+        from openrl_common.export import ExportError, download_export
+
+        path = self.model_ref(model)
+        if not path.startswith("tinker://"):
+            raise UsageError(f"export takes a tinker:// checkpoint or a run of this kernel; got {model!r}")
+        try:
+            return download_export(
+                path, dest, merged=merged, base_url=self.url, api_key=self._token or "", overwrite=overwrite
+            )
+        except ExportError as e:
+            raise UsageError(str(e)) from None
+
     def async_client(self) -> AsyncClient:
         """The session's AsyncClient, bound to the runner loop (use it only there)."""
         if self._aclient is None:
