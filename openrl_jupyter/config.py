@@ -16,6 +16,7 @@ from openrl_common.checks import integer, number
 from openrl_common.protocol import RL_LOSSES
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
+from openrl_jupyter.trackers import parse as parse_trackers
 
 LOSSES = RL_LOSSES  # what a train step takes (openrl_common.protocol)
 
@@ -41,6 +42,7 @@ class TrainConfig:
     overlap: int = 0
     extra: dict = field(default_factory=dict)
     reward_fn: RewardVersion | None = None  # train(reward=<function>): pinned to this run
+    log: tuple[str, ...] = ()  # experiment trackers (openrl_jupyter/trackers.py): wandb, mlflow, tensorboard
 
 
 def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
@@ -115,6 +117,7 @@ def make_config(
     overlap: int = 0,
     user_metadata: Mapping[str, Any] | None = None,
     load_from: str | None = None,
+    log: str | Sequence[str] | None = None,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     fixed: RewardVersion | None = None
@@ -158,6 +161,7 @@ def make_config(
             raise UsageError(f"load_from must be a tinker:// checkpoint path; got {load_from!r}")
         extra["load_from"] = load_from
     return TrainConfig(
+        log=parse_trackers(log),
         reward=reward,
         reward_fn=fixed,
         prompts=loaded,

@@ -175,6 +175,12 @@ def parsers() -> dict[str, MagicArgumentParser]:
         help="1: sample step k+1 while step k is scored (one step off-policy, corrected by the ratio)",
     )
     t.add_argument("--name", default=None, help="run name (default: generated)")
+    t.add_argument(
+        "--log",
+        action="append",
+        default=None,
+        help="log the run to a tracker: wandb, mlflow or tensorboard (repeat, or comma-separate; default: $OPENRL_LOG)",
+    )
     detach_options(t, "run")
     t.add_argument("--session", default=None)
     w = p["sweep"] = parser(
@@ -207,6 +213,12 @@ def parsers() -> dict[str, MagicArgumentParser]:
         help="the longest completion (default: the model's)",
     )
     w.add_argument("--name", default=None, help="sweep name (its runs are NAME-lr1e-4-r8-...)")
+    w.add_argument(
+        "--log",
+        action="append",
+        default=None,
+        help="log every run to a tracker: wandb, mlflow or tensorboard (repeat, or comma-separate; default: $OPENRL_LOG)",
+    )
     detach_options(w, "sweep")
     w.add_argument("--session", default=None)
     for verb, desc in (

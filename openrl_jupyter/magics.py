@@ -185,6 +185,7 @@ class OpenRLMagics(Magics):
             seed=a.seed,
             overlap=a.overlap,
             load_from=a.load_from,
+            log=",".join(a.log) if a.log else None,
             **detach_kwargs(a),
         )
 
@@ -212,6 +213,8 @@ class OpenRLMagics(Magics):
                 "give at least one list to sweep over: --lr, --rank, --loss, --temperature, --seed"
             )
         options = {k: getattr(a, k) for k in ("group", "batch", "max_tokens") if getattr(a, k) is not None}
+        if a.log:
+            options["log"] = ",".join(a.log)
         return session.sweep(
             reward=reward,
             prompts=prompts,

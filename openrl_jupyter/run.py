@@ -66,6 +66,7 @@ from openrl_jupyter.config import TrainConfig
 from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
 from openrl_jupyter.runner import CellOutput, get_runner, notify
 from openrl_jupyter.steps import REPORTED, PreparedStep, step_row
+from openrl_jupyter.trackers import Trackers
 
 MAX_KEPT_SAMPLES = 512
 HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
@@ -145,6 +146,7 @@ class Run:
         self._control_at: float | None = None  # the service's control state last obeyed (its "at")
         self._report_lock: asyncio.Lock | None = None
         self._cell = CellOutput()  # where a reward failure is shown at once: the cell that started it
+        self._trackers: Trackers | None = None  # W&B, MLflow, TensorBoard (config.log)
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -156,6 +158,10 @@ class Run:
             raise
         self.run_id = created["run_id"]
         self.model = created.get("base_model") or self.model  # the service's word: the dashboard shows it
+        if self.config.log:
+            self._trackers = Trackers(
+                self.config.log, self.name, self._tracked_config(), self._sweep(), self._log
+            )
         self._heartbeat_s = min(
             heartbeat_interval(created.get("idle_timeout_s")),
             heartbeat_interval(created.get("orphan_after_s")),
@@ -361,6 +367,8 @@ class Run:
                 self.last_error = error
             self._changed.notify_all()
         self._emit({"kind": "state", "state": str(state), "error": error})
+        if self._trackers is not None and state in (RunState.FINISHED, RunState.STOPPED, RunState.FAILED):
+            self._trackers.finish(str(state.value))
         if self.run_id is not None and self._runner.alive:
             self._runner.submit(self._report_state())
 
@@ -675,8 +683,45 @@ class Run:
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics
             self._log(f"step {row['step']}: the service did not store its metrics ({_one_line(exc)})")
 
+    def _tracked_config(self) -> dict:
+        """What the trackers record as the run's config."""
+        c = self.config
+        fields = ("reward", "steps", "group", "batch", "lr", "rank", "max_tokens", "temperature", "loss")
+        extra = {
+            "normalize_std": c.normalize_std,
+            "seed": c.seed,
+            "overlap": c.overlap,
+            "prompts": len(c.prompts),
+        }
+        return {
+            "run": self.name,
+            "run_id": self.run_id,
+            "model": self.model,
+            "service": self.session.url,
+            **{f: getattr(c, f) for f in fields},
+            **extra,
+            **({"load_from": c.extra["load_from"]} if c.extra.get("load_from") else {}),
+        }
+
+    def _sweep(self) -> str | None:
+        meta = self.config.extra.get("user_metadata") or {}
+        return meta.get("openrl.sweep")
+
+    @property
+    def trackers(self) -> dict[str, str]:
+        """Each tracker the run logs to (``log=``) and how it stands: "logging", "closed" (the run is
+        done and everything was written) or "not logging: <why>"."""
+        return dict(self._trackers.status) if self._trackers is not None else {}
+
+    def wait_logged(self, timeout: float | None = 60.0) -> bool:
+        """Whether the run's trackers (``log=``) have written everything and closed, once it is done;
+        waits up to ``timeout``. True when it logs nowhere."""
+        return self._trackers is None or self._trackers.wait(timeout)
+
     def _record(self, row: dict, version: RewardVersion) -> None:
-        """The step is done: history, step counter, listeners (the dashboard)."""
+        """The step is done: history, step counter, listeners (the dashboard), trackers."""
+        if self._trackers is not None:
+            self._trackers.step(row, (version.name, version.version, version.fn))
         with self._lock:
             self._history.append(row)
             self._step = row["step"]

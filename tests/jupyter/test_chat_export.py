@@ -13,10 +13,11 @@ from tinker import types
 
 from openrl_jupyter import session as sess
 from openrl_jupyter.rewards import registry
+from tests._support.runs import PROMPTS, SMALL, letters
 from tests.conftest import ALICE_KEY, TINY
 from tests.jupyter import test_magics
 from tests.jupyter.test_magics import connect, one_error_line, run
-from tests.jupyter.test_run import PROMPTS, SMALL, letters, unique
+from tests.jupyter.test_run import unique
 
 PROMPT = list(b"Once upon a time")
 shell, clean = test_magics.shell, test_magics.clean  # that module's IPython shell and clean-up fixtures
