@@ -1,7 +1,7 @@
 """Download an export of a checkpoint from a running openrl-service: ``openrl-service export``,
-``run.export`` and ``%openrl export`` call :func:`download_export`. Needs only httpx: the service builds
-the folder (engine/export.py), this fetches its files through signed URLs, checks each file's SHA-256
-and puts the folder in place only when every file arrived whole.
+``run.export`` and ``%openrl export`` call :func:`download_export`. Standard library only (urllib, as all
+of openrl_common): the service builds the folder (engine/export.py), this fetches its files through
+signed URLs, checks each file's SHA-256 and puts the folder in place only when every file arrived whole.
 
     openrl-service export tinker://<run>/sampler_weights/<name> ./my-adapter            # PEFT folder
     openrl-service export tinker://<run>/sampler_weights/<name> ./my-model --merged     # HF model folder
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 
 class ExportError(Exception):
@@ -54,42 +55,61 @@ def download_export(
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())) and not overwrite:
         raise ExportError(f"{dest} exists and is not empty; choose another folder or overwrite it")
-    headers = {"X-API-Key": key}
-    with httpx.Client(timeout=timeout, follow_redirects=False) as http:
-        r = http.post(
-            f"{url}/api/v1/exports",
-            json={"tinker_path": tinker_path, "merged": bool(merged)},
-            headers=headers,
-        )
-        if r.status_code != 200:
-            try:
-                why = r.json().get("error", r.text)
-            except ValueError:
-                why = r.text
-            raise ExportError(f"the service refused the export of {tinker_path} ({r.status_code}): {why}")
-        info = r.json()
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+    body = json.dumps({"tinker_path": tinker_path, "merged": bool(merged)}).encode()
+    request = urllib.request.Request(
+        f"{url}/api/v1/exports",
+        data=body,
+        headers={"X-API-Key": key, "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with _opener().open(request, timeout=timeout) as r:
+            info = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read().decode("utf-8", "replace")
         try:
-            for f in info["files"]:
-                name = Path(f["name"]).name  # a file name, never a path
-                h = hashlib.sha256()
-                with http.stream("GET", f["url"]) as resp, (tmp / name).open("wb") as out:
-                    if resp.status_code != 200:
-                        raise ExportError(f"downloading {name} failed ({resp.status_code})")
-                    for chunk in resp.iter_bytes(1 << 20):
+            why = json.loads(raw).get("error", raw)
+        except ValueError:
+            why = raw
+        raise ExportError(f"the service refused the export of {tinker_path} ({e.code}): {why}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ExportError(f"cannot reach the service at {url}: {getattr(e, 'reason', e)}") from None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for f in info["files"]:
+            name = Path(f["name"]).name  # a file name, never a path
+            h = hashlib.sha256()
+            try:
+                with _opener().open(f["url"], timeout=timeout) as resp, (tmp / name).open("wb") as out:
+                    while chunk := resp.read(1 << 20):
                         h.update(chunk)
                         out.write(chunk)
-                if h.hexdigest() != f["sha256"]:
-                    raise ExportError(f"{name} arrived damaged (its SHA-256 does not match); export again")
-            if dest.exists():
-                shutil.rmtree(dest)
-            tmp.rename(dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            except urllib.error.HTTPError as e:
+                raise ExportError(f"downloading {name} failed ({e.code})") from None
+            except (urllib.error.URLError, OSError) as e:
+                raise ExportError(f"downloading {name} failed: {getattr(e, 'reason', e)}") from None
+            if h.hexdigest() != f["sha256"]:
+                raise ExportError(f"{name} arrived damaged (its SHA-256 does not match); export again")
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return {k: v for k, v in info.items() if k != "files"} | {"files": [f["name"] for f in info["files"]]}
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """The key goes to the service named, never to where a redirect points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, PLR0913
+        return None
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(_NoRedirect)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             overwrite=args.force,
         )
-    except (ExportError, httpx.HTTPError) as e:
+    except ExportError as e:
         print(f"openrl-service export: {e}", file=sys.stderr)
         return 1
     print(

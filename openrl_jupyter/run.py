@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import random
 import threading
 import time
@@ -64,41 +63,25 @@ from openrl_jupyter._exceptions import (
 from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
 from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
+from openrl_jupyter.run_state import (  # noqa: F401 - RunState, heartbeat_interval and stopped_from_outside are imported from here too
+    ACTIVE,
+    HEARTBEAT_MAX_S,
+    RunState,
+    from_panel,
+    heartbeat_interval,
+    one_line,
+    stopped_from_outside,
+)
 from openrl_jupyter.runner import CellOutput, get_runner, notify
 from openrl_jupyter.steps import REPORTED, PreparedStep, step_row
 from openrl_jupyter.trackers import Trackers
 
 MAX_KEPT_SAMPLES = 512
-HEARTBEAT_MAX_S = 120.0  # a run heartbeats every third of the service's idle timeout, at most this apart
 # a step the service could not take is retried after 1, 2, 4... s, at most this
 UNAVAILABLE_RETRY_MAX_S = 30.0
 CONTROL_POLL_S = 1.0  # while paused, the run asks the service for a resume or stop this often
 CONTROL_WAIT_S = 3.0  # the most a step waits for the service's control answer before going on
 STOPPED_IN_NOTEBOOK = "stopped in the notebook (run.stop())"
-
-
-def heartbeat_interval(idle_timeout_s: Any) -> float:
-    """How often a run heartbeats: a third of the service's idle timeout, between 0.5 s and 2 min."""
-    if type(idle_timeout_s) not in (int, float) or idle_timeout_s <= 0:  # JSON's numbers; not a bool
-        return HEARTBEAT_MAX_S
-    return max(0.5, min(HEARTBEAT_MAX_S, idle_timeout_s / 3))
-
-
-class RunState(str, enum.Enum):
-    STARTING = "starting"  # creating the run on the service
-    RUNNING = "running"  # stepping
-    PAUSING = "pausing"  # pause asked; the current step finishes first
-    PAUSED = "paused"  # between steps, waiting for resume() (or stop())
-    STOPPING = "stopping"  # stop asked; the current step finishes first
-    STOPPED = "stopped"  # stopped before its last step
-    FINISHED = "finished"  # every step done
-    FAILED = "failed"  # cannot continue (the service lost the run, or it could not be created)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-ACTIVE = {RunState.STARTING, RunState.RUNNING, RunState.PAUSING, RunState.PAUSED, RunState.STOPPING}
 
 
 class _StepPaused(Exception):
@@ -154,14 +137,12 @@ class Run:
         try:
             created = self._runner.submit(self._create()).result(timeout)
         except Exception as exc:
-            self._set_state(RunState.FAILED, _one_line(exc))
+            self._set_state(RunState.FAILED, one_line(exc))
             raise
         self.run_id = created["run_id"]
         self.model = created.get("base_model") or self.model  # the service's word: the dashboard shows it
         if self.config.log:
-            self._trackers = Trackers(
-                self.config.log, self.name, self._tracked_config(), self._sweep(), self._log
-            )
+            self._trackers = Trackers.for_run(self)
         self._heartbeat_s = min(
             heartbeat_interval(created.get("idle_timeout_s")),
             heartbeat_interval(created.get("orphan_after_s")),
@@ -407,7 +388,7 @@ class Run:
         if wanted in ("stop_requested", "stopped"):
             with self._lock:
                 self._want_stop = True
-                self.stop_reason = _from_panel("stopped", reason)
+                self.stop_reason = from_panel("stopped", reason)
                 self._set_state(RunState.STOPPING)
             self._log(self.stop_reason)
             self._poke()
@@ -418,7 +399,7 @@ class Run:
                 self._want_pause = True
                 if self._state in (RunState.RUNNING, RunState.STARTING):
                     self._set_state(RunState.PAUSING)
-            self._log(_from_panel("paused", reason))
+            self._log(from_panel("paused", reason))
         elif wanted == "running" and (self._want_pause or self._state == RunState.PAUSED):
             self._log("resumed from the panel")
             self.resume()
@@ -477,10 +458,10 @@ class Run:
                 reply = await self._beat()
                 self._obey(reply.get("control") if isinstance(reply, dict) else None)
             except NotFoundError as exc:  # the service lost the run: the next step fails with this
-                self._log(f"heartbeat: {_one_line(exc)}")
+                self._log(f"heartbeat: {one_line(exc)}")
                 return
             except OpenRLError as exc:  # a blip: the next beat tries again
-                self._log(f"heartbeat: {_one_line(exc)}")
+                self._log(f"heartbeat: {one_line(exc)}")
 
     async def _steps(self) -> None:
         client = self.session.async_client()
@@ -508,11 +489,11 @@ class Run:
             except _StepPaused as exc:
                 self._pause_with(str(exc))
             except NotFoundError as exc:
-                self._set_state(RunState.FAILED, _one_line(exc))
+                self._set_state(RunState.FAILED, one_line(exc))
                 self._stop_ticks()
                 return
             except OpenRLError as exc:
-                self._pause_with(f"step {self._step + 1}: {_one_line(exc)}")
+                self._pause_with(f"step {self._step + 1}: {one_line(exc)}")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug shows as an error on a paused run
@@ -540,7 +521,7 @@ class Run:
         re-sent with its key, so the service applies it once."""
         delay = min(UNAVAILABLE_RETRY_MAX_S, 2.0**self._outages)
         self._outages += 1
-        self._log(f"step {step}: service unavailable — retrying in {delay:g} s ({_one_line(exc)})")
+        self._log(f"step {step}: service unavailable — retrying in {delay:g} s ({one_line(exc)})")
         self._wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), delay)
@@ -681,31 +662,7 @@ class Run:
         try:
             await client.add_metrics(self.run_id, row["step"], **reported)
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics
-            self._log(f"step {row['step']}: the service did not store its metrics ({_one_line(exc)})")
-
-    def _tracked_config(self) -> dict:
-        """What the trackers record as the run's config."""
-        c = self.config
-        fields = ("reward", "steps", "group", "batch", "lr", "rank", "max_tokens", "temperature", "loss")
-        extra = {
-            "normalize_std": c.normalize_std,
-            "seed": c.seed,
-            "overlap": c.overlap,
-            "prompts": len(c.prompts),
-        }
-        return {
-            "run": self.name,
-            "run_id": self.run_id,
-            "model": self.model,
-            "service": self.session.url,
-            **{f: getattr(c, f) for f in fields},
-            **extra,
-            **({"load_from": c.extra["load_from"]} if c.extra.get("load_from") else {}),
-        }
-
-    def _sweep(self) -> str | None:
-        meta = self.config.extra.get("user_metadata") or {}
-        return meta.get("openrl.sweep")
+            self._log(f"step {row['step']}: the service did not store its metrics ({one_line(exc)})")
 
     @property
     def trackers(self) -> dict[str, str]:
@@ -728,23 +685,3 @@ class Run:
             self.reward_version = version.version
             self._changed.notify_all()
         self._emit({"kind": "step", "row": dict(row)})
-
-
-def _from_panel(verb: str, reason: Any) -> str:
-    """ "stopped from the panel", with the panel's reason when it gave its own; a reason that says
-    itself how ("stopped with %openrl stop") as it is."""
-    text = f"{verb} from the panel"
-    if reason and str(reason).startswith(f"{verb} "):
-        return str(reason)
-    return text if not reason or reason == text else f"{text}: {reason}"
-
-
-def stopped_from_outside(reason: str | None) -> bool:
-    """Whether a run's ``stop_reason`` is a stop asked from outside its loop (the panel, a magic in
-    another kernel, the service's control), not its own end."""
-    return (reason or "").startswith(("stopped from the panel", "stopped with "))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if isinstance(exc, OpenRLError) else f"{type(exc).__name__}: {text}"

@@ -169,6 +169,27 @@ class Trackers:
         )
         self._thread.start()
 
+    @classmethod
+    def for_run(cls, run: Any) -> Trackers:
+        """The trackers ``run.config.log`` names, given the run's config (a sweep's runs: its name as
+        their group)."""
+        c = run.config
+        fields = ("reward", "steps", "group", "batch", "lr", "rank", "max_tokens", "temperature", "loss")
+        config = {
+            "run": run.name,
+            "run_id": run.run_id,
+            "model": run.model,
+            "service": run.session.url,
+            **{f: getattr(c, f) for f in fields},
+            "normalize_std": c.normalize_std,
+            "seed": c.seed,
+            "overlap": c.overlap,
+            "prompts": len(c.prompts),
+            **({"load_from": c.extra["load_from"]} if c.extra.get("load_from") else {}),
+        }
+        group = (c.extra.get("user_metadata") or {}).get("openrl.sweep")
+        return cls(c.log, run.name, config, group, run._log)
+
     def step(self, row: dict, reward: tuple[str, int, Callable | None] | None = None) -> None:
         if reward is not None and reward[:2] not in self._versions:
             self._versions.add(reward[:2])

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -38,9 +38,6 @@ from openrl_service.config import tenant_folder
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
 from openrl_service.storage.checkpoints import parse_tinker_path
-
-if TYPE_CHECKING:
-    from openrl_service.engine.service import TrainingService
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +71,7 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 class Exports:
-    def __init__(self, svc: TrainingService):
+    def __init__(self, svc: Any):  # the TrainingService (typed loosely: it imports this module)
         self.svc = svc
         self.root = Path(svc.store.root) / "exports"
         self._digests: dict[str, str] = {}

@@ -21,7 +21,7 @@ import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from openrl_service.engine.futures import FutureRecord
 from openrl_service.engine.ops import Op
@@ -30,9 +30,6 @@ from openrl_service.errors import NotFound, UserError
 from openrl_service.sampling.base import SampleJob, SampleOutput
 from openrl_service.storage.checkpoints import CheckpointRef, parse_tinker_path
 from openrl_service.training.lora import Adapter, adapter_from_peft
-
-if TYPE_CHECKING:
-    from openrl_service.engine.service import TrainingService
 
 PEFT_SUFFIX = ":peft:"  # hosted Tinker names a base model with its context length: "<name>:peft:<ctx>"
 
@@ -50,7 +47,7 @@ class Target:
 
 
 class Inference:
-    def __init__(self, svc: TrainingService):
+    def __init__(self, svc: Any):  # the TrainingService (typed loosely: it imports this module)
         self.svc = svc
         self._adapters: OrderedDict[tuple[str, str, str], Adapter] = OrderedDict()
         self._lock = threading.Lock()
