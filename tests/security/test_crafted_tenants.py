@@ -210,3 +210,31 @@ def test_revoking_a_minted_key_ends_the_event_stream_it_opened(live):
             events, text = sse_until(lines, lambda kind, d: kind == "run" and d.get("run_id") == marker)
         dave.delete(f"{V1}/runs/{marker}")
     assert marker not in text, "the revoked key's stream still carried dave's new run"
+
+
+def test_the_openai_endpoint_takes_hub_tokens_and_minted_keys_and_keeps_tenants_apart(live, alices):
+    """A hub user reaches /v1 with their own token and with a key they minted (the OpenAI SDK sends it
+    as a Bearer key) and sees their own checkpoints; a hub user named like the API tenant alice, and
+    any other, gets a 404 for alice's checkpoints from the endpoint and the export route alike."""
+    import openai
+
+    with as_user(live, "dave") as dave:
+        assert TINY in {m["id"] for m in dave.get("/v1/models").json()["data"]}
+        minted = dave.post("/api/v1/keys", json={"name": "oai"})
+        assert minted.status_code == 201, minted.text
+        run = dave.post(f"{V1}/runs", json={"name": "dave-oai", "rank": 4}).json()["run_id"]
+        mine = dave.post(f"{V1}/runs/{run}/checkpoints", json={"name": "oai"}).json()["path"]
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=minted.json()["key"], max_retries=0)
+    assert mine in {m.id for m in client.models.list()}
+    out = client.completions.create(model=mine, prompt="Hi", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+    assert not set(alices["checkpoints"]) & {m.id for m in client.models.list()}
+    for who in ("alice", "dave"):
+        with as_user(live, who) as c:
+            for path in alices["checkpoints"]:
+                r = c.post(
+                    "/v1/chat/completions",
+                    json={"model": path, "messages": [{"role": "user", "content": "x"}]},
+                )
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+                refused(c.post("/api/v1/exports", json={"tinker_path": path}), 404)

@@ -344,3 +344,44 @@ def test_a_notebook_session_picks_its_model_and_its_runs_use_it(both):
     finally:
         sess.disconnect("wide")
         sess.disconnect("default-model")
+
+
+def test_the_openai_endpoint_and_the_export_serve_each_model(both, sc, tmp_path):
+    """A checkpoint of the second model: the endpoint samples it on that model (greedy tokens equal to
+    its Tinker sampler's) and its merged export loads to its logprobs, recording that base's digest."""
+    import json
+
+    import openai
+    from transformers import AutoModelForCausalLM
+
+    from openrl_common.export import download_export
+
+    b = sc.create_lora_training_client(base_model=WIDE, rank=4, seed=3).result()
+    for _ in range(3):
+        train_step(b, PROMPT + [80, 81, 82])
+    path = b.save_weights_for_sampler("wide-oai").result().path
+    sampler = sc.create_sampling_client(model_path=path)
+    want = sampler.sample(
+        types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=6, temperature=0.0)
+    ).result()
+    client = openai.OpenAI(base_url=both.url + "/v1", api_key=ALICE_KEY, max_retries=0)
+    got = client.completions.create(model=path, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0)
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.sequences[0].logprobs[:6], abs=1e-4)
+    assert {m.id: getattr(m, "parent", None) for m in client.models.list()}[path] == WIDE
+
+    info = download_export(path, tmp_path / "wide", merged=True, base_url=both.url, api_key=ALICE_KEY)
+    assert info["base_model"] == WIDE
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "wide").eval()
+    full = PROMPT + [80, 81]
+    with torch.no_grad():
+        logits = model(torch.tensor([full])).logits[0].float()
+    mine = torch.log_softmax(logits, -1)[torch.arange(len(full) - 1), torch.tensor(full[1:])]
+    theirs = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:]
+    np.testing.assert_allclose(mine.numpy(), theirs, atol=1e-4)
+    a = sc.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
+    tiny_path = a.save_weights_for_sampler("tiny-oai").result().path
+    tiny_info = download_export(tiny_path, tmp_path / "tiny", base_url=both.url, api_key=ALICE_KEY)
+    assert tiny_info["base_weights_sha256"] != info["base_weights_sha256"]
+    assert (
+        json.loads((tmp_path / "tiny" / "adapter_config.json").read_text())["base_model_name_or_path"] == TINY
+    )
