@@ -157,3 +157,40 @@ def test_the_notebook_side_imports_no_tracker_and_no_torch_until_asked():
     env = {k: v for k, v in os.environ.items() if k != "OPENRL_LOG"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_reward_redefined_mid_run_is_logged_as_its_second_version(session, tmp_path):
+    """The trackers keep each reward version's source, from the step it applies."""
+    import threading
+
+    name = unique("versions")
+    first_step, release = threading.Event(), threading.Event()
+
+    def gated(prompt, completion, **info):  # v1 holds the first step until v2 is registered
+        first_step.set()
+        assert release.wait(60)
+        return letters(prompt, completion)
+
+    registry.register(name, gated)
+    run = session.train(reward=name, prompts=PROMPTS, steps=2, log="mlflow", **SMALL)
+    assert first_step.wait(60)
+
+    def second_version(prompt, completion, **info):
+        return 0.5 + 0.5 * letters(prompt, completion)
+
+    registry.register(name, second_version)
+    release.set()
+    run.wait(180)
+    assert run.wait_logged(60)
+    assert [r["reward_version"] for r in run.history] == [1, 2]
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    (found,) = client.search_runs(
+        [client.get_experiment_by_name("openrl-test").experiment_id], f"tags.`openrl.run` = '{run.name}'"
+    )
+    versions = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "reward_version")}
+    assert versions == {1: 1.0, 2: 2.0}
+    v1 = mlflow.artifacts.load_text(f"{found.info.artifact_uri}/rewards/{name}/v1.py")
+    v2 = mlflow.artifacts.load_text(f"{found.info.artifact_uri}/rewards/{name}/v2.py")
+    assert "def gated" in v1 and "def second_version" in v2
