@@ -185,6 +185,18 @@ class Inference:
         )
         return dataclasses.replace(job, prompt=prompt, num_samples=num, params=self.svc.seeded(params))
 
+    def check_size(self, jobs: list[SampleJob], field: str = "prompt") -> None:
+        """One call's work held to OPENRL_MAX_REQUEST_TOKENS: Σ samples × (prompt + max_tokens)."""
+        total = sum(j.num_samples * (len(j.prompt) + (j.params.max_tokens or 0)) for j in jobs)
+        limit = self.svc.limits.max_request_tokens
+        if total > limit:
+            raise UserError(
+                f"{field}: this call would decode up to {total} tokens (prompts x n x (prompt + max_tokens)); "
+                f"at most {limit} per call (OPENRL_MAX_REQUEST_TOKENS): send fewer prompts, a smaller n "
+                "or max_tokens",
+                field=field,
+            )
+
     def submit(self, tenant: str, target: Target, jobs: list[SampleJob]) -> FutureRecord:
         """Queue ``jobs`` (one per prompt) as one sampling op of the tenant on the target's sampler;
         the future's result is a list of SampleOutput, one per job. A full queue is a 429 (QueueFull)."""
@@ -201,6 +213,7 @@ class Inference:
             svc._note_backend(lane, outs)
             return outs
 
+        self.check_size(jobs)
         rec = svc.futures.new(tenant, "json")
         op = Op(
             kind="sample",

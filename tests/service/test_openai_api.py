@@ -254,6 +254,9 @@ def test_bad_input_is_a_400_naming_the_field_and_the_service_stays_up(server, ck
         assert e.value.status_code in (400, 404), extra
         assert e.value.param == field, (extra, e.value.body)
         assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:  # prompts x n x tokens past OPENRL_MAX_REQUEST_TOKENS
+        client.completions.create(model=path, prompt=["Once"] * 4000, n=128, max_tokens=64)
+    assert e.value.param == "prompt" and "OPENRL_MAX_REQUEST_TOKENS" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
             model=path, messages=[{"role": "user", "content": [{"type": "image_url"}]}]
