@@ -327,3 +327,37 @@ def test_an_overwritten_checkpoint_is_served_anew(server):
     after = client.completions.create(model=path, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     assert after != before and after.count("z") >= 4  # trained towards "zz"
     sc.close("success").result()
+
+
+def test_requests_fuse_with_other_sampling_and_answer_as_alone(server, ckpt):
+    """The endpoint's requests are sampling ops of the engine like any other: queued behind the worker,
+    a base-model request and a checkpoint request share one fused call, and each answers what it
+    answers alone (greedy)."""
+    import threading
+    import time
+
+    from tests.service.test_scheduling import held_worker, wait_for
+
+    path, _, _ = ckpt
+    svc, client = server.service, oai(server)
+    args = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    alone = {m: client.completions.create(model=m, **args).choices[0].text for m in (TINY, path)}
+    together: dict[str, str] = {}
+
+    def ask(model: str) -> None:
+        together[model] = client.completions.create(model=model, **args).choices[0].text
+
+    t0 = time.time()
+    queued = svc.engine.runnable
+    with held_worker(svc.engine, svc.futures):
+        before = queued()
+        threads = [threading.Thread(target=ask, args=(m,)) for m in (TINY, path)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: queued() >= before + 2)
+    for t in threads:
+        t.join(60)
+    assert together == alone
+    records = svc.recorder.wait_for(lambda recs: len([r for r in recs if r.kind == "sample"]) >= 2, since=t0)
+    fused = [r for r in records if r.kind == "sample"]
+    assert len({r.fused_id for r in fused}) == 1 and fused[0].fused_id is not None, fused
