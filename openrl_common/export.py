@@ -30,13 +30,24 @@ class ExportError(Exception):
 
 
 def _find(base_url: str | None, api_key: str | None) -> tuple[str, str]:
-    url = base_url or os.environ.get("TINKER_BASE_URL") or os.environ.get("OPENRL_URL")
-    key = api_key or os.environ.get("TINKER_API_KEY") or os.environ.get("OPENRL_TOKEN")
+    """The service and key: as given, else as the Tinker SDK finds them. A key from the environment
+    goes only to the URL it came with (TINKER_API_KEY to TINKER_BASE_URL, OPENRL_TOKEN to OPENRL_URL);
+    "" sends none (a service without keys)."""
+    pairs = [("TINKER_BASE_URL", "TINKER_API_KEY"), ("OPENRL_URL", "OPENRL_TOKEN")]
+    url = base_url or next((os.environ[u] for u, _ in pairs if os.environ.get(u)), None)
     if not url:
         raise ExportError("no service to export from: pass --base-url or set TINKER_BASE_URL")
-    if not key:
-        raise ExportError("no API key: pass --api-key or set TINKER_API_KEY")
-    return url.rstrip("/"), key
+    url = url.rstrip("/")
+    if api_key is None:
+        api_key = next(
+            (
+                os.environ.get(k)
+                for u, k in pairs
+                if (os.environ.get(u) or "").rstrip("/") == url and os.environ.get(k)
+            ),
+            "",
+        )
+    return url, api_key
 
 
 def download_export(
@@ -59,7 +70,7 @@ def download_export(
     request = urllib.request.Request(
         f"{url}/api/v1/exports",
         data=body,
-        headers={"X-API-Key": key, "Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **({"X-API-Key": key} if key else {})},
         method="POST",
     )
     try:

@@ -208,3 +208,25 @@ def test_the_export_command_needs_no_torch(server, trained, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "light" / "adapter_model.safetensors").is_file()
+
+
+def test_a_key_from_the_environment_goes_only_to_the_service_it_names(server, trained, tmp_path):
+    """TINKER_API_KEY belongs to TINKER_BASE_URL: exporting from another --base-url does not send it."""
+    env = {**os.environ, "TINKER_BASE_URL": "http://127.0.0.1:9", "TINKER_API_KEY": ALICE_KEY}
+    env.pop("OPENRL_URL", None)
+    done = subprocess.run(
+        [
+            str(BIN / "openrl-service"),
+            "export",
+            trained["sampler"],
+            str(tmp_path / "x"),
+            "--base-url",
+            server.url,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "401" in done.stderr and "missing API key" in done.stderr
+    assert not (tmp_path / "x").exists()
