@@ -158,11 +158,11 @@ def test_the_panel_stops_a_run_while_its_kernel_is_busy_in_a_cell(server, panel)
 def test_a_stop_asked_with_a_magic_says_so_and_still_counts_as_a_stop_from_outside():
     """%openrl stop on a detached run sends its own reason: the run's log and the job's end say
     "stopped with %openrl stop", not "stopped from the panel"; the job still ends as stopped."""
-    from openrl_jupyter.run import _from_panel, stopped_from_outside
+    from openrl_jupyter.run_state import from_panel, stopped_from_outside
 
-    assert _from_panel("stopped", "stopped with %openrl stop") == "stopped with %openrl stop"
-    assert _from_panel("stopped", None) == "stopped from the panel"
-    assert _from_panel("stopped", "reward is flat") == "stopped from the panel: reward is flat"
+    assert from_panel("stopped", "stopped with %openrl stop") == "stopped with %openrl stop"
+    assert from_panel("stopped", None) == "stopped from the panel"
+    assert from_panel("stopped", "reward is flat") == "stopped from the panel: reward is flat"
     assert stopped_from_outside("stopped with %openrl stop") and stopped_from_outside(
         "stopped from the panel"
     )

@@ -80,9 +80,9 @@ def this_machines_continuation(fixture: Path, expected: dict, tmp_path: Path, ti
 def test_an_earlier_release_s_run_continues_bit_for_bit(recovered, request, tmp_path, tiny_model_dir):
     live, expected = recovered
     model_id = expected["model_id"]
-    digest = adapter_digest(live.service, model_id)  # after the replayed steps (one lane, in seq order)
-    with live.client() as http:
+    with live.client() as http:  # after the replayed steps (one lane, in seq order)
         loss = loss_of(RawTinker(http), model_id, expected["next_seq_id"])
+    digest = adapter_digest(live.service, model_id)  # a forward_backward keeps it
     fixture = FIXTURES / request.node.callspec.params["recovered"]
     want_digest, want_loss = this_machines_continuation(fixture, expected, tmp_path, tiny_model_dir)
     assert (digest, loss) == (want_digest, want_loss)
