@@ -194,3 +194,22 @@ def test_a_reward_redefined_mid_run_is_logged_as_its_second_version(session, tmp
     v1 = mlflow.artifacts.load_text(f"{found.info.artifact_uri}/rewards/{name}/v1.py")
     v2 = mlflow.artifacts.load_text(f"{found.info.artifact_uri}/rewards/{name}/v2.py")
     assert "def gated" in v1 and "def second_version" in v2
+
+
+def test_mlflow_file_store_works_offline_too(session, tmp_path, monkeypatch):
+    """MLflow's file store (./mlruns), which MLflow 3.13+ keeps only behind MLFLOW_ALLOW_FILE_STORE."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    name = unique("filestore")
+    registry.register(name, scored)
+    run = session.train(reward=name, prompts=PROMPTS, steps=2, log="mlflow", **SMALL)
+    run.wait(180)
+    assert run.wait_logged(60) and run.trackers == {"mlflow": "closed"}
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient()
+    (found,) = client.search_runs(
+        [client.get_experiment_by_name("openrl-test").experiment_id], f"tags.`openrl.run` = '{run.name}'"
+    )
+    steps = [m.step for m in client.get_metric_history(found.info.run_id, "reward_mean")]
+    assert steps == [1, 2] and (tmp_path / "mlruns").is_dir()
