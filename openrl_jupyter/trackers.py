@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -115,8 +116,6 @@ class _MLflow:
         self.client.log_batch(self.run_id, params=params)
 
     def step(self, step: int, row: dict) -> None:
-        import time
-
         now = int(time.time() * 1000)
         metrics = [self.mlflow.entities.Metric(k, v, now, step) for k, v in _scalars(row).items()]
         self.client.log_batch(self.run_id, metrics=metrics)

@@ -30,7 +30,12 @@ from openrl_service.api.jobs import build_jobs_router
 from openrl_service.api.keys import build_keys_router
 from openrl_service.api.metrics import build_metrics_router
 from openrl_service.api.native import build_native_router
-from openrl_service.api.openai import build_openai_routers, error_response, is_openai_path
+from openrl_service.api.openai import (
+    api_error_response,
+    build_openai_routers,
+    error_response,
+    is_openai_path,
+)
 from openrl_service.api.rest import build_rest_router
 from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
@@ -183,9 +188,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     @app.exception_handler(ApiError)
     async def service_error(request: Request, exc: ApiError):
         if is_openai_path(request.url.path):
-            return error_response(
-                exc.status_code, exc.message, exc.field, getattr(exc, "retry_after_s", None)
-            )
+            return api_error_response(exc)
         resp = json_response(exc.to_json(), status=exc.status_code)
         if exc.status_code == 503:
             retry_after_s = getattr(exc, "retry_after_s", 2.0)

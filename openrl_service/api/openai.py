@@ -81,21 +81,19 @@ def api_error_response(e: ApiError) -> Response:
 
 
 class OpenAIRoute(APIRoute):
-    """Every error in OpenAI's shape (429 and 503 with Retry-After); POSTs are refused while the
-    service starts, recovers or drains, as every route that queues work is."""
+    """POSTs are refused while the service starts, recovers or drains, as every route that queues work
+    is. Errors (these routes' and the lifecycle's) reach the app's handlers, which answer in OpenAI's
+    shape on these paths (app.py: ``api_error_response``, 429 and 503 with Retry-After)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            try:
-                if request.method == "POST":
-                    lifecycle = getattr(request.app.state, "lifecycle", None)
-                    if lifecycle is not None:
-                        lifecycle.refuse_new_work()
-                return await handler(request)
-            except ApiError as e:
-                return api_error_response(e)
+            if request.method == "POST":
+                lifecycle = getattr(request.app.state, "lifecycle", None)
+                if lifecycle is not None:
+                    lifecycle.refuse_new_work()
+            return await handler(request)
 
         return route
 
@@ -294,16 +292,22 @@ class Decoded:
 
 
 def pieces(tok: Any, tokens: list[int]) -> list[str]:
-    """Each token's share of the decoded text (incremental decoding: a token that completes a
-    multi-byte character carries it; the pieces join to exactly the decoded string)."""
-    out, prev = [], ""
+    """Each token's share of the decoded text: a token that completes a multi-byte character carries
+    it, the ones before it carry "". Incremental, as vLLM detokenizes: each step decodes only the
+    tokens since the last emitted piece's predecessor (the same start for the text before and after
+    the new token, so a tokenizer that treats a sequence's first token apart treats both alike), so
+    the cost is linear in the length, not quadratic."""
+    out: list[str] = []
+    start, read = 0, 0  # decode from ``start``; what ``tokens[start:read]`` decodes to is emitted
     for i in range(len(tokens)):
-        text = tok.decode(tokens[: i + 1], skip_special_tokens=True)
-        if text.endswith("\ufffd") and i + 1 < len(tokens):
-            out.append("")
+        before = tok.decode(tokens[start:read], skip_special_tokens=True)
+        text = tok.decode(tokens[start : i + 1], skip_special_tokens=True)
+        whole = text.startswith(before) and not text.endswith("\ufffd")
+        if not whole and i + 1 < len(tokens):
+            out.append("")  # an incomplete character: it comes with a later token
             continue
-        out.append(text[len(prev) :] if text.startswith(prev) else text)
-        prev = text
+        out.append(text[len(before) :] if text.startswith(before) else text)
+        start, read = read, i + 1
     return out
 
 
@@ -568,12 +572,12 @@ async def _completion_chunks(head: dict, choices: list[dict], usage: dict, tok: 
                     ],
                 }
             )
+        offset = len(c["_prefix"])
         for t, piece in enumerate(d.pieces):
             lp = None
             if c["logprobs"] is not None:
-                lp = _completion_logprobs(
-                    d.part(t), tok, len(c["_prefix"]) + sum(map(len, d.pieces[:t])), None
-                )
+                lp = _completion_logprobs(d.part(t), tok, offset, None)
+            offset += len(piece)
             yield _sse(
                 {
                     **head,

@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import save_file
 
 from openrl_service.config import tenant_folder
+from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
-from openrl_service.storage.checkpoints import parse_tinker_path
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +101,9 @@ class Exports:
             raise UserError(
                 "merged must be true (a full model folder) or false (a PEFT adapter)", field="merged"
             )
-        ref = parse_tinker_path(tinker_path, field="tinker_path")
-        try:
-            manifest = self.svc.store.manifest(tenant, ref)
-        except NotFound as e:
-            raise NotFound(e.message, field="tinker_path") from None
-        model = self.svc.models.get(manifest.get("base_model"))
-        if model is None:
-            raise NotFound(
-                f"tinker_path: {ref.path} was trained on {manifest.get('base_model')!r}, which this service "
-                "does not serve now (an export needs its base weights)",
-                field="tinker_path",
-            )
+        ref, manifest, model = self.svc.inference.checkpoint(tenant, tinker_path, "tinker_path")
         spec = spec_from_manifest(manifest)
-        self.svc.checks.check_adapter_file(tenant, ref, spec, "tinker_path", base=model.base)
-        adapter_digest = (manifest.get("files") or {}).get("adapter_model.safetensors", "")
+        adapter_digest = inference.adapter_digest(manifest)
         fmt = "merged" if merged else "peft"
         export_id = hashlib.sha256(f"{ref.path}|{adapter_digest}|{fmt}".encode()).hexdigest()[:32]
         final = self._tenant_dir(tenant) / export_id

@@ -34,6 +34,11 @@ from openrl_service.training.lora import Adapter, adapter_from_peft
 PEFT_SUFFIX = ":peft:"  # hosted Tinker names a base model with its context length: "<name>:peft:<ctx>"
 
 
+def adapter_digest(manifest: dict) -> str:
+    """The SHA-256 of a checkpoint's adapter file, as its manifest records it."""
+    return (manifest.get("files") or {}).get("adapter_model.safetensors", "")
+
+
 @dataclass(frozen=True)
 class Target:
     """What a ``model`` string names: the served base model, the checkpoint on it (None: the bare
@@ -97,11 +102,24 @@ class Inference:
         if not path:
             model, ctx = self._base(base_part, field)
             return Target(model, None, ctx, name)
+        ref, manifest, model = self.checkpoint(tenant, path, field)
+        ctx = model.base.context_length
+        if base_part:
+            named, ctx = self._base(base_part, field)
+            if named is not model:
+                raise UserError(
+                    f"{field}: {ref.path} was trained on {model.name!r}, not {named.name!r}", field=field
+                )
+        return Target(model, ref, ctx, name, adapter_digest(manifest))
+
+    def checkpoint(self, tenant: str, path: object, field: str) -> tuple[CheckpointRef, dict, ServedModel]:
+        """(ref, manifest, served model) of a checkpoint ``tenant`` holds whose adapter fits a model served
+        now: 400 for a malformed path or a foreign adapter file, 404 for a checkpoint the tenant does not
+        hold (another tenant's is as absent as a missing one) or a base no longer served. The OpenAI API
+        and exports (engine/export.py) both ask here."""
         ref = parse_tinker_path(path, field=field)
         try:
-            manifest = self.svc.store.manifest(
-                tenant, ref
-            )  # a foreign checkpoint is as absent as a missing one
+            manifest = self.svc.store.manifest(tenant, ref)
         except NotFound as e:
             raise NotFound(f"{field}: {e.message}", field=field) from None
         model = self.svc.models.get(manifest.get("base_model"))
@@ -111,32 +129,25 @@ class Inference:
                 "does not serve now",
                 field=field,
             )
-        ctx = model.base.context_length
-        if base_part:
-            named, ctx = self._base(base_part, field)
-            if named is not model:
-                raise UserError(
-                    f"{field}: {ref.path} was trained on {model.name!r}, not {named.name!r}", field=field
-                )
         self.svc.checks.check_adapter_file(tenant, ref, spec_from_manifest(manifest), field, base=model.base)
-        digest = (manifest.get("files") or {}).get("adapter_model.safetensors", "")
-        return Target(model, ref, ctx, name, digest)
+        return ref, manifest, model
 
     # -- adapters -------------------------------------------------------------------------------
     def adapter(self, tenant: str, target: Target) -> Adapter | None:
         """On the worker: the checkpoint's adapter (cached), or None for the bare base model."""
         if target.ref is None:
             return None
-        key = (tenant, target.ref.path, target.digest or "")
         with self._lock:
-            hit = self._adapters.get(key)
+            hit = self._adapters.get((tenant, target.ref.path, target.digest or ""))
             if hit is not None:
-                self._adapters.move_to_end(key)
+                self._adapters.move_to_end((tenant, target.ref.path, target.digest or ""))
                 return hit
         manifest, tensors, _ = self.svc.store.load(tenant, target.ref)
         adapter = adapter_from_peft(
             spec_from_manifest(manifest), tensors, device=target.model.base.device, trainable=False
         )
+        # keyed by what was loaded: a checkpoint overwritten since resolve() is cached as its new self
+        key = (tenant, target.ref.path, adapter_digest(manifest))
         with self._lock:
             for old in [k for k in self._adapters if k[:2] == key[:2]]:
                 del self._adapters[old]  # an overwritten checkpoint: its old tensors go
