@@ -73,6 +73,12 @@ class Settings:
     # OPENRL_MEMORY_BUDGET_BYTES / --memory-budget-bytes: what the models may take on each device
     # (weights + allowance, see models/loading.py); None: the device's free memory at startup
     memory_budget_bytes: int | None = None
+    # Full fine-tunes (rank 0, training/full.py): OPENRL_FULL_RUN_BUDGET_BYTES is what full runs'
+    # weights, gradients and optimizer state may hold on a model's device (None: 80 % of what is free
+    # once the models are loaded); runs beyond it take turns. OPENRL_FULL_HOST_BUDGET_BYTES: host
+    # memory for the runs moved off a GPU (None: half the available RAM; a CPU device spills to disk).
+    full_run_budget_bytes: int | None = None
+    full_host_budget_bytes: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = field(default_factory=default_data_dir)

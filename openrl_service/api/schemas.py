@@ -115,7 +115,21 @@ class FinishReason(Body):
 
 
 class OptimizerConfig(Body):
-    type: Literal["adamw"] = "adamw"
+    """The optimizer a run is created with (training.trainer.optimizer_kind)."""
+
+    type: Literal["adamw", "dimuon"] = "adamw"
+    version: Literal[1] | None = None
+
+
+class DimuonParams(Body):
+    """Dimuon's step parameters (training.trainer.dimuon_params): SDK 0.38 sends the first three."""
+
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: Num(0, FLOAT32_MAX)
+    grad_clip_norm: Num(-FLOAT32_MAX, FLOAT32_MAX) | None = None
+    beta1: Num(0, below=1) | None = None
+    damping: Num(0, FLOAT32_MAX, lo_open=True) | None = None
+    rank_lr_correction_exponent: Num(-8, 8) | None = None
 
 
 class ModelId(Body):
@@ -309,7 +323,7 @@ class Bodies:
 
     def __init__(self, lim: Limits, min_ttl_s: float):
         ttl = Ttl(min_ttl_s)
-        Rank = Int(1, lim.max_rank, "OPENRL_MAX_RANK")
+        Rank = Int(0, lim.max_rank, "OPENRL_MAX_RANK")  # 0: a full fine-tune
         NumSamples = Int(1, lim.max_num_samples, "OPENRL_MAX_NUM_SAMPLES")
         TopK = Int(0, lim.max_topk, "OPENRL_MAX_TOPK")
 
@@ -379,9 +393,19 @@ class Bodies:
             user_metadata: Metadata | None = None
 
         class OptimStep(Body):
+            model_config = ConfigDict(
+                json_schema_extra=one_of_forms(
+                    ("model_id", "seq_id", "adam_params"),
+                    ("model_id", "seq_id", "optimizer_params"),
+                    description="AdamW's parameters (adam_params) or Dimuon's (optimizer_params), "
+                    "matching the optimizer the run was created with",
+                )
+            )
+
             model_id: str
             seq_id: SeqId
-            adam_params: AdamParams
+            adam_params: AdamParams | None = None
+            optimizer_params: DimuonParams | None = None
 
         class SaveWeights(Body):
             model_id: str
@@ -441,6 +465,7 @@ class Bodies:
             model_seq_id: Int(0) | None = None
             path: TinkerPath | None = None
             optimizer: bool | None = None
+            optimizer_config: OptimizerConfig | None = None
             base_model: str | None = None
             user_metadata: Metadata | None = None
 

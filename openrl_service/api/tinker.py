@@ -41,7 +41,7 @@ from openrl_service.api.schemas import body
 from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError
-from openrl_service.training.trainer import adam_params
+from openrl_service.training.trainer import optim_params, optimizer_kind
 
 # api/native.py still imports these from here; the merge points it at api.http and drops this line.
 __all__ = ["build_router", "health"]
@@ -129,7 +129,7 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post("/create_model", openapi_extra=body(B.CreateModel), responses=L.CREATE_MODEL_LINKS)
     @new_work
     async def create_model(request: Request):
-        """Create a LoRA training run; future → {model_id}."""
+        """Create a training run (LoRA; rank 0: a full fine-tune); future → {model_id}."""
         b = await read_model(request, B.CreateModel, max_body)
         lora = b.lora_config or B.LoraConfig()
         spec = svc.checks.lora_spec(
@@ -137,6 +137,9 @@ def build_router(svc: TrainingService) -> APIRouter:
             lora.train_attn is not False,
             lora.train_mlp is not False,
             lora.train_unembed is not False,
+            optimizer=optimizer_kind(
+                b.optimizer_config.model_dump(exclude_none=True) if b.optimizer_config else None
+            ),
         )
         rec = svc.create_model(
             tenant(request),
@@ -196,11 +199,11 @@ def build_router(svc: TrainingService) -> APIRouter:
     @r.post("/optim_step", openapi_extra=body(B.OptimStep), responses=L.SUBMIT_LINKS)
     @new_work
     async def optim_step(request: Request):
-        """AdamW step over the run's accumulated gradients; future → {metrics}."""
+        """AdamW or Dimuon step over the run's accumulated gradients; future → {metrics}."""
         body, _ = await read_op(request, B.OptimStep, max_body)
         model_id, seq_id = body["model_id"], body["seq_id"]
         try:
-            adam: Any = adam_params(body)
+            adam: Any = optim_params(body)
         except UserError as e:
             adam = e
         rec = svc.optim_step(tenant(request), model_id, seq_id, adam, idem(request))
@@ -257,6 +260,9 @@ def build_router(svc: TrainingService) -> APIRouter:
                 model_seq_id=b.model_seq_id,
                 path=b.path,
                 optimizer=bool(b.optimizer),
+                optimizer_config=b.optimizer_config.model_dump(exclude_none=True)
+                if b.optimizer_config
+                else None,
                 base_model=b.base_model,
                 user_metadata=unlabelled(b.user_metadata),
                 idem=idem(request),

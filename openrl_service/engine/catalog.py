@@ -30,6 +30,7 @@ from openrl_service.storage.checkpoints import (
     check_name,
     parse_tinker_path,
 )
+from openrl_service.training.trainer import optimizer_config
 
 URL_TTL_S = 3600
 
@@ -101,8 +102,9 @@ class Catalog:
         lora = m["lora"]
         return {
             "base_model": m["base_model"],
-            "is_lora": True,
-            "lora_rank": lora["rank"],
+            "is_lora": lora["rank"] > 0,  # rank 0: a full fine-tune
+            "lora_rank": lora["rank"] or None,
+            "optimizer_config": optimizer_config(lora.get("optimizer", "adamw")),
             "train_unembed": lora["train_unembed"],
             "train_mlp": lora["train_mlp"],
             "train_attn": lora["train_attn"],
@@ -170,9 +172,9 @@ class Catalog:
             "training_run_id": run_id,
             "base_model": meta["base_model"],
             "model_owner": tenant,
-            "is_lora": True,
+            "is_lora": meta["lora"]["rank"] > 0,
             "corrupted": False,
-            "lora_rank": meta["lora"]["rank"],
+            "lora_rank": meta["lora"]["rank"] or None,
             "last_request_time": iso(live.last_request_time if live else meta["created_at"]),
             "last_checkpoint": next((c for c in cks if c["checkpoint_type"] == "training"), None),
             "last_sampler_checkpoint": next((c for c in cks if c["checkpoint_type"] == "sampler"), None),

@@ -286,18 +286,7 @@ class Durability:
             st = run.state
             tensors = None
             if st is not None:
-                tensors = {
-                    "weights": adapter_data(st.adapter),
-                    "grads": {
-                        n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
-                    },
-                    "optimizer": {
-                        k: tensor_data(v)
-                        for k, v in type(svc.model_of(run).trainer).optimizer_tensors(st).items()
-                    },
-                    "steps": st.steps,
-                    "pending_backward": st.pending_backward,
-                }
+                tensors = self._run_tensors(svc, run, st)
             runs[run.run_id] = {
                 "run_id": run.run_id,
                 "tenant": run.tenant,
@@ -316,6 +305,25 @@ class Durability:
             if e.adapter is not None and e.model_path is None
         }
         return {"runs": runs, "sampler_weights": weights, "futures": svc.futures.capture()}
+
+    @staticmethod
+    def _run_tensors(svc: Any, run: RunState, st: Any) -> dict:
+        """A run's weights, gradients and optimizer state as journal data (a full run waiting on disk
+        is read from there, not brought back onto the device)."""
+        home = st.adapter.home if st.adapter.full else None
+        with home.readable(st.adapter) if home is not None else contextlib.nullcontext():
+            return {
+                "weights": adapter_data(st.adapter),
+                "grads": {
+                    n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
+                },
+                "optimizer": {
+                    k: tensor_data(v)
+                    for k, v in type(svc.model_of(run).trainer).optimizer_tensors(st).items()
+                },
+                "steps": st.steps,
+                "pending_backward": st.pending_backward,
+            }
 
     def _capture_registry(self, engine: dict) -> dict:
         """At the cut (``state_lock`` held): sessions, samplers and which runs are live. A run or a

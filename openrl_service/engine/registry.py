@@ -33,6 +33,7 @@ from openrl_service.errors import NotFound, QuotaExceeded, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
 from openrl_service.training.lora import LoraSpec
+from openrl_service.training.trainer import optimizer_config
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,10 @@ class Registry:
                 sess.finished_at = time.time()
                 run_ids = [r for r in sess.run_ids if r in self.runs]
                 for rid in run_ids:
-                    self.runs.pop(rid, None)
+                    gone = self.runs.pop(rid, None)
+                    st = gone.state if gone is not None else None
+                    if st is not None and st.adapter.full and st.adapter.home is not None:
+                        st.adapter.home.drop(st.adapter)  # its device share and spill file
                 for sid in sess.sampler_ids:
                     self.samplers.pop(sid, None)
         self.store.write_session(tenant, sess.record())
@@ -356,9 +360,10 @@ class Registry:
             "type": "get_info",
             "model_id": run.run_id,
             "model_data": {"arch": base.arch, "model_name": base.name, "tokenizer_id": base.name},
-            "is_lora": True,
-            "lora_rank": run.spec.rank,
+            "is_lora": not run.spec.full,
+            "lora_rank": run.spec.rank or None,  # a full fine-tune has none
             "model_name": base.name,
+            "optimizer_config": optimizer_config(run.spec.optimizer),
         }
 
     # -- samplers -------------------------------------------------------------------------------

@@ -48,18 +48,20 @@ from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Checks
 from openrl_service.errors import NotReady, UserError
-from openrl_service.models.loading import BaseModel, check_memory_budget, estimate_need, load_base_model
+from openrl_service.models.loading import (
+    BaseModel,
+    check_memory_budget,
+    estimate_need,
+    free_bytes,
+    load_base_model,
+)
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
 from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
 from openrl_service.storage.layout import migrate_tenant_folders
 from openrl_service.telemetry import OpRecorder
-from openrl_service.training.lora import (
-    Adapter,
-    LoraSpec,
-    adapter_from_peft,
-    peft_adapter_config,
-)
+from openrl_service.training.full import Residency, checkpoint_payload, weights_from_checkpoint
+from openrl_service.training.lora import Adapter, LoraSpec
 from openrl_service.training.losses import check_loss
 from openrl_service.training.trainer import (
     AdamParams,
@@ -71,9 +73,14 @@ from openrl_service.training.trainer import (
     accumulating_grads,
     make_optimizer,
     merge_stats,
+    optimizer_kind,
 )
 
 log = logging.getLogger(__name__)
+
+
+def _full(job: SampleJob) -> bool:
+    return job.adapter is not None and job.adapter.full
 
 
 def true_or_false(value: Any, field_name: str) -> None:
@@ -144,11 +151,26 @@ class TrainingService(Registry):
                     f"two models are named {base.name!r} ({models[base.name].base.source} and {base.source}); "
                     "name them apart with NAME=SPEC"
                 )
-            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens)
+            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
             models[base.name] = ServedModel(base, trainer, self._make_sampler(base))
             self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
             self.engine.fusers[f"sample:{base.name}"] = functools.partial(self._fused_sample, base.name)
         self.models = models
+
+    def _residency(self, base: BaseModel) -> Residency:
+        """Full runs' turns on ``base``'s device: OPENRL_FULL_RUN_BUDGET_BYTES there (default: 80 % of
+        what is free once the models are loaded), OPENRL_FULL_HOST_BUDGET_BYTES of host memory for
+        runs moved off a GPU (default: half the available RAM; none when the device is the CPU)."""
+        s = self.settings
+        budget = s.full_run_budget_bytes
+        if budget is None:
+            free = free_bytes(base.device)
+            budget = int(free * 0.8) if free is not None else None
+        host = s.full_host_budget_bytes
+        if host is None:
+            free = free_bytes(torch.device("cpu"))
+            host = int(free * 0.5) if free is not None else 0
+        return Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=s.data_dir / "spill")
 
     def _make_sampler(self, base: BaseModel) -> CountingSampler:
         """The sampler of one served model (the one place a sampler is made): --sampler picks it."""
@@ -210,6 +232,7 @@ class TrainingService(Registry):
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
         base_model = self._check_base_model(base_model)  # journaled resolved: a replay uses this model
+        self.models[base_model].trainer.admit(spec)  # a full run too big for the device: refused now
         user_metadata = self.checks.check_metadata(user_metadata)
         seed = integer(seed, "seed") if seed is not None else random.SystemRandom().randrange(2**31)
         call = self.durability.call(
@@ -244,6 +267,7 @@ class TrainingService(Registry):
         base_model: str | None,
         user_metadata: dict | None,
         idem: str | None,
+        optimizer_config: dict | None = None,
     ) -> FutureRecord:
         call = self.durability.call(
             "create_from_state",
@@ -252,6 +276,7 @@ class TrainingService(Registry):
             model_seq_id=model_seq_id,
             path=path,
             optimizer=optimizer,
+            optimizer_config=optimizer_config,
             base_model=base_model,
             user_metadata=user_metadata,
             idem=idem,
@@ -272,6 +297,16 @@ class TrainingService(Registry):
                 field="base_model",
             )
         spec = spec_from_manifest(manifest)
+        if optimizer_config is not None:
+            kind = optimizer_kind(optimizer_config)
+            if optimizer and kind != spec.optimizer:
+                raise UserError(
+                    f"optimizer_config: {ref.path} holds {spec.optimizer} optimizer state, which a "
+                    f"{kind} run cannot restore; load it without the optimizer to switch",
+                    field="optimizer_config",
+                )
+            spec = dataclasses.replace(spec, optimizer=kind)  # a weights-only load picks its optimizer
+        model.trainer.admit(spec)
         self.checks.check_adapter_file(tenant, ref, spec, base=model.base)
         run = self._register_run(
             tenant, sess, model_seq_id, spec, int(manifest.get("seed", 0)), user_metadata, model.name
@@ -279,7 +314,9 @@ class TrainingService(Registry):
 
         def work():
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
-            adapter = adapter_from_peft(spec, tensors, device=model.base.device, trainable=True)
+            if spec.full:
+                model.trainer.residency._make_room(model.trainer.footprint(spec), keep=-1)
+            adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True)
             state = model.trainer.state_for(adapter)
             if opt is not None:
                 Trainer.load_optimizer_tensors(state, opt)
@@ -441,7 +478,7 @@ class TrainingService(Registry):
     ) -> Fusable | None:
         """How a (forward_)backward joins a fused pass; None with fusion off or when the call needs
         more than one micro-batch (it then runs alone, one micro-batch per turn)."""
-        if not self.settings.fusion:
+        if not self.settings.fusion or run.spec.full:  # a full run's weights cannot share a pass
             return None
         trainer = self.model_of(run).trainer
         lengths = [len(d.tokens) for d in data]
@@ -576,13 +613,16 @@ class TrainingService(Registry):
                 st = self._state(run)
                 if request_id and not overwrite and self._saved_by(run.tenant, ref, request_id):
                     return {"path": ref.path}  # a replay: this very request wrote it before the crash
+                tensors, config = checkpoint_payload(
+                    self.model_of(run).base, run.spec, st.adapter, run.base_model
+                )
+                if st.adapter.full:
+                    st.adapter.ensure_resident()
                 self.store.save(
                     run.tenant,
                     ref,
-                    adapter=st.adapter.peft_state_dict(),
-                    adapter_config=peft_adapter_config(
-                        run.spec, self.model_of(run).base.targets, run.base_model
-                    ),
+                    adapter=tensors,
+                    adapter_config=config,
                     optimizer=Trainer.optimizer_tensors(st),
                     manifest={
                         **self._manifest(run),
@@ -629,9 +669,12 @@ class TrainingService(Registry):
                     field="path",
                 )
             if manifest["lora"]["rank"] != run.spec.rank:
+
+                def kind(rank: int) -> str:
+                    return "is a full fine-tune" if rank == 0 else f"has LoRA rank {rank}"
+
                 raise UserError(
-                    f"path: {ref.path} has LoRA rank {manifest['lora']['rank']}, "
-                    f"this run has rank {run.spec.rank}",
+                    f"path: {ref.path} {kind(manifest['lora']['rank'])}, this run {kind(run.spec.rank)}",
                     field="path",
                 )
             base = self.model_of(run).base
@@ -640,13 +683,14 @@ class TrainingService(Registry):
             def work():
                 manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
                 st = self._state(run)
-                loaded = adapter_from_peft(run.spec, tensors, device=base.device, trainable=False)
+                loaded = weights_from_checkpoint(base, run.spec, tensors, trainable=False)
+                if st.adapter.full:
+                    st.adapter.ensure_resident()
                 with torch.no_grad():
-                    for n, (a, b) in st.adapter.weights.items():
-                        a.copy_(loaded.weights[n][0])
-                        b.copy_(loaded.weights[n][1])
-                        a.grad = None
-                        b.grad = None
+                    theirs = dict(loaded.named_parameters())
+                    for n, mine in st.adapter.named_parameters():
+                        mine.copy_(theirs[n])
+                        mine.grad = None
                 if opt is not None:
                     Trainer.load_optimizer_tensors(st, opt)
                 else:
@@ -758,11 +802,14 @@ class TrainingService(Registry):
 
         def work() -> dict:
             st = self._state(run)
+            tensors, config = checkpoint_payload(
+                self.model_of(run).base, run.spec, st.adapter, run.base_model
+            )
             folder = self.store.save(
                 run.tenant,
                 ref,
-                adapter=st.adapter.peft_state_dict(),
-                adapter_config=peft_adapter_config(run.spec, self.model_of(run).base.targets, run.base_model),
+                adapter=tensors,
+                adapter_config=config,
                 optimizer=None,
                 manifest={**self._manifest(run), "user_metadata": meta, "expires_at": expires_at},
                 overwrite=True,
@@ -855,7 +902,18 @@ class TrainingService(Registry):
         for j in jobs:
             first.setdefault(id(j.adapter), len(first))
         order = sorted(range(len(jobs)), key=lambda i: first[id(jobs[i].adapter)])
-        outs = self.models[model].sampler.sample_many([jobs[i] for i in order])
+        sampler = self.models[model].sampler
+        # a full fine-tune's weights replace the model's own, so its jobs decode as their own batch
+        batches: list[list[int]] = []
+        for i in order:
+            last = batches[-1] if batches else None
+            if last is not None and (
+                jobs[last[0]].adapter is jobs[i].adapter or not (_full(jobs[last[0]]) or _full(jobs[i]))
+            ):
+                last.append(i)
+            else:
+                batches.append([i])
+        outs = [out for batch in batches for out in sampler.sample_many([jobs[i] for i in batch])]
         by_job: list[SampleOutput | None] = [None] * len(jobs)
         for out, i in zip(outs, order, strict=True):
             by_job[i] = out
@@ -881,11 +939,8 @@ class TrainingService(Registry):
         if adapter is None and entry.model_path is not None:
             ref = parse_tinker_path(entry.model_path)
             manifest, tensors, _ = self.store.load(entry.tenant, ref)
-            adapter = adapter_from_peft(
-                spec_from_manifest(manifest),
-                tensors,
-                device=self.model_of(entry).base.device,
-                trainable=False,
+            adapter = weights_from_checkpoint(
+                self.model_of(entry).base, spec_from_manifest(manifest), tensors, trainable=False
             )
             with self._lock:
                 entry.adapter = adapter

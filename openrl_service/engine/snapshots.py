@@ -38,7 +38,9 @@ def tensor_from(data: tuple[str, np.ndarray], device: Any) -> torch.Tensor:
 
 
 def adapter_data(adapter) -> dict:
-    """An adapter's weights as journal data: {module: (A, B)}."""
+    """An adapter's weights as journal data: {module: (A, B)}; a full fine-tune's {parameter: W}."""
+    if adapter.full:
+        return {n: tensor_data(t) for n, t in adapter.weights.items()}
     return {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in adapter.weights.items()}
 
 
@@ -46,6 +48,12 @@ def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
     """The inverse of :func:`adapter_data`."""
     from openrl_service.training.lora import Adapter
 
+    if spec.full:
+        from openrl_service.training.full import FullWeights
+
+        return FullWeights(
+            spec, {n: tensor_from(t, device).requires_grad_(trainable) for n, t in data.items()}
+        )
     return Adapter(
         spec,
         {

@@ -115,4 +115,5 @@ def spec_from_manifest(manifest: dict) -> LoraSpec:
         train_mlp=lora["train_mlp"],
         train_unembed=lora["train_unembed"],
         alpha=lora.get("alpha", LoraSpec(1).alpha),
+        optimizer=lora.get("optimizer", "adamw"),
     )

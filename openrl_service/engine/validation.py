@@ -24,6 +24,7 @@ from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SamplingParams
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore
+from openrl_service.training.full import check_full_tensors
 from openrl_service.training.lora import LoraSpec, check_peft_shapes
 from openrl_service.training.losses import LOSSES
 from openrl_service.training.trainer import DatumArrays
@@ -79,10 +80,13 @@ class Checks:
         train_unembed: Any = True,
         *,
         where: str = "lora_config.",
+        optimizer: str = "adamw",
     ) -> LoraSpec:
         """The LoRA layout asked for; each field named ``<where><name>`` when refused (the Tinker API
         nests them in lora_config, the notebook API does not)."""
-        rank = integer(rank, f"{where}rank", 1, self.limits.max_rank, setting="OPENRL_MAX_RANK")
+        # rank 0: a full fine-tune (the run trains its own copy of the weights), as other
+        # Tinker-compatible services read it
+        rank = integer(rank, f"{where}rank", 0, self.limits.max_rank, setting="OPENRL_MAX_RANK")
         flags = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
         for name, value in flags.items():
             if not isinstance(value, bool):  # truthiness would read "no" or [] as a choice
@@ -90,7 +94,7 @@ class Checks:
                     f"{where}{name} must be true or false; got {type(value).__name__} {repr(value)[:100]}",
                     field=f"{where}{name}",
                 )
-        spec = LoraSpec(rank=rank, **flags)
+        spec = LoraSpec(rank=rank, optimizer=optimizer, **flags)
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise UserError(
                 f"{where.rstrip('.') or 'the run'}: enable at least one of train_attn, train_mlp, train_unembed",
@@ -288,13 +292,17 @@ class Checks:
         the served model (a foreign PEFT folder, another rank, other layers): a 400 naming the tensor
         and the expected vs found shape. Reads only the safetensors header."""
         base = base or self.require_ready()
-        file = self.store.folder(tenant, ref) / "adapter_model.safetensors"
+        name = "model.safetensors" if spec.full else "adapter_model.safetensors"
+        file = self.store.folder(tenant, ref) / name
         try:
             with safe_open(str(file), "pt") as f:
                 shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # noqa: BLE001 - any unreadable file is the caller's bad input
             raise UserError(
-                f"{field_name}: {ref.path} has no readable adapter_model.safetensors ({type(e).__name__})",
+                f"{field_name}: {ref.path} has no readable {name} ({type(e).__name__})",
                 field=field_name,
             ) from None
+        if spec.full:
+            check_full_tensors(base, spec, shapes, field=field_name, model=base.name)
+            return
         check_peft_shapes(spec, base.targets, shapes, model=base.name, field=field_name)

@@ -348,6 +348,11 @@ class VLLMSampler:
         """Why vLLM cannot sample ``job`` exactly as the torch sampler would, or None."""
         caps = self.caps
         a = job.adapter
+        if a is not None and a.full:
+            # vLLM holds one set of base weights and serves LoRA adapters on it: a full fine-tune's
+            # own weights are sampled by torch (loading them into vLLM would replace the base for
+            # every other run); the notice says so
+            return "a full fine-tune's weights are sampled with torch (vLLM here serves LoRA adapters)"
         if a is not None:
             lm_head = any(t.group == "unembed" and t.name in a.weights for t in self.base.targets)
             if lm_head and not caps.lora_lm_head:

@@ -7,6 +7,8 @@ Layout (every name below is chosen by the service, never by a client):
     <data>/tenants/<tenant>/runs/<run-dir>/<weights|sampler_weights|external_weights>/<name>/
         adapter_model.safetensors   PEFT layout, loadable by PEFT and vLLM
         adapter_config.json
+          (a full fine-tune's, lora.rank 0: model.safetensors + config.json, a Hugging Face
+          folder AutoModelForCausalLM loads)
         optimizer.safetensors       ("weights" checkpoints only: AdamW moments and step)
         manifest.json               kind, run, base model, LoRA spec, steps, file digests,
                                     expires_at (TTL) and public
@@ -66,6 +68,14 @@ class CheckpointRef:
     @property
     def checkpoint_id(self) -> str:
         return f"{self.kind}/{self.name}"
+
+
+def weight_files(manifest: dict) -> tuple[str, str]:
+    """(weights file, config file) of a checkpoint: a LoRA's PEFT pair or a full fine-tune's (rank 0)
+    Hugging Face pair."""
+    if (manifest.get("lora") or {}).get("rank") == 0:
+        return "model.safetensors", "config.json"
+    return "adapter_model.safetensors", "adapter_config.json"
 
 
 def check_name(name: str, field: str = "path") -> str:
@@ -208,8 +218,9 @@ class CheckpointStore:
         with self._staged(
             tenant, ref, overwrite=overwrite, hint="; pass overwrite=True to replace it"
         ) as tmp:
-            save_file(adapter, str(tmp / "adapter_model.safetensors"))
-            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+            weights_name, config_name = weight_files(manifest)
+            save_file(adapter, str(tmp / weights_name))
+            (tmp / config_name).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
             if optimizer is not None:
                 save_file(optimizer, str(tmp / "optimizer.safetensors"))
             files = {p.name: _digest(p) for p in sorted(tmp.iterdir())}
@@ -483,8 +494,9 @@ class CheckpointStore:
             if _expired(manifest):
                 raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
             digests = manifest.get("files") or {}
-            _verified(folder, "adapter_config.json", digests, ref)
-            adapter = safetensors_load(_verified(folder, "adapter_model.safetensors", digests, ref))
+            weights_name, config_name = weight_files(manifest)
+            _verified(folder, config_name, digests, ref)
+            adapter = safetensors_load(_verified(folder, weights_name, digests, ref))
             optimizer = None
             if with_optimizer:
                 if "optimizer.safetensors" not in digests:

@@ -43,10 +43,17 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = True
     alpha: float = LORA_ALPHA
+    optimizer: str = "adamw"  # or "dimuon" (training/dimuon.py): chosen at create, kept by checkpoints
+
+    @property
+    def full(self) -> bool:
+        """Rank 0 is a full fine-tune (as other Tinker-compatible services read it): the run trains
+        its own copy of the model's weights instead of an adapter (``training/full.py``)."""
+        return self.rank == 0
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return 1.0 if self.full else self.alpha / self.rank
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -54,6 +61,8 @@ class LoraSpec:
 
 class Adapter:
     """One set of LoRA weights: {module name: (A [r, in], B [out, r])}, plus its scale."""
+
+    full = False  # a FullWeights (training/full.py) is the other kind of run weights
 
     def __init__(self, spec: LoraSpec, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         self.spec = spec
@@ -115,15 +124,83 @@ class AdapterRouter:
         self.active: Adapter | None = None
         self.groups: tuple[RowGroup, ...] | None = None  # set only while rows carry different adapters
         self.rows = 0  # the batch size under use_rows
+        # Full fine-tunes (training/full.py): each parameter's Hugging Face name -> the (module,
+        # attribute) slots that hold it (a tied embedding has two), and its layer group.
+        self.slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        self.param_groups: dict[str, str] = {}
+
+    def bind(self, model: nn.Module, targets: list[TargetModule]) -> None:
+        """Learn the model's parameter slots, under the names Hugging Face gives them (a wrapped
+        Linear's ``<name>.base.weight`` is ``<name>.weight``)."""
+        wrapped = {t.name: t.group for t in targets}
+        inputs = model.get_input_embeddings()
+        canonical: dict[int, str] = {}
+        for name, p in model.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            group = "other"  # norms and the like: a full run always trains them
+            if mod_name.endswith(".base") and mod_name[: -len(".base")] in wrapped:
+                mod_name = mod_name[: -len(".base")]
+                group = wrapped[mod_name]
+            elif inputs is not None and p is inputs.weight:
+                group = "unembed"
+            hf = f"{mod_name}.{attr}" if mod_name else attr
+            canonical[id(p)] = hf
+            self.param_groups[hf] = group
+        self.slots = {}
+        for _, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) in canonical:
+                    slot = self.slots.setdefault(canonical[id(p)], [])
+                    if not any(m is module and a == attr for m, a in slot):
+                        slot.append((module, attr))
+
+    def full_names(self, spec: LoraSpec) -> list[str]:
+        """The parameters a full fine-tune with ``spec`` trains: every one, but the attention, MLP or
+        embedding (input and output) weights when its flag turns that group off."""
+        off = {
+            g
+            for g, on in (("attn", spec.train_attn), ("mlp", spec.train_mlp), ("unembed", spec.train_unembed))
+            if not on
+        }
+        return [n for n, g in self.param_groups.items() if g not in off]
 
     @contextlib.contextmanager
     def use(self, adapter: Adapter | None):
         previous = self.active, self.groups, self.rows
+        if adapter is not None and adapter.full:
+            self.active, self.groups, self.rows = None, None, 0
+            try:
+                with self._swapped(adapter):
+                    yield
+            finally:
+                self.active, self.groups, self.rows = previous
+            return
         self.active, self.groups, self.rows = adapter, None, 0
         try:
             yield
         finally:
             self.active, self.groups, self.rows = previous
+
+    @contextlib.contextmanager
+    def _swapped(self, weights):
+        """The model computes with a full fine-tune's own tensors in place of the base's (the same
+        module objects, so every kernel and the KV cache are as for the base model); a tensor kept in
+        another dtype than the model's (float32 master weights of a bfloat16 model) is cast here,
+        differentiably, so gradients reach the run's own tensor."""
+        weights.ensure_resident()
+        saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+        try:
+            for name, t in weights.weights.items():
+                slots = self.slots[name]
+                old = slots[0][0]._parameters[slots[0][1]]
+                use = t if t.dtype == old.dtype else t.to(old.dtype)
+                for module, attr in slots:
+                    saved.append((module, attr, module._parameters[attr]))
+                    module._parameters[attr] = use
+            yield
+        finally:
+            for module, attr, old in reversed(saved):
+                module._parameters[attr] = old
 
     @contextlib.contextmanager
     def use_rows(self, adapters: Sequence[Adapter | None], device: torch.device | str | None = None):
@@ -133,6 +210,8 @@ class AdapterRouter:
             with self.use(adapters[0] if adapters else None):
                 yield
             return
+        if any(a is not None and a.full for a in adapters):
+            raise ValueError("a full fine-tune's weights cannot share a batch with other weights")
         order: dict[int, tuple[Adapter, list[int]]] = {}
         for i, a in enumerate(adapters):
             if a is not None:
@@ -270,6 +349,7 @@ def inject_lora(model: nn.Module, router: AdapterRouter) -> list[TargetModule]:
         setattr(parent, child, LoRALinear(getattr(parent, child), t.name, router))
     for p in model.parameters():
         p.requires_grad_(False)
+    router.bind(model, targets)
     return targets
 
 

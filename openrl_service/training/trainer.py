@@ -22,7 +22,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ import torch
 from openrl_service.checks import number
 from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
+from openrl_service.training.dimuon import Dimuon, DimuonParams
+from openrl_service.training.full import FullWeights, Residency, footprint, new_full_weights
 from openrl_service.training.lora import Adapter, LoraSpec, new_adapter
 from openrl_service.training.losses import FLOAT_INPUTS, compute_loss, ratio_stats
 
@@ -52,15 +54,100 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+OPTIMIZERS = ("adamw", "dimuon")
+
+
+def optimizer_kind(config: Any, field: str = "optimizer_config") -> str:
+    """The optimizer a run is created with, from the SDK's ``optimizer_config`` ({"type": "adamw"} or
+    {"type": "dimuon", "version": 1}; absent: AdamW)."""
+    if config is None:
+        return "adamw"
+    if not isinstance(config, dict):
+        raise UserError(f'{field} must be an object like {{"type": "adamw"}}', field=field)
+    kind = config.get("type")
+    if kind not in OPTIMIZERS:
+        raise UserError(
+            f"{field}.type {kind!r} is not supported; supported optimizers: {', '.join(OPTIMIZERS)}",
+            field=f"{field}.type",
+        )
+    extra = sorted(set(config) - {"type", "version"})
+    if extra:
+        raise UserError(
+            f"{field}: unknown field(s) {', '.join(extra)} for {kind}", field=f"{field}.{extra[0]}"
+        )
+    version = config.get("version", 1)
+    if kind == "dimuon" and (isinstance(version, bool) or version != 1):
+        raise UserError(
+            f"{field}.version: Dimuon version {version!r} is not supported (1 is)", field=f"{field}.version"
+        )
+    return kind
+
+
+def optimizer_config(kind: str) -> dict:
+    """The SDK's optimizer_config for a run's optimizer (get_info, weights_info)."""
+    return {"type": "dimuon", "version": 1} if kind == "dimuon" else {"type": "adamw"}
+
+
+def dimuon_params(raw: Any) -> DimuonParams:
+    """``optimizer_params`` of type "dimuon", every field range-checked (SDK 0.38 sends learning_rate,
+    grad_clip_norm and beta1; older clients damping and rank_lr_correction_exponent too)."""
+    if not isinstance(raw, dict):
+        raise UserError("optimizer_params must be an object", field="optimizer_params")
+    if raw.get("type", "dimuon") != "dimuon":
+        raise UserError(
+            f"optimizer_params.type {raw.get('type')!r} is not supported; supported: dimuon (AdamW's "
+            "parameters go in adam_params)",
+            field="optimizer_params.type",
+        )
+    big = float(torch.finfo(torch.float32).max)
+    known = {"type", "learning_rate", "grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent"}
+    extra = sorted(set(raw) - known)
+    if extra:
+        raise UserError(
+            f"optimizer_params: unknown field(s) {', '.join(extra)} for dimuon (accepted: {', '.join(sorted(known - {'type'}))})",
+            field=f"optimizer_params.{extra[0]}",
+        )
+    if raw.get("learning_rate") is None:
+        raise UserError(
+            "optimizer_params.learning_rate is required for dimuon", field="optimizer_params.learning_rate"
+        )
+    out = DimuonParams(learning_rate=number(raw["learning_rate"], "optimizer_params.learning_rate", 0, big))
+    if raw.get("grad_clip_norm") is not None:  # nonpositive: no clipping (as the SDK documents)
+        out.grad_clip_norm = max(
+            0.0, number(raw["grad_clip_norm"], "optimizer_params.grad_clip_norm", -big, big)
+        )
+    if raw.get("beta1") is not None:
+        out.beta1 = number(raw["beta1"], "optimizer_params.beta1", 0, 1)
+        if out.beta1 >= 1:
+            raise UserError(
+                f"optimizer_params.beta1 must be a finite number in [0, 1); got {raw['beta1']!r}",
+                field="optimizer_params.beta1",
+            )
+    if raw.get("damping") is not None:
+        out.damping = number(raw["damping"], "optimizer_params.damping", 0, big)
+        if out.damping <= 0:
+            raise UserError("optimizer_params.damping must be > 0", field="optimizer_params.damping")
+    if raw.get("rank_lr_correction_exponent") is not None:
+        out.rank_lr_correction_exponent = number(
+            raw["rank_lr_correction_exponent"], "optimizer_params.rank_lr_correction_exponent", -8, 8
+        )
+    return out
+
+
+def optim_params(body: dict) -> AdamParams | DimuonParams:
+    """The step's hyperparameters: ``adam_params`` (AdamW) or ``optimizer_params`` (Dimuon)."""
+    if body.get("optimizer_params") is not None:
+        if body.get("adam_params") is not None:
+            raise UserError("send adam_params or optimizer_params, not both", field="optimizer_params")
+        return dimuon_params(body["optimizer_params"])
+    return adam_params(body)
+
+
 def adam_params(body: dict) -> AdamParams:
-    """``adam_params`` (or a refused ``optimizer_params``) from a request body, every field range-checked."""
+    """``adam_params`` from a request body, every field range-checked."""
     raw = body.get("adam_params")
     if raw is None:
-        if body.get("optimizer_params") is not None:
-            raise UserError(
-                "optimizer_params: only AdamW (adam_params) is supported", field="optimizer_params"
-            )
-        raise UserError("adam_params is required", field="adam_params")
+        raise UserError("adam_params is required (or optimizer_params for Dimuon)", field="adam_params")
     if not isinstance(raw, dict):
         raise UserError("adam_params must be an object", field="adam_params")
     out = AdamParams()
@@ -91,7 +178,7 @@ class TrainState:
     """A run's trainable state: adapter, optimizer, and how many optimizer steps it has taken."""
 
     spec: LoraSpec
-    adapter: Adapter
+    adapter: Adapter | FullWeights
     optimizer: torch.optim.Optimizer
     steps: int = 0
     pending_backward: int = 0  # forward_backward calls since the last optim_step
@@ -116,7 +203,11 @@ class FusedItem(NamedTuple):
     forward_only: bool = False
 
 
-def make_optimizer(adapter: Adapter) -> torch.optim.Optimizer:
+def make_optimizer(adapter: Adapter | FullWeights, kind: str | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer (``kind``, else its spec's): AdamW or Dimuon over its tensors."""
+    kind = kind or adapter.spec.optimizer
+    if kind == "dimuon":
+        return Dimuon(adapter.parameters(), None if adapter.full else adapter.spec.rank)
     # foreach: one call per update stage over all the adapter's tensors instead of a Python loop over
     # them (torch's CPU default); the same arithmetic, bit for bit, ~25 % less time per step on CPU.
     return torch.optim.AdamW(
@@ -129,23 +220,44 @@ class Trainer:
     # (150k for Qwen) would otherwise need ~10 GB of logits for 16k tokens.
     LOGITS_BUDGET_BYTES = 2 << 30
 
-    def __init__(self, base: BaseModel, *, microbatch_tokens: int = 16384):
+    def __init__(
+        self, base: BaseModel, *, microbatch_tokens: int = 16384, residency: Residency | None = None
+    ):
         self.base = base
+        # full runs' turns on the device (training/full.py); unlimited unless the service sets a budget
+        self.residency = residency or Residency(base.device, budget_bytes=None, host_bytes=0, spill_dir=None)
         by_logits = self.LOGITS_BUDGET_BYTES // (4 * max(1, base.vocab_size))
         self.microbatch_tokens = min(microbatch_tokens, max(256, by_logits))
 
     # -- runs -------------------------------------------------------------------------------
+    def footprint(self, spec: LoraSpec) -> int:
+        """Device bytes a full run with ``spec`` holds while served (0 for LoRA: it is small)."""
+        if not spec.full:
+            return 0
+        return footprint(self.base, spec, optimizer_slots=1 if spec.optimizer == "dimuon" else 2)
+
+    def admit(self, spec: LoraSpec) -> None:
+        """Refuse a full run that alone cannot fit the device's share for full runs (UserError)."""
+        if spec.full:
+            self.residency.admit(self.footprint(spec), f"a full fine-tune of {self.base.name}")
+
     def new_state(self, spec: LoraSpec, seed: int) -> TrainState:
+        if spec.full:
+            self.residency._make_room(self.footprint(spec), keep=-1)  # before the copy is made
+            return self.state_for(new_full_weights(self.base, spec))
         adapter = new_adapter(spec, self.base.targets, seed=seed, device=self.base.device)
         return self.state_for(adapter)
 
-    def state_for(self, adapter: Adapter) -> TrainState:
-        return TrainState(
+    def state_for(self, adapter: Adapter | FullWeights) -> TrainState:
+        state = TrainState(
             spec=adapter.spec,
             adapter=adapter,
             optimizer=make_optimizer(adapter),
             param_names=[n for n, _ in adapter.named_parameters()],
         )
+        if adapter.full:
+            self.residency.add(adapter, state, self.footprint(adapter.spec))
+        return state
 
     # -- forward / backward -----------------------------------------------------------------
     def _microbatches(self, lengths: list[int]) -> list[list[int]]:
@@ -211,7 +323,7 @@ class Trainer:
                 if k in batch[0].inputs
             }
             ids, valid, target = ids.to(dev), valid.to(dev), target.to(dev)
-            with base.router.use(adapter), torch.set_grad_enabled(not forward_only):
+            with torch.set_grad_enabled(not forward_only), base.router.use(adapter):
                 logits = base.model(input_ids=ids, use_cache=False).logits
                 lp = _target_logprobs(logits, target)
                 del logits
@@ -320,7 +432,20 @@ class Trainer:
         ]
 
     # -- optimizer ----------------------------------------------------------------------------
-    def optim_step(self, state: TrainState, adam: AdamParams) -> dict[str, float]:
+    def optim_step(self, state: TrainState, adam: AdamParams | DimuonParams) -> dict[str, float]:
+        kind = "dimuon" if isinstance(adam, DimuonParams) else "adamw"
+        if kind != state.spec.optimizer:
+            want = (
+                "DimuonParams (optimizer_params)"
+                if state.spec.optimizer == "dimuon"
+                else "AdamParams (adam_params)"
+            )
+            raise UserError(
+                f"optim_step: this run was created with the {state.spec.optimizer} optimizer; send {want}",
+                field="optimizer_params" if kind == "dimuon" else "adam_params",
+            )
+        if state.adapter.full:
+            state.adapter.ensure_resident()
         params = state.adapter.parameters()
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
@@ -340,11 +465,14 @@ class Trainer:
             coef = adam.grad_clip_norm / (norm + 1e-6)
             for g in grads:
                 g.mul_(coef)
-        for group in state.optimizer.param_groups:
-            group["lr"] = adam.learning_rate
-            group["betas"] = (adam.beta1, adam.beta2)
-            group["eps"] = adam.eps
-            group["weight_decay"] = adam.weight_decay
+        if kind == "dimuon":
+            state.optimizer.configure(adam)
+        else:
+            for group in state.optimizer.param_groups:
+                group["lr"] = adam.learning_rate
+                group["betas"] = (adam.beta1, adam.beta2)
+                group["eps"] = adam.eps
+                group["weight_decay"] = adam.weight_decay
         state.optimizer.step()
         state.adapter.touch()
         state.optimizer.zero_grad(set_to_none=True)
@@ -357,36 +485,56 @@ class Trainer:
         }
 
     # -- optimizer state as plain tensors (safetensors; never pickle) -------------------------
+    # AdamW keeps exp_avg and exp_avg_sq per tensor, Dimuon its momentum; both a step count.
+    SLOTS = {"adamw": ("exp_avg", "exp_avg_sq"), "dimuon": ("momentum",)}
+
     @staticmethod
     def optimizer_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+        """``<tensor>.<slot>`` and ``<tensor>.step`` per tensor with state, ``__steps__``, and (Dimuon)
+        ``__dimuon__`` marking whose state it is."""
         out: dict[str, torch.Tensor] = {}
+        slots = Trainer.SLOTS[state.spec.optimizer]
         names = dict(zip(state.param_names, state.adapter.parameters(), strict=True))
         for name, p in names.items():
             st = state.optimizer.state.get(p)
             if not st:
                 continue
-            out[f"{name}.exp_avg"] = st["exp_avg"].detach().to("cpu").contiguous()
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu").contiguous()
+            for slot in slots:
+                out[f"{name}.{slot}"] = st[slot].detach().to("cpu").contiguous()
             out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).to("cpu")
         out["__steps__"] = torch.tensor([float(state.steps)])
+        if state.spec.optimizer == "dimuon":
+            out["__dimuon__"] = torch.tensor([1.0])
         return out
 
     @staticmethod
     def load_optimizer_tensors(state: TrainState, tensors: dict[str, torch.Tensor]) -> None:
+        kind = "dimuon" if "__dimuon__" in tensors else "adamw"
+        if kind != state.spec.optimizer:
+            raise UserError(
+                f"path: the checkpoint holds {kind} optimizer state; this run uses {state.spec.optimizer}",
+                field="path",
+            )
         state.optimizer = make_optimizer(state.adapter)
         for name, p in zip(state.param_names, state.adapter.parameters(), strict=True):
-            if f"{name}.exp_avg" not in tensors:
+            slots = Trainer.SLOTS[kind]
+            if f"{name}.{slots[0]}" not in tensors:
                 continue
-            state.optimizer.state[p] = {
-                "step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32),
-                "exp_avg": tensors[f"{name}.exp_avg"].to(p.device, p.dtype).clone(),
-                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(p.device, p.dtype).clone(),
-            }
+            st = {"step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32)}
+            for slot in slots:
+                st[slot] = (
+                    tensors[f"{name}.{slot}"]
+                    .to(p.device, torch.float32 if kind == "dimuon" else p.dtype)
+                    .clone()
+                )
+            state.optimizer.state[p] = st
         if "__steps__" in tensors:
             state.steps = int(tensors["__steps__"].item())
 
 
-def _detached(adapter: Adapter) -> Adapter:
+def _detached(adapter: Adapter | FullWeights) -> Adapter | FullWeights:
+    if adapter.full:
+        return FullWeights(adapter.spec, {n: t.detach() for n, t in adapter.weights.items()})
     return Adapter(adapter.spec, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()})
 
 
@@ -400,6 +548,9 @@ def accumulating_grads(states: list[TrainState]) -> Iterator[None]:
     sliced call is closed between slices) every run's gradients and count are left exactly as they
     were, so a failed call never leaks part of its gradient into optim_step."""
     distinct = {id(st): st for st in states}
+    for st in distinct.values():
+        if st.adapter.full:
+            st.adapter.ensure_resident()  # its gradient is on the device only while it is
     params = [p for st in distinct.values() for p in st.adapter.parameters()]
     stash = [p.grad for p in params]
     pending = {k: st.pending_backward for k, st in distinct.items()}
