@@ -112,6 +112,7 @@ class EngineCollector:
         yield GaugeMetricFamily("openrl_samplers", "Live samplers (all tenants)", value=len(svc.samplers))
         sampler = getattr(svc, "sampler", None)
         yield from _sampler_families(sampler.stats() if sampler is not None else {})
+        yield from _full_run_families(svc)
 
         if self.tenant is None:
             return
@@ -134,6 +135,28 @@ class EngineCollector:
             sampled.add_metric([rid], t.tokens["sampled"])
             run_ops.add_metric([rid], t.ops)
         yield from (busy, trained, sampled, run_ops)
+
+
+def _full_run_families(svc: TrainingService):
+    """Full fine-tunes' turns on the device (training/full.py): where each run's tensors are, how
+    often runs were moved out (to host memory or disk) and back in, and the seconds that took."""
+    where = GaugeMetricFamily(
+        "openrl_full_runs", "Full fine-tunes by where their tensors are", labels=["model", "where"]
+    )
+    moves = CounterMetricFamily(
+        "openrl_full_run_moves", "Full fine-tunes moved off or onto the device", labels=["model", "move"]
+    )
+    seconds = CounterMetricFamily(
+        "openrl_full_run_move_seconds", "Seconds spent moving full fine-tunes", labels=["model", "move"]
+    )
+    for name, model in list(svc.models.items()):
+        status = model.trainer.residency.status()
+        for tier, n in status["runs"].items():
+            where.add_metric([name, tier], n)
+        for move, n in status["moves"].items():
+            moves.add_metric([name, move], n)
+            seconds.add_metric([name, move], status["seconds"][move])
+    yield from (where, moves, seconds)
 
 
 def _sampler_families(stats: dict):

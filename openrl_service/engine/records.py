@@ -51,7 +51,17 @@ CALLS: dict[str, Call] = {
     ),
     "create_from_state": Call(
         1,
-        ("tenant", "session_id", "model_seq_id", "path", "optimizer", "base_model", "user_metadata", "idem"),
+        (
+            "tenant",
+            "session_id",
+            "model_seq_id",
+            "path",
+            "optimizer",
+            "base_model",
+            "user_metadata",
+            "idem",
+            "optimizer_config",  # optional (added with Dimuon): absent in older records
+        ),
     ),
     "forward_backward": Call(
         1, ("tenant", "model_id", "seq_id", "data", "loss_fn", "loss_fn_config", "forward_only", "idem")
@@ -143,6 +153,7 @@ def encode_value(v: Any) -> Any:
     from openrl_service.errors import ApiError
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.lora import LoraSpec
+    from openrl_service.training.dimuon import DimuonParams
     from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if v is None or isinstance(v, (str, bool, int, float, np.ndarray, np.generic, bytes)):
@@ -161,6 +172,8 @@ def encode_value(v: Any) -> Any:
         return (b"lora", v.to_json())
     if isinstance(v, AdamParams):
         return (b"adam", dict(vars(v)))
+    if isinstance(v, DimuonParams):
+        return (b"dimuon", dict(vars(v)))
     if isinstance(v, DatumArrays):
         return (b"datum", {"tokens": v.tokens, "inputs": dict(v.inputs)})
     if isinstance(v, SamplingParams):
@@ -219,6 +232,7 @@ def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> 
     from openrl_service.errors import RestoredError
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.lora import LoraSpec
+    from openrl_service.training.dimuon import DimuonParams
     from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if isinstance(v, dict):
@@ -240,6 +254,7 @@ def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> 
                 train_mlp=d["train_mlp"],
                 train_unembed=d["train_unembed"],
                 alpha=d["alpha"],
+                optimizer=d.get("optimizer", "adamw"),  # absent in records before Dimuon
             )
         if tag == b"adam":
             return AdamParams(
@@ -250,6 +265,8 @@ def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> 
                 weight_decay=d["weight_decay"],
                 grad_clip_norm=d["grad_clip_norm"],
             )
+        if tag == b"dimuon":
+            return DimuonParams(**{k: d[k] for k in DimuonParams.__dataclass_fields__})
         if tag == b"datum":
             return DatumArrays(tokens=d["tokens"], inputs=dict(d["inputs"]))
         if tag == b"sampling":

@@ -1,0 +1,202 @@
+"""Full fine-tuning (``rank=0``) through the unmodified Tinker SDK: a full run trains its own copy of the
+model, saves and loads exactly, stays isolated from LoRA runs and from other full runs, takes turns
+on a device with room for one, is refused with the numbers when it cannot fit at all, and its
+checkpoints are Hugging Face folders that transformers loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from safetensors.torch import load_file
+from tinker import types
+
+from tests.conftest import ALICE_KEY, LiveServer, start_server
+
+TEXT = [list(b"the cat sat on the mat. "), list(b"a dog ran in the sun! "), list(b"one two three four ")]
+PROMPT = list(b"the ca")
+SPEC = {"base_model": "openrl/tiny", "rank": 0, "seed": 0}
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def step(tc, k: int, lr: float = 3e-3) -> float:
+    fb = tc.forward_backward([datum(TEXT[k % len(TEXT)])], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+    return float(fb.result().metrics["loss:sum"])
+
+
+def folder(live: LiveServer, tinker_path: str) -> Path:
+    run_id, _, rest = tinker_path.removeprefix("tinker://").partition("/")
+    return next(live.data_dir.glob(f"tenants/*/runs/{run_id.replace(':', '~')}/{rest}"))
+
+
+def weights(live: LiveServer, tinker_path: str) -> dict[str, torch.Tensor]:
+    return load_file(folder(live, tinker_path) / "model.safetensors")
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory, tiny_model_dir) -> LiveServer:
+    """Fusion off, no memory pressure: the reference every full run is compared with."""
+    live = start_server(tmp_path_factory.mktemp("full-solo"), tiny_model_dir, fusion=False)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory, tiny_model_dir) -> LiveServer:
+    """Fusion on, and full runs' device share (OPENRL_FULL_RUN_BUDGET_BYTES) room for one run only."""
+    one = footprint(tiny_model_dir)
+    live = start_server(
+        tmp_path_factory.mktemp("full-busy"), tiny_model_dir, fusion=True, full_run_budget_bytes=int(one * 1.5)
+    )
+    yield live
+    live.stop()
+
+
+def footprint(tiny_model_dir: Path) -> int:
+    """Float32 weights + gradients + AdamW's two moments of every tiny-model parameter."""
+    from transformers import AutoModelForCausalLM
+
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    return n * 4 * 4
+
+
+def client(live: LiveServer) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+
+
+def solo_run(live: LiveServer, steps: int, offset: int = 0) -> tuple[list[float], str]:
+    sc = client(live)
+    tc = sc.create_lora_training_client(**SPEC)
+    losses = [step(tc, offset + k) for k in range(steps)]
+    path = tc.save_state("end").result().path
+    sc.close("success").result()
+    return losses, path
+
+
+def test_a_full_run_trains_every_weight_and_its_checkpoint_loads_in_transformers(solo):
+    sc = client(solo)
+    tc = sc.create_lora_training_client(**SPEC)
+    info = tc.get_info()
+    assert info.is_lora is False and not info.lora_rank
+    base_sampler = sc.create_sampling_client(base_model="openrl/tiny")
+    losses = [step(tc, 0, lr=1e-2) for _ in range(6)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    path = tc.save_state("trained").result().path
+    sampler = tc.save_weights_and_get_sampling_client()
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    tuned = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
+    base = base_sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
+    assert tuned != base  # the run's own weights, not the base's
+    # the base model others share is untouched: a fresh full run starts from it
+    fresh = sc.create_lora_training_client(**SPEC)
+    assert step(fresh, 0, lr=0.0) == pytest.approx(losses[0], rel=1e-6)
+
+    # the checkpoint is a Hugging Face folder: transformers loads it and gives the service's logprobs
+    from transformers import AutoModelForCausalLM
+
+    ckpt = folder(solo, path)
+    assert {"model.safetensors", "config.json"} <= {p.name for p in ckpt.iterdir()}
+    tensors = weights(solo, path)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    sd = model.state_dict()
+    assert all(torch.equal(tensors[n], sd[n]) for n in tensors)
+    seq = TEXT[0]
+    lp = sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result()[1:]
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()
+    mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+    np.testing.assert_allclose(np.array(lp), mine.numpy(), atol=1e-4)
+    # every kind of layer moved: attention, MLP, norms, the (tied) embedding
+    base_sd = AutoModelForCausalLM.from_pretrained(Path(solo.data_dir) / "models" / "openrl-tiny").state_dict()
+    moved = {n for n in tensors if not torch.equal(tensors[n], base_sd[n])}
+    for part in ("self_attn.q_proj", "mlp.", "norm", "embed_tokens"):
+        assert any(part in n for n in moved), (part, sorted(moved)[:8])
+    sc.close("success").result()
+
+
+def test_save_and_load_state_resume_a_full_run_bit_for_bit(solo):
+    sc = client(solo)
+    tc = sc.create_lora_training_client(**SPEC)
+    for k in range(2):
+        step(tc, k)
+    mid = tc.save_state("mid").result().path
+    after = [step(tc, k) for k in (2, 3)]
+    end = tc.save_state("end").result().path
+
+    resumed = sc.create_training_client_from_state_with_optimizer(mid)
+    assert [step(resumed, k) for k in (2, 3)] == after
+    assert_same(weights(solo, resumed.save_state("end").result().path), weights(solo, end))
+
+    # load_state_with_optimizer into a run that went elsewhere: back to the same point
+    other = sc.create_lora_training_client(**SPEC)
+    step(other, 1, lr=5e-2)
+    other.load_state_with_optimizer(mid).result()
+    assert [step(other, k) for k in (2, 3)] == after
+    # a full checkpoint cannot load into a LoRA run, nor a LoRA one into a full run
+    lora = sc.create_lora_training_client(base_model="openrl/tiny", rank=4)
+    with pytest.raises(Exception, match="full fine-tune"):
+        lora.load_state(mid).result()
+    sc.close("success").result()
+
+
+def test_full_runs_beside_lora_runs_and_each_other_match_solo_runs_bit_for_bit(solo, busy):
+    want_a, path_a = solo_run(solo, 3)
+    want_b, path_b = solo_run(solo, 3, offset=1)
+    sc = client(busy)
+    a = sc.create_lora_training_client(**SPEC)
+    b = sc.create_lora_training_client(**SPEC)
+    loras = [sc.create_lora_training_client(base_model="openrl/tiny", rank=4, seed=s) for s in (1, 2)]
+    got_a, got_b = [], []
+    for k in range(3):  # every run's ops queued together: the LoRA runs fuse, the full runs take turns
+        futures = [(a.forward_backward([datum(TEXT[k % 3])], "cross_entropy"), a)]
+        futures.append((b.forward_backward([datum(TEXT[(k + 1) % 3])], "cross_entropy"), b))
+        futures += [(t.forward_backward([datum(TEXT[2])], "cross_entropy"), t) for t in loras]
+        steps = [t.optim_step(types.AdamParams(learning_rate=3e-3)) for _, t in futures]
+        got_a.append(float(futures[0][0].result().metrics["loss:sum"]))
+        got_b.append(float(futures[1][0].result().metrics["loss:sum"]))
+        for s in steps:
+            s.result()
+        # sampling a full run while the other holds the device
+        sampler = a.save_weights_and_get_sampling_client()
+        assert sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4)).result()
+    assert got_a == want_a and got_b == want_b
+    assert_same(weights(busy, a.save_state("end").result().path), weights(solo, path_a))
+    assert_same(weights(busy, b.save_state("end").result().path), weights(solo, path_b))
+    # with room for one, they took turns: runs were moved off the device and back
+    moves = busy.service.models["openrl/tiny"].trainer.residency.status()["moves"]
+    assert moves["out_disk"] >= 2 and moves["in"] >= 2, moves
+    metrics = busy.client(ALICE_KEY).get("/metrics").text
+    assert 'openrl_full_run_moves_total{model="openrl/tiny",move="in"}' in metrics
+    sc.close("success").result()
+    assert not list((busy.data_dir / "spill").glob("*.safetensors"))  # a finished run leaves no spill
+
+
+def test_a_full_run_too_big_for_the_device_is_refused_at_create_with_the_numbers(tmp_path, tiny_model_dir):
+    live = start_server(tmp_path / "d", tiny_model_dir, full_run_budget_bytes=1 << 20)
+    try:
+        sc = client(live)
+        with pytest.raises(Exception, match=r"needs 9\.\d MiB .* 1\.0 MiB .*OPENRL_FULL_RUN_BUDGET_BYTES") as e:
+            sc.create_lora_training_client(**SPEC).get_info()  # the SDK raises once the client is used
+        assert "lora_config.rank" in str(e.value)
+        tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=4)  # LoRA runs are unaffected
+        step(tc, 0)
+        assert live.client().get("/readyz").status_code == 200
+        sc.close("success").result()
+    finally:
+        live.stop()
