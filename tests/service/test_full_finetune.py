@@ -62,7 +62,10 @@ def busy(tmp_path_factory, tiny_model_dir) -> LiveServer:
     """Fusion on, and full runs' device share (OPENRL_FULL_RUN_BUDGET_BYTES) room for one run only."""
     one = footprint(tiny_model_dir)
     live = start_server(
-        tmp_path_factory.mktemp("full-busy"), tiny_model_dir, fusion=True, full_run_budget_bytes=int(one * 1.5)
+        tmp_path_factory.mktemp("full-busy"),
+        tiny_model_dir,
+        fusion=True,
+        full_run_budget_bytes=int(one * 1.5),
     )
     yield live
     live.stop()
@@ -123,7 +126,9 @@ def test_a_full_run_trains_every_weight_and_its_checkpoint_loads_in_transformers
     mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
     np.testing.assert_allclose(np.array(lp), mine.numpy(), atol=1e-4)
     # every kind of layer moved: attention, MLP, norms, the (tied) embedding
-    base_sd = AutoModelForCausalLM.from_pretrained(Path(solo.data_dir) / "models" / "openrl-tiny").state_dict()
+    base_sd = AutoModelForCausalLM.from_pretrained(
+        Path(solo.data_dir) / "models" / "openrl-tiny"
+    ).state_dict()
     moved = {n for n in tensors if not torch.equal(tensors[n], base_sd[n])}
     for part in ("self_attn.q_proj", "mlp.", "norm", "embed_tokens"):
         assert any(part in n for n in moved), (part, sorted(moved)[:8])
@@ -174,7 +179,9 @@ def test_full_runs_beside_lora_runs_and_each_other_match_solo_runs_bit_for_bit(s
             s.result()
         # sampling a full run while the other holds the device
         sampler = a.save_weights_and_get_sampling_client()
-        assert sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4)).result()
+        assert sampler.sample(
+            types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=4)
+        ).result()
     assert got_a == want_a and got_b == want_b
     assert_same(weights(busy, a.save_state("end").result().path), weights(solo, path_a))
     assert_same(weights(busy, b.save_state("end").result().path), weights(solo, path_b))
@@ -191,7 +198,9 @@ def test_a_full_run_too_big_for_the_device_is_refused_at_create_with_the_numbers
     live = start_server(tmp_path / "d", tiny_model_dir, full_run_budget_bytes=1 << 20)
     try:
         sc = client(live)
-        with pytest.raises(Exception, match=r"needs 9\.\d MiB .* 1\.0 MiB .*OPENRL_FULL_RUN_BUDGET_BYTES") as e:
+        with pytest.raises(
+            Exception, match=r"needs 9\.\d MiB .* 1\.0 MiB .*OPENRL_FULL_RUN_BUDGET_BYTES"
+        ) as e:
             sc.create_lora_training_client(**SPEC).get_info()  # the SDK raises once the client is used
         assert "lora_config.rank" in str(e.value)
         tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=4)  # LoRA runs are unaffected
