@@ -505,6 +505,9 @@ class Bodies:
             topk_prompt_logprobs: TopK | None = None
             topk_sample_logprobs: TopK | None = None
             prompt_logprobs_last_n: Int(1) | None = None
+            record_stability_info: bool | None = Field(
+                None, description="record each sampled sequence for stable_reinforce (by its sequence id)"
+            )
             prompt_alt_tokens_k: Any = Field(None, description="not supported")
             target_prompt_logprobs: Any = Field(None, description="not supported")
 

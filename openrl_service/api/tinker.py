@@ -40,6 +40,7 @@ from openrl_service.api.http import (
 from openrl_service.api.schemas import body
 from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
+from openrl_service.engine.stability import spans_of
 from openrl_service.errors import NotFound, UserError
 from openrl_service.training.trainer import optim_params, optimizer_kind
 
@@ -182,6 +183,11 @@ def build_router(svc: TrainingService) -> APIRouter:
                 max_cells=svc.limits.max_request_tokens,
             )
             config = loss_config(msg)
+            if msg.loss_fn == "stable_reinforce":  # the sampler's recorded logprobs, by provenance
+                run = svc.run(tenant(request), msg.model_id)
+                data = svc.stability.resolve(
+                    run.tenant, run.session_id, data, [spans_of(d) for d in msg.data]
+                )
         except UserError as e:
             data, config = e, {}
         rec = svc.forward_backward(
@@ -351,6 +357,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         rec = svc.sample(
             tenant(request),
             sampler_id=b.sampling_session_id,
+            record_stability_info=bool(b.record_stability_info),
             prompt=prompt,
             num_samples=b.num_samples or 1,
             params=params,

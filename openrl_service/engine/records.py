@@ -109,6 +109,7 @@ CALLS: dict[str, Call] = {
             "topk_prompt_logprobs",
             "topk_sample_logprobs",
             "idem",
+            "record_stability_info",  # optional (added with stable_reinforce)
         ),
     ),
 }
@@ -152,8 +153,8 @@ def encode_value(v: Any) -> Any:
     """A record's value as plain data (containers, numbers, strings, numpy arrays, tagged tuples)."""
     from openrl_service.errors import ApiError
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
-    from openrl_service.training.lora import LoraSpec
     from openrl_service.training.dimuon import DimuonParams
+    from openrl_service.training.lora import LoraSpec
     from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if v is None or isinstance(v, (str, bool, int, float, np.ndarray, np.generic, bytes)):
@@ -231,8 +232,8 @@ def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> 
     """The inverse of :func:`encode_value`; ``tensors`` resolves a snapshot's tensor references."""
     from openrl_service.errors import RestoredError
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
-    from openrl_service.training.lora import LoraSpec
     from openrl_service.training.dimuon import DimuonParams
+    from openrl_service.training.lora import LoraSpec
     from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
 
     if isinstance(v, dict):

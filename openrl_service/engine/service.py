@@ -45,6 +45,7 @@ from openrl_service.engine.inference import Inference
 from openrl_service.engine.ops import Fusable, Op
 from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine
+from openrl_service.engine.stability import StabilityRecords
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Checks
 from openrl_service.errors import NotReady, UserError
@@ -122,6 +123,9 @@ class TrainingService(Registry):
         self._init_registry()
         self.inference = Inference(self)  # sampling by model name (the OpenAI-compatible API)
         self.exports = Exports(self)  # checkpoints as PEFT or merged Hugging Face folders
+        self.stability = StabilityRecords(settings.max_stability_records)  # stable_reinforce
+        self.tenant_forgetters.append(self.stability.forget)
+        self.session_listeners.append(lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id))
         self.durability = Durability(self)
         self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant
         self.futures.on_complete = self.durability.completed
@@ -959,6 +963,7 @@ class TrainingService(Registry):
         topk_prompt_logprobs: Any,
         topk_sample_logprobs: Any,
         idem: str | None,
+        record_stability_info: bool = False,
     ) -> FutureRecord:
         prior = self.engine.idempotent(tenant, idem)
         if prior is not None:
@@ -981,6 +986,7 @@ class TrainingService(Registry):
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs,
             idem=idem,
+            record_stability_info=record_stability_info,
         )
         job = SampleJob(
             prompt=prompt,
@@ -994,13 +1000,18 @@ class TrainingService(Registry):
         entry.last_used = time.time()
         refused = self.refused_runs.get(entry.source_run) if entry.source_run else None
         rec = self.futures.new(tenant, "sample", request_id=call[1] if call else None)
-        rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
+        ids = rec.extra["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(num_samples)]
+
+        def noted(out: SampleOutput) -> SampleOutput:
+            self._note_backend(sampler_id, [out])
+            if record_stability_info:  # for stable_reinforce: by sequence id, in the sampler's session
+                self.stability.record(tenant, entry.session_id or "", ids, prompt, out.sequences)
+            return out
 
         def work():
             out = model.sampler.sample(dataclasses.replace(job, adapter=self._sampler_adapter(entry)))
             crashpoints.hit("sample")
-            self._note_backend(sampler_id, [out])
-            return out
+            return noted(out)
 
         op = Op(
             kind="sample",
@@ -1015,7 +1026,7 @@ class TrainingService(Registry):
             else self.sample_fusable(
                 lambda: [dataclasses.replace(job, adapter=self._sampler_adapter(entry))],
                 [job],
-                lambda outs: self._note_backend(sampler_id, outs)[0],
+                lambda outs: noted(outs[0]),
                 model=model.name,
             ),
             error=refused,  # the weights' run was stopped from the panel: the sample fails with why

@@ -9,6 +9,15 @@ Notation (per datum, per position t < N): ``lp`` = log p_θ(target_t | prefix), 
     cispo                −Σ sg(clip(r, lo, hi))·lp·A
     dro                  −Σ (lp·A − ½β(lp − q)²)        (over positions with A ≠ 0, see below)
     gspo                 s = mean_{mask≠0}(sg(lp) − q); r_t = exp(s + lp − sg(lp)); −Σ min(r·A, clip(r, lo, hi)·A)
+    stable_reinforce     −Σ sg(min(r, ratio_cap))·lp·A + kl_coeff·Σ (r − 1 − log r)
+
+stable_reinforce (Tinker's, alpha; its formula is not published, this is the service's reading): a
+REINFORCE gradient (lp·A) weighted by the truncated importance ratio to the policy that really
+sampled each token, so stale or differently computed samples (async RL, sampler vs trainer numerics)
+cannot blow up a step, plus an optional k3 estimate of KL(sampler ‖ trainer) on the same tokens
+(kl_coeff, default 0: off). Its q is not the client's: the Tinker API puts the logprobs recorded at
+sampling time (record_stability_info=True, engine/stability.py) in place, found by the datum's
+provenance (sequence ids).
 
 RL losses act only where A ≠ 0. For the ratio losses that is the formula itself (an A = 0 term is
 0); there the log-ratio is also taken as 0 before exponentiating, so a prompt position (A = 0,
@@ -45,9 +54,9 @@ LOSSES: dict[str, LossDef] = {
     "cispo": LossDef(_RL_INPUTS, (), dict(_CLIP)),
     "dro": LossDef(_RL_INPUTS, (), {"beta": 0.05}),
     "gspo": LossDef(_RL_INPUTS, ("sequence_ratio_mask",), dict(_GSPO_CLIP)),
+    "stable_reinforce": LossDef(_RL_INPUTS, (), {"kl_coeff": 0.0, "ratio_cap": 2.0}),
 }
 UNSUPPORTED_REASONS = {
-    "stable_reinforce": "its math is unpublished",
     "custom": "server-side custom losses are disabled (forward_backward_custom works client-side)",
 }
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -76,6 +85,14 @@ def check_loss(loss_fn: str, config: dict[str, float]) -> dict[str, float]:
         )
     full = dict(spec.config)
     full.update({k: float(v) for k, v in config.items()})
+    if "ratio_cap" in full and not full["ratio_cap"] > 0:
+        raise UserError(
+            f"loss_fn_config.ratio_cap must be > 0; got {full['ratio_cap']}", field="loss_fn_config.ratio_cap"
+        )
+    if "kl_coeff" in full and full["kl_coeff"] < 0:
+        raise UserError(
+            f"loss_fn_config.kl_coeff must be >= 0; got {full['kl_coeff']}", field="loss_fn_config.kl_coeff"
+        )
     if "clip_low_threshold" in full and not full["clip_low_threshold"] <= full["clip_high_threshold"]:
         raise UserError(
             "loss_fn_config: clip_low_threshold must be <= clip_high_threshold; "
@@ -120,7 +137,10 @@ def compute_loss(
     else:
         log_ratio = torch.where(active, lp - q, torch.zeros_like(lp))
     ratio = torch.exp(log_ratio)
-    if loss_fn == "importance_sampling":
+    if loss_fn == "stable_reinforce":
+        per_tok = torch.clamp(ratio, max=config["ratio_cap"]).detach() * lp * adv
+        per_tok = per_tok - config["kl_coeff"] * (ratio - 1 - log_ratio)
+    elif loss_fn == "importance_sampling":
         per_tok = ratio * adv
     elif loss_fn in ("ppo", "gspo"):
         lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
