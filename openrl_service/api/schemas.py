@@ -440,6 +440,10 @@ class Bodies:
             sampling_session_seq_id: Int(0) | None = None
             user_metadata: Metadata | None = None
             ttl_seconds: ttl | None = None
+            kind: Literal["snapshot", "inflight"] | None = Field(
+                None,
+                description="snapshot: fixed weights; inflight: the run's shared weights, updated by later inflight saves",
+            )
 
             @model_validator(mode="before")
             @classmethod

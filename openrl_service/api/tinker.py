@@ -302,6 +302,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             body.get("user_metadata"),
             idem(request),
             ttl_seconds=body.get("ttl_seconds"),
+            kind=body.get("kind"),
         )
         return json_response(rec.reply())
 

@@ -93,6 +93,7 @@ CALLS: dict[str, Call] = {
             "user_metadata",
             "idem",
             "ttl_seconds",
+            "kind",  # optional (added with inflight sampling)
         ),
     ),
     "save_external": Call(1, ("tenant", "model_id", "seq_id", "name", "ttl_seconds", "recipients", "idem")),

@@ -125,7 +125,9 @@ class TrainingService(Registry):
         self.exports = Exports(self)  # checkpoints as PEFT or merged Hugging Face folders
         self.stability = StabilityRecords(settings.max_stability_records)  # stable_reinforce
         self.tenant_forgetters.append(self.stability.forget)
-        self.session_listeners.append(lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id))
+        self.session_listeners.append(
+            lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id)
+        )
         self.durability = Durability(self)
         self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant
         self.futures.on_complete = self.durability.completed
@@ -717,7 +719,12 @@ class TrainingService(Registry):
         user_metadata: dict | None,
         idem: str | None,
         ttl_seconds: Any = None,
+        kind: Any = None,
     ) -> FutureRecord:
+        """A sampler of the run's weights now: named (a sampler_weights checkpoint) or a new sampling
+        session (``sampling_session_seq_id``): a snapshot (fixed weights), or with ``kind="inflight"``
+        the run's one shared set of inflight weights, which each later inflight save updates for every
+        inflight client of the run (the SDK's contract: the weights saved at its creation or newer)."""
         call = self.durability.call(
             "save_for_sampler",
             tenant=tenant,
@@ -728,9 +735,17 @@ class TrainingService(Registry):
             user_metadata=user_metadata,
             idem=idem,
             ttl_seconds=ttl_seconds,
+            kind=kind,
         )
 
         def prepare(run: RunState):
+            if kind not in (None, "snapshot", "inflight"):
+                raise UserError(f"kind must be 'snapshot' or 'inflight'; got {kind!r}", field="kind")
+            if kind == "inflight" and name is not None:
+                raise UserError(
+                    "kind: an inflight save takes no path (it updates the run's inflight weights)",
+                    field="kind",
+                )
             if name is None:
                 if (
                     isinstance(sampling_session_seq_id, bool)
@@ -746,6 +761,7 @@ class TrainingService(Registry):
 
                 def ephemeral():
                     snap = self._state(run).adapter.snapshot()
+                    inflight = run.run_id if kind == "inflight" else None
                     self._add_sampler(
                         SamplerEntry(
                             sampler_id,
@@ -754,8 +770,14 @@ class TrainingService(Registry):
                             run.base_model,
                             snap,
                             source_run=run.run_id,
+                            inflight_of=inflight,
                         )
                     )
+                    if inflight is not None:  # every inflight client of the run moves to these weights
+                        with self._lock:
+                            for e in self.samplers.values():
+                                if e.inflight_of == inflight:
+                                    e.adapter = snap
                     return {"sampling_session_id": sampler_id}
 
                 return ephemeral

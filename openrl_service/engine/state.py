@@ -100,6 +100,9 @@ class SamplerEntry:
     model_path: str | None = None
     source_run: str | None = None
     created_at: float = field(default_factory=time.time)
+    # an inflight sampling client of this run (SDK kind="inflight"): later inflight saves of the run
+    # update its weights in place; None for a snapshot (fixed weights)
+    inflight_of: str | None = None
     last_used: float = field(default_factory=time.time)
 
 

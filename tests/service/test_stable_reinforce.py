@@ -1,4 +1,4 @@
-"""StableReinforce through the unmodified Tinker SDK: a ``record_stability_info=True`` sampling client's
+"""StableReinforce and inflight sampling clients through the unmodified Tinker SDK: a ``record_stability_info=True`` sampling client's
 sequences are recorded under their ``sequence_id``, a ``stable_reinforce`` step names them by datum
 provenance, and the loss is computed with the logprobs recorded at sampling time, whatever the client
 sends; a span that does not match what was sampled, a sequence of another session and a datum without
@@ -136,3 +136,30 @@ def test_a_sequence_of_another_session_is_refused(solo):  # noqa: F811
     finally:
         first.close("success").result()
         second.close("success").result()
+
+
+def test_inflight_sampling_clients_share_the_runs_weights_and_later_saves_update_them(sc):
+    tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = types.ModelInput.from_ints(PROMPT)
+
+    def text(sampler) -> list[int]:
+        return sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+
+    snapshot = tc.save_weights_and_get_sampling_client()
+    first = tc.save_weights_and_get_sampling_client(kind="inflight")
+    start = text(first)
+    assert start == text(snapshot)
+    target = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT + list(b"xyzxyzx")),
+        loss_fn_inputs={"target_tokens": PROMPT[1:] + list(b"xyzxyzxy"), "weights": [0.0] * 7 + [1.0] * 8},
+    )
+    for _ in range(8):
+        tc.forward_backward([target], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert text(first) == start  # nothing published yet: still the weights saved at its creation
+    second = tc.save_weights_and_get_sampling_client(kind="inflight")  # publishes the new weights
+    moved = text(second)
+    assert moved != start
+    assert text(first) == moved  # the earlier inflight client moved to the newer weights
+    assert text(snapshot) == start  # a snapshot client keeps its weights
