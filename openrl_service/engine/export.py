@@ -103,6 +103,13 @@ class Exports:
             )
         ref, manifest, model = self.svc.inference.checkpoint(tenant, tinker_path, "tinker_path")
         spec = spec_from_manifest(manifest)
+        if spec.full and not merged:
+            raise UserError(
+                f"merged: {ref.path} is a full fine-tune, not a LoRA adapter, so it has no PEFT export; "
+                "export it with merged=true (`openrl-service export --merged`, run.export(DIR, merged=True)): "
+                "a Hugging Face model folder",
+                field="merged",
+            )
         adapter_digest = inference.adapter_digest(manifest)
         fmt = "merged" if merged else "peft"
         export_id = hashlib.sha256(f"{ref.path}|{adapter_digest}|{fmt}".encode()).hexdigest()[:32]
@@ -128,7 +135,9 @@ class Exports:
         tmp.mkdir(parents=True)
         try:
             src = self.svc.store.folder(tenant, ref)
-            if merged:
+            if spec.full:
+                self._full(tenant, ref, model, tmp)
+            elif merged:
                 self._merged(tenant, ref, model, tmp)
             else:
                 shutil.copyfile(src / "adapter_model.safetensors", tmp / "adapter_model.safetensors")
@@ -188,6 +197,19 @@ class Exports:
             gen.save_pretrained(out)
         model.base.tokenizer.save_pretrained(out)
 
+    def _full(self, tenant: str, ref, model: ServedModel, out: Path) -> None:
+        """A full fine-tune's checkpoint (already the whole model) in the base's dtype, with the
+        served model's config, generation config and tokenizer."""
+        _, tensors, _ = self.svc.store.load(tenant, ref)
+        dtype = model.base.dtype
+        weights = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        model.base.model.config.save_pretrained(out)
+        gen = getattr(model.base.model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(out)
+        model.base.tokenizer.save_pretrained(out)
+
     def _keep_newest(self, tenant: str) -> None:
         d = self._tenant_dir(tenant)
         done = sorted(
@@ -219,8 +241,10 @@ def _card(info: dict) -> str:
         else "from peft import PeftModel\nmodel = PeftModel.from_pretrained(base_model, DIR)\n"
         f"# base_model: {info['base_model']} (its weights' SHA-256 is in openrl_export.json)\n"
     )
+    rank = info["lora"]["rank"]
+    trained = "a full fine-tune" if rank == 0 else f"LoRA rank {rank}"
     return (
         f"# {info['tinker_path']}\n\n"
         f"Exported by openrl-service as a {'merged Hugging Face model' if info['format'] == 'merged' else 'PEFT LoRA adapter'} "
-        f"of `{info['base_model']}` (LoRA rank {info['lora']['rank']}).\n\n```python\n{how}```\n"
+        f"of `{info['base_model']}` ({trained}).\n\n```python\n{how}```\n"
     )

@@ -28,15 +28,17 @@ from openrl_service.engine.ops import Op
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
 from openrl_service.sampling.base import SampleJob, SampleOutput
-from openrl_service.storage.checkpoints import CheckpointRef, parse_tinker_path
-from openrl_service.training.lora import Adapter, adapter_from_peft
+from openrl_service.storage.checkpoints import CheckpointRef, parse_tinker_path, weight_files
+from openrl_service.training.full import weights_from_checkpoint
+from openrl_service.training.lora import Adapter
 
 PEFT_SUFFIX = ":peft:"  # hosted Tinker names a base model with its context length: "<name>:peft:<ctx>"
 
 
 def adapter_digest(manifest: dict) -> str:
-    """The SHA-256 of a checkpoint's adapter file, as its manifest records it."""
-    return (manifest.get("files") or {}).get("adapter_model.safetensors", "")
+    """The SHA-256 of a checkpoint's weights file (a LoRA's adapter, a full fine-tune's model), as its
+    manifest records it."""
+    return (manifest.get("files") or {}).get(weight_files(manifest)[0], "")
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,8 @@ class Inference:
                 self._adapters.move_to_end((tenant, target.ref.path, target.digest or ""))
                 return hit
         manifest, tensors, _ = self.svc.store.load(tenant, target.ref)
-        adapter = adapter_from_peft(
-            spec_from_manifest(manifest), tensors, device=target.model.base.device, trainable=False
+        adapter = weights_from_checkpoint(
+            target.model.base, spec_from_manifest(manifest), tensors, trainable=False
         )
         # keyed by what was loaded: a checkpoint overwritten since resolve() is cached as its new self
         key = (tenant, target.ref.path, adapter_digest(manifest))
@@ -161,6 +163,12 @@ class Inference:
         while len(mine) > max(1, s.max_sampler_snapshots_per_tenant):
             del self._adapters[mine.pop(0)]
         while len(self._adapters) > max(1, s.max_sampler_snapshots):
+            self._adapters.popitem(last=False)
+        # by bytes too: a full fine-tune's cached weights are a copy of the model
+        while (
+            len(self._adapters) > 1
+            and sum(a.nbytes() for a in self._adapters.values()) > s.max_sampler_snapshot_bytes
+        ):
             self._adapters.popitem(last=False)
 
     def forget_tenant(self, tenant: str) -> None:

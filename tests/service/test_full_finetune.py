@@ -5,6 +5,7 @@ checkpoints are Hugging Face folders that transformers loads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,35 @@ def test_a_full_run_too_big_for_the_device_is_refused_at_create_with_the_numbers
         sc.close("success").result()
     finally:
         live.stop()
+
+
+def test_full_checkpoints_are_served_by_the_openai_endpoint_and_export_as_model_folders(solo, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.service.test_export import assert_close, export, hf_logprobs
+    from tests.service.test_openai_api import oai, text_of, tinker_greedy
+
+    sc = client(solo)
+    tc = sc.create_lora_training_client(**SPEC)
+    for _ in range(6):
+        step(tc, 0, lr=1e-2)
+    path = tc.save_weights_for_sampler("full-served").result().path
+    sampler = sc.create_sampling_client(model_path=path)
+    want = tinker_greedy(sampler, PROMPT, 8)
+    got = oai(solo).completions.create(model=path, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert got.choices[0].text == text_of(want)
+    base = oai(solo).completions.create(model="openrl/tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert base.choices[0].text != got.choices[0].text
+
+    # a PEFT export of a full run is refused, pointing to the full export
+    peft = export(solo, path, tmp_path / "peft")
+    assert peft.returncode != 0 and "full fine-tune" in peft.stderr and "merged" in peft.stderr
+    assert not (tmp_path / "peft").exists()
+    done = export(solo, path, tmp_path / "full", "--merged")
+    assert done.returncode == 0, done.stderr
+    info = json.loads((tmp_path / "full" / "openrl_export.json").read_text())
+    assert info["lora"]["rank"] == 0 and info["format"] == "merged"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    seq = TEXT[0]
+    assert_close(hf_logprobs(model, seq), sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result())
+    sc.close("success").result()
