@@ -176,7 +176,10 @@ class TrainingService(Registry):
         if host is None:
             free = free_bytes(torch.device("cpu"))
             host = int(free * 0.5) if free is not None else 0
-        return Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=s.data_dir / "spill")
+        spill = s.data_dir / "spill"
+        for stale in spill.glob("*.safetensors"):  # a killed process's: the journal holds the state
+            stale.unlink(missing_ok=True)
+        return Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=spill)
 
     def _make_sampler(self, base: BaseModel) -> CountingSampler:
         """The sampler of one served model (the one place a sampler is made): --sampler picks it."""

@@ -6,6 +6,7 @@ checkpoints are Hugging Face folders that transformers loads."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +243,52 @@ def test_full_checkpoints_are_served_by_the_openai_endpoint_and_export_as_model_
     seq = TEXT[0]
     assert_close(hf_logprobs(model, seq), sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result())
     sc.close("success").result()
+
+
+def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny_model_dir):
+    """Two full runs on a device with room for one (so one waits on disk), the service killed with
+    SIGKILL mid-way and restarted: both continue and end bit-identical to runs never interrupted."""
+    from tests._support.serve import finish, start, wait_ready
+
+    want_a, path_a = solo_run(solo, 4)
+    want_b, path_b = solo_run(solo, 4, offset=1)
+    env = {
+        "OPENRL_API_KEYS": f"alice:{ALICE_KEY}",
+        "OPENRL_FUSION": "off",
+        "OPENRL_FULL_RUN_BUDGET_BYTES": str(int(footprint(tiny_model_dir) * 1.5)),
+        "OPENRL_SNAPSHOT_INTERVAL_S": "0.5",  # journal snapshots read the run waiting on disk too
+    }
+    data = tmp_path / "d"
+    data.mkdir()
+    served = start(data, tiny_model_dir, env=env)
+    try:
+        wait_ready(served)
+        sc = tinker.ServiceClient(base_url=served.url, api_key=ALICE_KEY)
+        a = sc.create_lora_training_client(**SPEC)
+        b = sc.create_lora_training_client(**SPEC)
+        got_a, got_b = [], []
+        for k in range(2):
+            got_a.append(step(a, k))
+            got_b.append(step(b, k + 1))
+        time.sleep(1.5)  # a snapshot with one run on disk
+        assert list((data / "spill").glob("*.safetensors"))
+        served.proc.kill()
+        served.proc.wait()
+        served = start(data, tiny_model_dir, env=env, port=int(served.url.rsplit(":", 1)[1]))
+        wait_ready(served)
+        for k in range(2, 4):
+            got_a.append(step(a, k))
+            got_b.append(step(b, k + 1))
+        assert got_a == want_a and got_b == want_b
+        assert_same(weights_in(data, a.save_state("end").result().path), weights(solo, path_a))
+        assert_same(weights_in(data, b.save_state("end").result().path), weights(solo, path_b))
+        sc.close("success").result()
+    finally:
+        finish(served)
+
+
+def weights_in(data_dir: Path, tinker_path: str) -> dict[str, torch.Tensor]:
+    run_id, _, rest = tinker_path.removeprefix("tinker://").partition("/")
+    return load_file(
+        next(data_dir.glob(f"tenants/*/runs/{run_id.replace(':', '~')}/{rest}")) / "model.safetensors"
+    )
