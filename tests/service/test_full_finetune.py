@@ -284,6 +284,7 @@ def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny
         assert_same(weights_in(data, b.save_state("end").result().path), weights(solo, path_b))
         sc.close("success").result()
     finally:
+        served.proc.terminate()
         finish(served)
 
 
