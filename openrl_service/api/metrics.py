@@ -149,7 +149,7 @@ def _full_run_families(svc: TrainingService):
     seconds = CounterMetricFamily(
         "openrl_full_run_move_seconds", "Seconds spent moving full fine-tunes", labels=["model", "move"]
     )
-    for name, model in list(svc.models.items()):
+    for name, model in list(getattr(svc, "models", {}).items()):
         status = model.trainer.residency.status()
         for tier, n in status["runs"].items():
             where.add_metric([name, tier], n)

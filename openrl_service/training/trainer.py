@@ -440,9 +440,10 @@ class Trainer:
                 if state.spec.optimizer == "dimuon"
                 else "AdamParams (adam_params)"
             )
+            field = "optimizer_params" if kind == "dimuon" else "adam_params"
             raise UserError(
-                f"optim_step: this run was created with the {state.spec.optimizer} optimizer; send {want}",
-                field="optimizer_params" if kind == "dimuon" else "adam_params",
+                f"{field}: this run was created with the {state.spec.optimizer} optimizer; send {want}",
+                field=field,
             )
         if state.adapter.full:
             state.adapter.ensure_resident()

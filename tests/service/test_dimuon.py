@@ -107,7 +107,7 @@ def dimuon_step(tc, k: int, lr: float = 0.02) -> float:
 
 
 @pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
-def test_the_sdk_trains_with_dimuon_and_resumes_it_exactly(solo, rank):
+def test_the_sdk_trains_with_dimuon_and_resumes_it_exactly(solo, rank):  # noqa: F811
     sc = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
     tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=rank, seed=0, optimizer=DIMUON)
     assert tc.get_info().is_lora is (rank > 0)
