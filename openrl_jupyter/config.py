@@ -132,7 +132,8 @@ def make_config(
     steps = integer(steps, "steps", 1, 1_000_000, error=UsageError)
     group = integer(_or(group, defaults, "group_size", 8), "group", 1, 256, error=UsageError)
     batch = integer(_or(batch, defaults, "batch_size", 8), "batch", 1, 1024, error=UsageError)
-    rank = integer(_or(rank, defaults, "lora_rank", 8), "rank", 1, 512, error=UsageError)
+    # rank 0: a full fine-tune (the run trains its own copy of every weight)
+    rank = integer(_or(rank, defaults, "lora_rank", 8), "rank", 0, 512, error=UsageError)
     max_tokens = integer(
         _or(max_tokens, defaults, "max_tokens", 64), "max_tokens", 1, 1_000_000, error=UsageError
     )

@@ -452,3 +452,16 @@ def test_a_train_step_whose_reply_is_lost_is_sent_again_not_resampled(server):
         for run in s.runs.values():
             s.client.delete_run(run.run_id)
         sess.disconnect("lossy")
+
+
+def test_a_full_fine_tune_trains_in_the_background_like_a_lora_run(session):
+    """rank=0: the run trains its own copy of every weight; the loop, history and save are the same."""
+    name = unique("letters_full")
+    registry.register(name, letters)
+    run = session.train(reward=name, prompts=PROMPTS, steps=2, **{**SMALL, "rank": 0, "lr": 1e-4})
+    run.wait(120)
+    assert run.state == RunState.FINISHED and run.step == 2
+    assert session.client.get_run(run.run_id)["lora_rank"] == 0
+    assert any(r["trained"] and r["grad_norm"] > 0 for r in run.history)
+    path = run.save("full")
+    assert path.startswith("tinker://")
