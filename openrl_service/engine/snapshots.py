@@ -78,7 +78,10 @@ def write_snapshot(journal: Journal, n: int, state: dict) -> int:
         return dtype, (b"tensor", {"key": key})
 
     def adapter(weights: dict) -> dict:
-        return {m: (refer(a), refer(b)) for m, (a, b) in weights.items()}
+        # a LoRA's {module: (A, B)}, or a full fine-tune's {parameter: W} (one (dtype, array) each)
+        return {
+            m: refer(w) if isinstance(w[0], str) else (refer(w[0]), refer(w[1])) for m, w in weights.items()
+        }
 
     runs = []
     for r in state["runs"]:

@@ -272,6 +272,10 @@ def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny
             got_b.append(step(b, k + 1))
         time.sleep(1.5)  # a snapshot with one run on disk
         assert list((data / "spill").glob("*.safetensors"))
+        # the journal's snapshot holds both runs (one read from its spill file): a restart restores it
+        assert list((data / "journal").glob("snap-*.tensors")), sorted(
+            p.name for p in (data / "journal").iterdir()
+        )
         served.proc.kill()
         served.proc.wait()
         served = start(data, tiny_model_dir, env=env, port=int(served.url.rsplit(":", 1)[1]))
