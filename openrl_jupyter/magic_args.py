@@ -147,7 +147,9 @@ def parsers() -> dict[str, MagicArgumentParser]:
     t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
     t.add_argument("--batch", type=int, default=None, help="prompts per step (default: the model's)")
     t.add_argument("--lr", type=float, default=None, help="learning rate (default: the model's)")
-    t.add_argument("--rank", type=int, default=None, help="LoRA rank (default: the model's); 0: a full fine-tune")
+    t.add_argument(
+        "--rank", type=int, default=None, help="LoRA rank (default: the model's); 0: a full fine-tune"
+    )
     t.add_argument(
         "--max-tokens",
         type=int,

@@ -438,8 +438,32 @@ def render_doc(
                 yes, text = "no", f"the check fails ({o.error_type if o else 'not run'})"
             cell = text.replace("|", "\\|")
             lines.append(f"| {client} | `{m}` | {yes} | {cell} |")
-    lines.append("")
+    lines += ["", *OPTIONS_DOC, ""]
     return "\n".join(lines)
+
+
+# The training surface's options beyond the method list: each row names the tests that hold it.
+OPTIONS_DOC = [
+    "## Options of the training surface",
+    "",
+    "| option | supported | what it does here, and the tests that hold it |",
+    "|---|---|---|",
+    "| `create_lora_training_client(rank=0)` | yes | a full fine-tune: the run trains its own copy of every "
+    "weight (`train_unembed=False` freezes the embeddings); the same losses, checkpoints (a Hugging Face "
+    "folder), recovery and tenancy as a LoRA run; runs beyond the device's share take turns "
+    "(`tests/service/test_full_finetune.py`) |",
+    "| `optimizer=DimuonOptimizerConfig()`, `optim_step(DimuonParams(...))` | yes | Dimuon as "
+    "`openrl_service/training/dimuon.py` defines it (the fields of SDK 0.38 and of older clients); its "
+    "momentum is saved and restored with the optimizer state (`tests/service/test_dimuon.py`) |",
+    '| `loss_fn="stable_reinforce"`, `record_stability_info=True`, datum provenance | yes (alpha) | '
+    "sequences recorded by sequence id for a day after their last use, in the sampling session; the "
+    "loss uses the recorded sampler logprobs (`tests/service/test_stable_reinforce.py`) |",
+    '| `save_weights_and_get_sampling_client(kind="inflight")` | yes | one shared set of weights per '
+    "run, which each later inflight save updates for every inflight client of the run "
+    "(`tests/service/test_stable_reinforce.py`) |",
+    "| tinker-cookbook 0.6.x | not installable | it needs `tml-renderers>=0.4.1`, which PyPI does not "
+    "have (0.2.1); the cookbook's 0.5.8 recipes run unchanged (`tests/e2e`) |",
+]
 
 
 # ==============================================================================================
