@@ -179,6 +179,9 @@ def test_full_runs_beside_lora_runs_and_each_other_match_solo_runs_bit_for_bit(s
         got_b.append(float(futures[1][0].result().metrics["loss:sum"]))
         for s in steps:
             s.result()
+        spilled = list((busy.data_dir / "spill").glob("*.safetensors"))  # the run waiting, on disk
+        assert spilled and all(f.stat().st_mode & 0o777 == 0o600 for f in spilled)
+        assert (busy.data_dir / "spill").stat().st_mode & 0o777 == 0o700
         # sampling a full run while the other holds the device
         sampler = a.save_weights_and_get_sampling_client()
         assert sampler.sample(

@@ -12,7 +12,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import ALICE_KEY
+from tests.conftest import ALICE_KEY, BOB_KEY
 from tests.service.test_full_finetune import solo  # noqa: F401 - the module's service
 
 PROMPT = list(b"Say ab: ")
@@ -163,3 +163,16 @@ def test_inflight_sampling_clients_share_the_runs_weights_and_later_saves_update
     assert moved != start
     assert text(first) == moved  # the earlier inflight client moved to the newer weights
     assert text(snapshot) == start  # a snapshot client keeps its weights
+
+
+def test_another_tenant_cannot_name_my_sequences(solo):  # noqa: F811
+    alice = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
+    bob = tinker.ServiceClient(base_url=solo.url, api_key=BOB_KEY)
+    try:
+        seq = sampled(alice.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0), 1)[0]
+        tc = bob.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
+        with pytest.raises(Exception, match="names no recorded sequence of this session"):
+            tc.forward([rl_datum(PROMPT, seq, 1.0)], "stable_reinforce").result()
+    finally:
+        alice.close("success").result()
+        bob.close("success").result()
