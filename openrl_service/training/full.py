@@ -54,6 +54,16 @@ class FullWeights:
         self.writes = 0
         self.home: Residency | None = None  # a training run's live weights: who moves them
         self.train_state = None  # ...and the TrainState whose gradients and optimizer move with them
+        self._cast: tuple[int, torch.dtype, dict[str, torch.Tensor]] | None = None
+
+    def cast(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in the model's dtype for a pass without gradients (sampling), cast once per
+        version of the weights rather than at every decoded token."""
+        version = self.version
+        if self._cast is None or self._cast[0] != version or self._cast[1] != dtype:
+            with torch.no_grad():
+                self._cast = (version, dtype, {n: t.detach().to(dtype) for n, t in self.weights.items()})
+        return self._cast[2][name]
 
     def touch(self) -> None:
         self.writes += 1
@@ -323,6 +333,7 @@ class Residency:
         return out
 
     def _place(self, weights: FullWeights, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        weights._cast = None  # a sampling copy in the model's dtype goes with the move
         state = weights.train_state
         opt = state.optimizer.state if state is not None else {}
         for name, p in weights.weights.items():
@@ -359,6 +370,12 @@ class Residency:
         path = self._spill_path(key)
         save_file(tensors, str(path))
         os.chmod(path, 0o600)
+        self._release(weights)
+
+    @staticmethod
+    def _release(weights: FullWeights) -> None:
+        """Free the run's tensors (empty placeholders keep every identity the optimizer keys on)."""
+        weights._cast = None
         state = weights.train_state
         opt = state.optimizer.state if state is not None else {}
         for p in weights.weights.values():
@@ -384,7 +401,7 @@ class Residency:
             try:
                 yield
             finally:
-                self._spill(weights, key)
+                self._release(weights)  # the file is unchanged: read, never rewritten
 
 
 def _gib(n: int) -> str:

@@ -193,7 +193,12 @@ class AdapterRouter:
             for name, t in weights.weights.items():
                 slots = self.slots[name]
                 old = slots[0][0]._parameters[slots[0][1]]
-                use = t if t.dtype == old.dtype else t.to(old.dtype)
+                if t.dtype == old.dtype:
+                    use = t
+                elif torch.is_grad_enabled() and t.requires_grad:
+                    use = t.to(old.dtype)  # differentiable: the gradient reaches the float32 master
+                else:
+                    use = weights.cast(name, old.dtype)  # sampling: cast once per version
                 for module, attr in slots:
                     saved.append((module, attr, module._parameters[attr]))
                     module._parameters[attr] = use
