@@ -309,6 +309,30 @@ def test_prompt_logprobs_go_to_torch_with_a_notice(vllm_service, taught):
     assert "prompt logprobs" in info["sampler_notice"], info
 
 
+def test_a_full_fine_tune_is_sampled_by_torch_with_a_notice(vllm_service, sdk):
+    """vLLM here serves LoRA adapters on its one copy of the base: a full run's own weights go to torch,
+    which says so, while LoRA samplers keep using vLLM."""
+    from tinker import types
+
+    full = sdk.create_lora_training_client(base_model=TINY, rank=0, seed=1).result()
+    sft(full, "hello world, hello world", steps=20, lr=3e-3)
+    base = greedy(sdk.create_sampling_client(base_model=TINY)).tokens
+    before = vllm_service.samples()
+    sampler = full.save_weights_and_get_sampling_client().result()
+    tokens = greedy(sampler).tokens
+    assert tokens != base  # the full run's own weights, not the base's
+    after = vllm_service.samples()
+    assert after["torch"] - before["torch"] == 1 and after["vllm"] == before["vllm"]
+    info = httpx.get(
+        f"{vllm_service.url}/api/v1/samplers/{sampler._sampling_session_id}",
+        headers={"X-API-Key": ALICE_KEY},
+        timeout=10,
+    ).json()
+    assert "full fine-tune" in info["sampler_notice"], info
+    lp = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + tokens[:4])).result()
+    assert all(x is not None for x in lp[1:])
+
+
 def test_notebook_api_samples_the_live_adapter_after_each_step(vllm_service):
     """The notebook API samples a run's current (mutable) adapter: vLLM must follow every step."""
     with httpx.Client(base_url=vllm_service.url, headers={"X-API-Key": ALICE_KEY}, timeout=120) as c:
