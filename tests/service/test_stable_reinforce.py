@@ -125,19 +125,6 @@ def test_stable_reinforce_refuses_what_was_not_recorded_naming_the_field(sc):
     assert tc.forward_backward([good], "stable_reinforce").result().metrics["loss:sum"] != 0
 
 
-def test_a_sequence_of_another_session_is_refused(solo):  # noqa: F811
-    first = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
-    second = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
-    try:
-        seq = sampled(first.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0), 1)[0]
-        tc = second.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
-        with pytest.raises(Exception, match="names no recorded sequence of this session"):
-            tc.forward([rl_datum(PROMPT, seq, 1.0)], "stable_reinforce").result()
-    finally:
-        first.close("success").result()
-        second.close("success").result()
-
-
 def test_inflight_sampling_clients_share_the_runs_weights_and_later_saves_update_them(sc):
     tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
@@ -165,14 +152,17 @@ def test_inflight_sampling_clients_share_the_runs_weights_and_later_saves_update
     assert text(snapshot) == start  # a snapshot client keeps its weights
 
 
-def test_another_tenant_cannot_name_my_sequences(solo):  # noqa: F811
-    alice = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
-    bob = tinker.ServiceClient(base_url=solo.url, api_key=BOB_KEY)
+@pytest.mark.parametrize("key", [ALICE_KEY, BOB_KEY], ids=["another-session", "another-tenant"])
+def test_a_sequence_sampled_in_another_session_or_tenant_is_refused(solo, key):  # noqa: F811
+    """Provenance works within one session: neither another session of the same tenant nor another
+    tenant can name the sequences a session recorded."""
+    first = tinker.ServiceClient(base_url=solo.url, api_key=ALICE_KEY)
+    second = tinker.ServiceClient(base_url=solo.url, api_key=key)
     try:
-        seq = sampled(alice.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0), 1)[0]
-        tc = bob.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
+        seq = sampled(first.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0), 1)[0]
+        tc = second.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
         with pytest.raises(Exception, match="names no recorded sequence of this session"):
             tc.forward([rl_datum(PROMPT, seq, 1.0)], "stable_reinforce").result()
     finally:
-        alice.close("success").result()
-        bob.close("success").result()
+        first.close("success").result()
+        second.close("success").result()

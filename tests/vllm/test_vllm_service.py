@@ -158,6 +158,16 @@ def taught(sdk):
     return tc
 
 
+def sampler_notice(vllm_service, sampler) -> str:
+    """Why the service's torch sampler took the sampler's last job (its /samplers record)."""
+    info = httpx.get(
+        f"{vllm_service.url}/api/v1/samplers/{sampler._sampling_session_id}",
+        headers={"X-API-Key": ALICE_KEY},
+        timeout=10,
+    ).json()
+    return info.get("sampler_notice", f"no notice: {info}")
+
+
 def greedy(sampler, n_tokens: int = 24, **kw) -> list[int]:
     from tinker import types
 
@@ -301,12 +311,7 @@ def test_prompt_logprobs_go_to_torch_with_a_notice(vllm_service, taught):
     assert np.abs(np.asarray(got[1:]) - out.loss_fn_outputs[0]["logprobs"].to_numpy()).max() < 1e-4
     assert vllm_service.samples()["torch"] - before["torch"] == 1
     assert vllm_service.samples()["vllm"] == before["vllm"]
-    info = httpx.get(
-        f"{vllm_service.url}/api/v1/samplers/{sampler._sampling_session_id}",
-        headers={"X-API-Key": ALICE_KEY},
-        timeout=10,
-    ).json()
-    assert "prompt logprobs" in info["sampler_notice"], info
+    assert "prompt logprobs" in sampler_notice(vllm_service, sampler)
 
 
 def test_a_full_fine_tune_is_sampled_by_torch_with_a_notice(vllm_service, sdk):
@@ -323,12 +328,7 @@ def test_a_full_fine_tune_is_sampled_by_torch_with_a_notice(vllm_service, sdk):
     assert tokens != base  # the full run's own weights, not the base's
     after = vllm_service.samples()
     assert after["torch"] - before["torch"] == 1 and after["vllm"] == before["vllm"]
-    info = httpx.get(
-        f"{vllm_service.url}/api/v1/samplers/{sampler._sampling_session_id}",
-        headers={"X-API-Key": ALICE_KEY},
-        timeout=10,
-    ).json()
-    assert "full fine-tune" in info["sampler_notice"], info
+    assert "full fine-tune" in sampler_notice(vllm_service, sampler)
     lp = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + tokens[:4])).result()
     assert all(x is not None for x in lp[1:])
 
