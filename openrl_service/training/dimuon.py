@@ -17,7 +17,11 @@ the update's full definition is not published. For each parameter ``P`` (a vecto
     P  ← P − lr · c · D,   c = (32 / r)^exponent for a rank-r LoRA matrix, 1 for a full fine-tune
 
 For a full fine-tune there is no LoRA rank, so no rank correction (c = 1): the docs apply it to LoRA
-matrices only, and a full weight's direction already has one unit singular value per dimension.
+matrices only, and a full weight's direction already has one unit singular value per dimension. A full
+run's embedding matrices (input and output, vocabulary × hidden) are not orthogonalised, as Muon leaves
+embeddings to another rule: their D is X scaled to the same Frobenius norm sqrt(k). Newton-Schulz on a
+vocabulary-sized matrix costs more than the whole forward/backward (SmolLM2-135M: ~15x a step), and a
+token's row should move by its own gradient, not be mixed with every other token's.
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ def matrix_sign(x: torch.Tensor) -> torch.Tensor:
     return y.T if tall else y
 
 
-def direction(m: torch.Tensor, damping: float) -> torch.Tensor:
-    """The unit-singular-value direction D of a momentum ``m`` (see the module's formula)."""
+def direction(m: torch.Tensor, damping: float, orthogonalise: bool = True) -> torch.Tensor:
+    """The unit-singular-value direction D of a momentum ``m`` (see the module's formula);
+    ``orthogonalise=False`` (embeddings) skips the matrix sign."""
     x = m.float().reshape(m.shape[0], -1) if m.dim() > 1 else m.float().reshape(1, -1)
     sq = x * x
     mean = sq.mean()
@@ -70,7 +75,7 @@ def direction(m: torch.Tensor, damping: float) -> torch.Tensor:
     rho = sq.mean(dim=1, keepdim=True) / mean
     gamma = sq.mean(dim=0, keepdim=True) / mean
     x = x / torch.sqrt((rho + damping) * (gamma + damping))
-    o = matrix_sign(x)
+    o = matrix_sign(x) if orthogonalise else x
     k = min(o.shape)
     o = o * (math.sqrt(k) / (torch.linalg.matrix_norm(o) + NS_EPS))
     return o.reshape(m.shape)
@@ -81,9 +86,10 @@ class Dimuon(torch.optim.Optimizer):
 
     State per parameter: ``momentum`` and ``step``, saved with checkpoints like AdamW's moments."""
 
-    def __init__(self, params, lora_rank: int | None):
+    def __init__(self, params, lora_rank: int | None, plain: list[torch.Tensor] = ()):
         super().__init__(params, {"lr": 0.0, "beta1": 0.9, "damping": 1e-4, "exponent": 0.175})
         self.lora_rank = lora_rank
+        self.plain = {id(p) for p in plain}  # embeddings: not orthogonalised
 
     def configure(self, p: DimuonParams) -> None:
         for group in self.param_groups:
@@ -112,5 +118,6 @@ class Dimuon(torch.optim.Optimizer):
                 m = st["momentum"]
                 m.mul_(beta1).add_(p.grad.float(), alpha=1 - beta1)
                 st["step"] += 1
-                p.add_(direction(m, group["damping"]).to(p.dtype), alpha=-lr)
+                d = direction(m, group["damping"], orthogonalise=id(p) not in self.plain)
+                p.add_(d.to(p.dtype), alpha=-lr)
         return None

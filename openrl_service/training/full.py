@@ -55,6 +55,7 @@ class FullWeights:
         self.home: Residency | None = None  # a training run's live weights: who moves them
         self.train_state = None  # ...and the TrainState whose gradients and optimizer move with them
         self._cast: tuple[int, torch.dtype, dict[str, torch.Tensor]] | None = None
+        self.embeddings: list[str] = []  # the vocabulary-sized ones (set by the Trainer)
 
     def cast(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in the model's dtype for a pass without gradients (sampling), cast once per

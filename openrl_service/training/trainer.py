@@ -207,7 +207,9 @@ def make_optimizer(adapter: Adapter | FullWeights, kind: str | None = None) -> t
     """The run's optimizer (``kind``, else its spec's): AdamW or Dimuon over its tensors."""
     kind = kind or adapter.spec.optimizer
     if kind == "dimuon":
-        return Dimuon(adapter.parameters(), None if adapter.full else adapter.spec.rank)
+        if adapter.full:
+            return Dimuon(adapter.parameters(), None, plain=[adapter.weights[n] for n in adapter.embeddings])
+        return Dimuon(adapter.parameters(), adapter.spec.rank)
     # foreach: one call per update stage over all the adapter's tensors instead of a Python loop over
     # them (torch's CPU default); the same arithmetic, bit for bit, ~25 % less time per step on CPU.
     return torch.optim.AdamW(
@@ -249,6 +251,9 @@ class Trainer:
         return self.state_for(adapter)
 
     def state_for(self, adapter: Adapter | FullWeights) -> TrainState:
+        if adapter.full:  # which of its tensors are embeddings (Dimuon treats them apart)
+            groups = self.base.router.param_groups
+            adapter.embeddings = [n for n in adapter.weights if groups.get(n) == "unembed"]
         state = TrainState(
             spec=adapter.spec,
             adapter=adapter,

@@ -60,6 +60,15 @@ def test_dimuon_rank_correction_and_momentum():
     assert torch.equal(off, at32)
     full = update(Dimuon, grad, learning_rate=0.01, beta1=0.0)  # a full fine-tune: no LoRA rank
     assert torch.equal(full, at32)
+    # a full run's embeddings are not orthogonalised: the preconditioned momentum, at the same norm
+    p = torch.zeros(16, 48, requires_grad=True)
+    p.grad = grad.clone()
+    opt = Dimuon([p], lora_rank=None, plain=[p])
+    opt.configure(DimuonParams(learning_rate=1.0, beta1=0.0))
+    opt.step()
+    s = torch.linalg.svdvals(p.detach())
+    assert float(s.max() / s.min()) > 2 and math.isclose(float(s.norm()), 4.0, rel_tol=1e-4)
+    assert torch.allclose(p.detach(), -direction(grad, 1e-4, orthogonalise=False))
     # the momentum is an EMA: two steps with beta1 = 0.5 follow the average of the two gradients
     p = torch.zeros(16, 48, requires_grad=True)
     opt = Dimuon([p], lora_rank=None)
