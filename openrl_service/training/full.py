@@ -15,9 +15,11 @@ it is served: :func:`footprint` (AdamW: 4 bytes × 4 per parameter, Dimuon 4 × 
 for full runs (OPENRL_FULL_RUN_BUDGET_BYTES) is the :class:`Residency`'s budget: a run that alone
 needs more is refused when it is created, with the numbers; any other is admitted, and runs take
 turns. Before a run is served its tensors are brought to the device, and the least recently served
-runs are moved out until it fits: to host memory while the host share (OPENRL_FULL_HOST_BUDGET_BYTES;
-0 when the device is the CPU) has room, else to a file on disk (``<data>/spill``). Moving out and
-back is exact (the same bits), so a run that took turns computes exactly what it would have alone.
+runs are moved out until it fits: to the host share (OPENRL_FULL_HOST_BUDGET_BYTES; off when the device
+is the CPU), whose own least recently served runs go on to a file on disk (``<data>/spill``) to make
+room, or straight to disk when the host share cannot hold it. So the longer a run has waited, the
+further away it is. Moving out and back is exact (the same bits), so a run that took turns computes
+exactly what it would have alone.
 """
 
 from __future__ import annotations
@@ -202,10 +204,13 @@ class Residency:
         budget_bytes: int | None,
         host_bytes: int,
         spill_dir: Path | None,
+        host_tier_on_cpu: bool = False,
     ):
         self.device = torch.device(device)
         self.budget = budget_bytes  # None: no limit (every run stays on the device)
-        self.host_budget = host_bytes if self.device.type != "cpu" else 0
+        # on a CPU device host memory is the device's: runs go straight to disk (``host_tier_on_cpu``
+        # keeps the host tier, so its order of moves can be tested without a GPU)
+        self.host_budget = host_bytes if (self.device.type != "cpu" or host_tier_on_cpu) else 0
         self.spill_dir = spill_dir
         self.runs: OrderedDict[int, FullWeights] = OrderedDict()  # least recently served first
         self.where: dict[int, str] = {}  # "device" | "host" | "disk"
@@ -297,9 +302,21 @@ class Residency:
             self._evict(key)
 
     def _evict(self, key: int) -> None:
+        """Move a run off the device: to the host share when it fits there at all (the least recently
+        served runs already on the host go on to disk to make room), else to disk."""
         weights = self.runs[key]
         t0 = time.perf_counter()
-        if self.host_budget and self._on("host") + self.need[key] <= self.host_budget:
+        if self.host_budget and self.need[key] <= self.host_budget:
+            for other in list(self.runs):  # least recently served first
+                if self._on("host") + self.need[key] <= self.host_budget:
+                    break
+                if other != key and self.where[other] == "host":
+                    t1 = time.perf_counter()
+                    self._spill(self.runs[other], other)
+                    self.where[other] = "disk"
+                    self.moves["out_disk"] += 1
+                    self.seconds["out_disk"] += time.perf_counter() - t1
+            t0 = time.perf_counter()
             self._move(weights, torch.device("cpu"))
             self.where[key], tier = "host", "out_host"
         else:
@@ -308,14 +325,6 @@ class Residency:
         self.moves[tier] += 1
         self.seconds[tier] += time.perf_counter() - t0
         log.info("full run weights %x moved to %s", key, self.where[key])
-        # the host share is full: the least recently served host-held runs go on to disk
-        for other in list(self.runs):
-            if self._on("host") <= self.host_budget:
-                break
-            if other != key and self.where[other] == "host":
-                self._spill(self.runs[other], other)
-                self.where[other] = "disk"
-                self.moves["out_disk"] += 1
 
     # -- moving tensors --------------------------------------------------------------------------
     @staticmethod

@@ -300,3 +300,47 @@ def weights_in(data_dir: Path, tinker_path: str) -> dict[str, torch.Tensor]:
     return load_file(
         next(data_dir.glob(f"tenants/*/runs/{run_id.replace(':', '~')}/{rest}")) / "model.safetensors"
     )
+
+
+def test_runs_move_to_host_memory_first_then_to_disk_and_come_back_exactly(tmp_path, tiny_model_dir):
+    """The Residency's order, in process: the least recently served run moves to the host share while
+    it has room, the next one to disk; every run, brought back, continues bit for bit as if alone.
+    (On a CPU device the host share is normally off, since host memory is the device's: turned on here
+    so the order of moves is exercised without a GPU.)"""
+    from openrl_service.models.loading import load_base_model
+    from openrl_service.training.full import Residency
+    from openrl_service.training.lora import LoraSpec
+    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer
+
+    base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
+    seq = np.array(TEXT[0], dtype=np.int64)
+    data = [DatumArrays(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(len(seq) - 1, np.float32)})]
+    one = Trainer(base).footprint(LoraSpec(rank=0))
+    res = Residency(
+        base.device,
+        budget_bytes=int(one * 1.5),
+        host_bytes=int(one * 1.5),
+        spill_dir=tmp_path / "spill",
+        host_tier_on_cpu=True,
+    )
+    shared, alone = Trainer(base, residency=res), Trainer(base)
+
+    def step_(trainer, st, lr):
+        trainer.forward_backward(st, data, "cross_entropy", {}, forward_only=False)
+        trainer.optim_step(st, AdamParams(learning_rate=lr))
+
+    lrs = [1e-3, 2e-3, 3e-3]
+    runs = [shared.new_state(LoraSpec(rank=0), 0) for _ in lrs]
+    for _ in range(2):
+        for st, lr in zip(runs, lrs, strict=True):
+            step_(shared, st, lr)
+    where = [res.where[id(st.adapter)] for st in runs]
+    assert where == ["disk", "host", "device"], where  # least recently served is furthest away
+    assert res.moves["out_host"] >= 1 and res.moves["out_disk"] >= 1
+    for st, lr in zip(runs, lrs, strict=True):
+        ref = alone.new_state(LoraSpec(rank=0), 0)
+        for _ in range(2):
+            step_(alone, ref, lr)
+        got = st.adapter.state_dict()  # brings it back
+        assert_same(got, ref.adapter.state_dict())
+        assert_same(Trainer.optimizer_tensors(st), Trainer.optimizer_tensors(ref))
