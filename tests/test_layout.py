@@ -158,10 +158,12 @@ def test_no_module_grows_past_the_limit_unless_named_with_its_reason():
 
 def test_the_shared_loss_list_is_the_services_and_the_notebooks():
     """openrl_common.protocol.RL_LOSSES is what the service's train step takes (every built-in loss
-    but cross_entropy) and what the notebook offers: one list, not copies that drift."""
+    but cross_entropy, and stable_reinforce, which names Tinker sampling records by datum provenance)
+    and what the notebook offers: one list, not copies that drift."""
     from openrl_common.protocol import RL_LOSSES
     from openrl_jupyter.config import LOSSES as NOTEBOOK_LOSSES
     from openrl_service.training.losses import LOSSES
 
-    assert tuple(name for name in LOSSES if name != "cross_entropy") == RL_LOSSES
+    tinker_only = ("cross_entropy", "stable_reinforce")
+    assert tuple(name for name in LOSSES if name not in tinker_only) == RL_LOSSES
     assert NOTEBOOK_LOSSES == RL_LOSSES
