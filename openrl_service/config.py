@@ -41,6 +41,9 @@ class Limits:
     max_tokens: int = 4096  # OPENRL_MAX_TOKENS (sampling)
     max_rank: int = 128  # OPENRL_MAX_RANK
     max_runs_per_tenant: int = 64  # OPENRL_MAX_RUNS_PER_TENANT
+    # OPENRL_MAX_FULL_RUNS_PER_TENANT: live full fine-tunes (rank 0) among them; each holds a whole copy
+    # of the model's training state, which takes the device in turns with everyone's and waits on disk
+    max_full_runs_per_tenant: int = 4
     max_sessions_per_tenant: int = 256  # OPENRL_MAX_SESSIONS_PER_TENANT: live (not finished) sessions
     # OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT: a tenant's checkpoints on disk, all kinds together
     max_checkpoint_bytes_per_tenant: int = 50 << 30

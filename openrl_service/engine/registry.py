@@ -292,13 +292,21 @@ class Registry:
             return self.models[entry.base_model].base
         return self.require_ready()
 
-    def _check_run_quota(self, tenant: str) -> None:
-        n = sum(1 for r in self.runs.values() if r.tenant == tenant)
-        if n >= self.limits.max_runs_per_tenant:
+    def _check_run_quota(self, tenant: str, spec: LoraSpec) -> None:
+        mine = [r for r in self.runs.values() if r.tenant == tenant]
+        if len(mine) >= self.limits.max_runs_per_tenant:
             raise QuotaExceeded(
                 f"a tenant may hold at most {self.limits.max_runs_per_tenant} live runs (OPENRL_MAX_RUNS_PER_TENANT); "
                 f"finish a session to free its runs",
                 field="model_id",
+            )
+        full = sum(1 for r in mine if r.spec.full)
+        if spec.full and full >= self.limits.max_full_runs_per_tenant:
+            raise QuotaExceeded(
+                f"rank: a tenant may hold at most {self.limits.max_full_runs_per_tenant} live full fine-tunes "
+                f"(rank 0; OPENRL_MAX_FULL_RUNS_PER_TENANT), each a whole copy of the model's training state; "
+                f"finish a session to free its runs, or train a LoRA (rank >= 1)",
+                field="rank",
             )
 
     def _register_run(
@@ -317,7 +325,7 @@ class Registry:
             existing = self.runs.get(run_id)
             if existing is not None:
                 return existing
-            self._check_run_quota(tenant)
+            self._check_run_quota(tenant, spec)
             run = RunState(
                 run_id=run_id,
                 tenant=tenant,

@@ -119,6 +119,37 @@ def test_live_runs_are_a_per_tenant_quota_and_a_neighbour_can_still_create(make_
     bob.close("success").result()
 
 
+def test_full_fine_tunes_are_a_per_tenant_quota_and_a_neighbour_can_still_start_one(make_server):
+    """The attack: alice opens full fine-tunes (rank 0) until every other full run on the device spends its
+    time waiting on disk, and the spill folder fills the disk. Each is a whole copy of the model's
+    training state, so a tenant holds at most OPENRL_MAX_FULL_RUNS_PER_TENANT of them."""
+    live = make_server(limits=Limits(max_full_runs_per_tenant=1))
+    alice = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    alice.create_lora_training_client(base_model=TINY, rank=0).result()
+    with pytest.raises(tinker.APIStatusError) as refused:
+        alice.create_lora_training_client(base_model=TINY, rank=0).result()
+    text = str(refused.value)
+    assert refused.value.status_code == 403, text
+    assert "OPENRL_MAX_FULL_RUNS_PER_TENANT" in text and "rank" in text and "LoRA" in text, text
+    alice.create_lora_training_client(base_model=TINY, rank=2).result()  # a LoRA run still may start
+    bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
+    bobs = bob.create_lora_training_client(base_model=TINY, rank=0).result()  # a neighbour's full run too
+    assert bobs.forward_backward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([1, 2, 3]),
+                loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3},
+            )
+        ],
+        "cross_entropy",
+    ).result().metrics
+    alice.close("success").result()  # finishing the session frees its runs
+    again = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    again.create_lora_training_client(base_model=TINY, rank=0).result()
+    again.close("success").result()
+    bob.close("success").result()
+
+
 def test_a_tenant_filling_the_queue_does_not_get_a_neighbours_sampling_refused(make_server):
     """The attack: bob queues sampling requests until the service's queue is full, so that alice's
     sampling is refused with 429. Over OPENRL_MAX_QUEUED_TOTAL only a tenant holding at least its
