@@ -134,15 +134,19 @@ def test_full_fine_tunes_are_a_per_tenant_quota_and_a_neighbour_can_still_start_
     alice.create_lora_training_client(base_model=TINY, rank=2).result()  # a LoRA run still may start
     bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
     bobs = bob.create_lora_training_client(base_model=TINY, rank=0).result()  # a neighbour's full run too
-    assert bobs.forward_backward(
-        [
-            types.Datum(
-                model_input=types.ModelInput.from_ints([1, 2, 3]),
-                loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3},
-            )
-        ],
-        "cross_entropy",
-    ).result().metrics
+    assert (
+        bobs.forward_backward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0] * 3},
+                )
+            ],
+            "cross_entropy",
+        )
+        .result()
+        .metrics
+    )
     alice.close("success").result()  # finishing the session frees its runs
     again = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
     again.create_lora_training_client(base_model=TINY, rank=0).result()
