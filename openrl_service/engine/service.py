@@ -259,7 +259,7 @@ class TrainingService(Registry):
         trainer = self.models[base_model].trainer
 
         def work():
-            run.state = trainer.new_state(spec, seed)
+            self._adopt(run, trainer.new_state(spec, seed))
             self._write_run_meta(run)
             return {"model_id": run.run_id}
 
@@ -324,16 +324,30 @@ class TrainingService(Registry):
         def work():
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
             if spec.full:
-                model.trainer.residency._make_room(model.trainer.footprint(spec), keep=-1)
+                model.trainer.residency.make_room(model.trainer.footprint(spec))
             adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True)
             state = model.trainer.state_for(adapter)
-            if opt is not None:
-                Trainer.load_optimizer_tensors(state, opt)
-            run.state = state
+            try:
+                if opt is not None:
+                    Trainer.load_optimizer_tensors(state, opt)
+            except BaseException:
+                if adapter.full and adapter.home is not None:
+                    adapter.home.drop(adapter)  # its device share, taken by state_for
+                raise
+            self._adopt(run, state)
             self._write_run_meta(run, source_checkpoint=ref.path)
             return {"model_id": run.run_id, "path": ref.path}
 
         return self._submit_run(run, 0, "load_weights", work, idem, call=call, model_id=run.run_id)
+
+    def _adopt(self, run: RunState, state) -> None:
+        """Give a new run its state, made on the worker; if its session finished meanwhile (the finish
+        found no state to free), a full run's device share and spill file go now, not at restart."""
+        run.state = state
+        with self._lock:
+            live = self.runs.get(run.run_id) is run
+        if not live and state.adapter.full and state.adapter.home is not None:
+            state.adapter.home.drop(state.adapter)
 
     def _submit_run(
         self,
@@ -684,6 +698,13 @@ class TrainingService(Registry):
 
                 raise UserError(
                     f"path: {ref.path} {kind(manifest['lora']['rank'])}, this run {kind(run.spec.rank)}",
+                    field="path",
+                )
+            held = spec_from_manifest(manifest).optimizer
+            if optimizer and held != run.spec.optimizer:  # refused before the weights are touched
+                raise UserError(
+                    f"path: {ref.path} holds {held} optimizer state; this run uses {run.spec.optimizer} "
+                    "(load it without the optimizer, or into a run created with the same optimizer)",
                     field="path",
                 )
             base = self.model_of(run).base

@@ -195,7 +195,8 @@ def footprint(base, spec, optimizer_slots: int = 2) -> int:
 class Residency:
     """Which full runs' tensors are on the device; least recently served ones wait elsewhere.
 
-    Runs on the engine's worker thread only (every caller is an op)."""
+    The engine's worker moves runs (every caller of ``ensure`` / ``make_room`` is an op); a finished
+    session drops its run from a request thread. Every entry point takes the lock."""
 
     def __init__(
         self,
@@ -241,6 +242,12 @@ class Residency:
             self._make_room(need, keep=key)
             self._add(weights, state, need, key)
 
+    def make_room(self, need: int) -> None:
+        """Move least recently served runs out until ``need`` more bytes fit (before a new run's copy
+        is made)."""
+        with self._lock:
+            self._make_room(need, keep=-1)
+
     def _add(self, weights: FullWeights, state, need: int, key: int) -> None:
         weights.home, weights.train_state = self, state
         self.runs[key] = weights
@@ -262,6 +269,10 @@ class Residency:
         weights.home = None
 
     def status(self) -> dict:
+        with self._lock:  # read from the metrics thread while the worker moves runs
+            return self._status()
+
+    def _status(self) -> dict:
         return {
             "budget_bytes": self.budget,
             "host_budget_bytes": self.host_budget,
@@ -378,8 +389,13 @@ class Residency:
         self.spill_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self._tensors(weights).items()}
         path = self._spill_path(key)
-        save_file(tensors, str(path))
-        os.chmod(path, 0o600)
+        try:
+            save_file(tensors, str(path))
+            os.chmod(path, 0o600)
+        except BaseException:  # a full disk: the run stays where it was, no partial file is left
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
         self._release(weights)
 
     @staticmethod

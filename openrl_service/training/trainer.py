@@ -245,7 +245,7 @@ class Trainer:
 
     def new_state(self, spec: LoraSpec, seed: int) -> TrainState:
         if spec.full:
-            self.residency._make_room(self.footprint(spec), keep=-1)  # before the copy is made
+            self.residency.make_room(self.footprint(spec))  # before the copy is made
             return self.state_for(new_full_weights(self.base, spec))
         adapter = new_adapter(spec, self.base.targets, seed=seed, device=self.base.device)
         return self.state_for(adapter)
@@ -565,16 +565,34 @@ def accumulating_grads(states: list[TrainState]) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        gone = _back_on_device(distinct.values())
         for p, g in zip(params, stash, strict=True):
-            p.grad = g
+            if id(p) not in gone:
+                p.grad = g
         for k, st in distinct.items():
             st.pending_backward = pending[k]
         raise
+    gone = _back_on_device(distinct.values())
     for p, g in zip(params, stash, strict=True):
-        if g is not None:
+        if g is not None and id(p) not in gone:
             p.grad = g if p.grad is None else g.add_(p.grad)
     for k, st in distinct.items():  # calls made inside the block (a sliced call's slices) count as one
         st.pending_backward = pending[k] + sum(1 for s in states if s is st)
+
+
+def _back_on_device(states) -> set[int]:
+    """Between a sliced call's slices another run's op may have moved a full run off the device:
+    bring it back before its set-aside gradient is restored. A run dropped meanwhile (its session
+    finished) gets nothing back; its parameters' ids are returned."""
+    gone: set[int] = set()
+    for st in states:
+        if not st.adapter.full:
+            continue
+        if st.adapter.home is None:
+            gone.update(id(p) for p in st.adapter.parameters())
+        else:
+            st.adapter.ensure_resident()
+    return gone
 
 
 def merge_stats(acc: dict[str, float], stats: dict[str, float] | None) -> None:

@@ -14,7 +14,7 @@ from openrl_service.errors import UserError
 from openrl_service.training.dimuon import Dimuon, DimuonParams, direction
 from openrl_service.training.trainer import dimuon_params, optim_params, optimizer_kind
 from tests.conftest import ALICE_KEY
-from tests.service.test_full_finetune import TEXT, assert_same, datum, folder, solo  # noqa: F401
+from tests.service.test_full_finetune import TEXT, assert_same, datum, folder, solo, step  # noqa: F401
 
 DIMUON = types.DimuonOptimizerConfig()
 
@@ -150,6 +150,10 @@ def test_the_sdk_trains_with_dimuon_and_resumes_it_exactly(solo, rank):  # noqa:
         adam.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
     # Dimuon state cannot be restored into an AdamW run
     switched = sc.create_training_client_from_state(mid, optimizer=types.AdamOptimizerConfig())
+    step(switched, 1)  # its weights move away from mid's
+    before = load_file(folder(solo, switched.save_state("before").result().path) / name)
     with pytest.raises(Exception, match="holds dimuon optimizer state"):
         switched.load_state_with_optimizer(mid).result()
+    # refused before anything was loaded: the run's weights are its own still
+    assert_same(load_file(folder(solo, switched.save_state("after").result().path) / name), before)
     sc.close("success").result()

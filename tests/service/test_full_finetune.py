@@ -344,3 +344,91 @@ def test_runs_move_to_host_memory_first_then_to_disk_and_come_back_exactly(tmp_p
         got = st.adapter.state_dict()  # brings it back
         assert_same(got, ref.adapter.state_dict())
         assert_same(Trainer.optimizer_tensors(st), Trainer.optimizer_tensors(ref))
+
+
+def test_a_run_moved_off_between_a_calls_slices_gets_its_gradient_back_exactly(tmp_path, tiny_model_dir):
+    """A call cut into slices (other runs' ops run between them) sets the run's earlier gradient aside;
+    if another full run's op moved this one to disk meanwhile, the gradient comes back when the call
+    ends: the step equals one taken alone."""
+    from openrl_service.models.loading import load_base_model
+    from openrl_service.training.full import Residency
+    from openrl_service.training.lora import LoraSpec
+    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer, accumulating_grads
+
+    base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
+    seqs = [np.array(t, dtype=np.int64) for t in TEXT]
+    data = [
+        [DatumArrays(s[:-1], {"target_tokens": s[1:], "weights": np.ones(len(s) - 1, np.float32)})]
+        for s in seqs
+    ]
+    one = Trainer(base).footprint(LoraSpec(rank=0))
+    res = Residency(base.device, budget_bytes=int(one * 1.5), host_bytes=0, spill_dir=tmp_path / "spill")
+    shared, alone = Trainer(base, residency=res), Trainer(base)
+
+    def fb(trainer, st, k):
+        trainer.forward_backward(st, data[k], "cross_entropy", {}, forward_only=False)
+
+    mine, other = (shared.new_state(LoraSpec(rank=0), 0) for _ in range(2))
+    fb(shared, mine, 0)  # an earlier call's gradient, pending
+    with accumulating_grads([mine]):  # a sliced call: its first slice, then another run's op
+        fb(shared, mine, 1)
+        fb(shared, other, 2)
+        assert res.where[id(mine.adapter)] == "disk"
+    shared.optim_step(mine, AdamParams(learning_rate=1e-3))
+
+    ref = alone.new_state(LoraSpec(rank=0), 0)
+    fb(alone, ref, 0)
+    with accumulating_grads([ref]):
+        fb(alone, ref, 1)
+    alone.optim_step(ref, AdamParams(learning_rate=1e-3))
+    assert_same(mine.adapter.state_dict(), ref.adapter.state_dict())
+    assert mine.pending_backward == 0 and ref.pending_backward == 0
+
+
+def test_a_full_run_whose_session_finishes_while_it_is_made_leaves_nothing_behind(tmp_path, tiny_model_dir):
+    """The session of a full run is finished while the worker is still making its copy of the model:
+    the copy is not kept (no device share, no spill file), and the tenant's full-run quota is free."""
+    import shutil
+    import threading
+
+    from openrl_service.config import Limits, Settings
+    from openrl_service.engine.service import TrainingService
+    from tests._support.raw import RawTinker
+    from tests.conftest import free_port
+    from tests.service.test_shutdown import in_thread, wait_for
+
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "openrl-tiny")
+    settings = Settings(
+        data_dir=tmp_path, port=free_port(), no_auth=True, limits=Limits(max_full_runs_per_tenant=1)
+    )
+    svc = TrainingService(settings)
+    with in_thread(settings, svc) as (_, http):
+        wait_for(lambda: http.get("/readyz").json()["state"] == "ready", "ready")
+        trainer = svc.models["openrl/tiny"].trainer
+        made, go = threading.Event(), threading.Event()
+        new_state = trainer.new_state
+
+        def slow(spec, seed):  # the copy is made; the session finishes before the op ends
+            state = new_state(spec, seed)
+            made.set()
+            go.wait(60)
+            return state
+
+        trainer.new_state = slow
+        raw = RawTinker(http)
+        sid = raw.session()
+        r = raw.post(
+            "create_model", session_id=sid, model_seq_id=0, base_model="openrl/tiny", lora_config={"rank": 0}
+        )
+        assert r.status_code == 200, r.text
+        assert made.wait(60)
+        assert trainer.residency.runs  # the copy exists, on the device
+        raw.finish_sessions()
+        go.set()
+        raw.result(r.json()["request_id"])
+        wait_for(lambda: not trainer.residency.runs, "the copy to be dropped", 30)
+        trainer.new_state = new_state
+        again = raw.session()  # the quota of one full run is free again
+        raw.create_model(again, rank=0)
+        assert len(trainer.residency.runs) == 1
+        raw.finish_sessions()
