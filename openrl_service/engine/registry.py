@@ -390,8 +390,11 @@ class Registry:
         """Keep the adapters held in memory within each tenant's share and the service's budget.
 
         A tenant over OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT loses its own least recently used
-        snapshot; over the service's count or bytes, the tenant holding the most snapshots loses its
-        least recently used one — so one tenant's flood never evicts a neighbour that holds fewer. A
+        snapshot; over the service's count, the tenant holding the most snapshots loses its least
+        recently used one, and over its bytes the tenant holding the most bytes (a full fine-tune's
+        snapshot is a whole model) — so one tenant's flood never evicts a neighbour that holds less.
+        Inflight clients sharing one set of weights count it once. A snapshot that alone makes its
+        owner the heaviest with nothing older to give is kept without evicting anyone else. A
         checkpoint-backed sampler only drops its tensors (they reload from disk on its next request);
         an ephemeral snapshot is forgotten. Caller holds the lock."""
         s = self.settings
@@ -402,26 +405,35 @@ class Registry:
         per_tenant: dict[str, list[SamplerEntry]] = {}
         for x in loaded:  # each tenant's, least recently used first
             per_tenant.setdefault(x.tenant, []).append(x)
-        count = len(loaded) + (keep.adapter is not None)
-        total = sum(x.adapter.nbytes() for x in loaded) + (keep.adapter.nbytes() if keep.adapter else 0)
-        mine = per_tenant.get(keep.tenant, [])
+        per_tenant.setdefault(keep.tenant, [])
+        mine = per_tenant[keep.tenant]
         cap = max(1, s.max_sampler_snapshots_per_tenant)
         victims: list[SamplerEntry] = []
         while mine and len(mine) + (keep.adapter is not None) > cap:
             victims.append(mine.pop(0))
-        for old in victims:
-            count -= 1
-            total -= old.adapter.nbytes()
-        while count > s.max_sampler_snapshots or total > s.max_sampler_snapshot_bytes:
-            held = [v for v in per_tenant.values() if v]
-            if not held:
+        size: dict[int, int] = {}
+
+        def nbytes(entries: list[SamplerEntry]) -> int:
+            seen = {id(x.adapter): x.adapter for x in entries}  # a shared (inflight) adapter once
+            return sum(size.setdefault(k, a.nbytes()) for k, a in seen.items())
+
+        def held(tenant: str) -> list[SamplerEntry]:
+            extra = [keep] if tenant == keep.tenant and keep.adapter is not None else []
+            return per_tenant[tenant] + extra
+
+        while True:
+            every = [x for t in per_tenant for x in held(t)]
+            over_count = len(every) > s.max_sampler_snapshots
+            if not over_count and nbytes(every) <= s.max_sampler_snapshot_bytes:
                 break
-            # the tenant holding the most (keep counted with its owner), then the oldest snapshot
-            heaviest = max(held, key=lambda v: (len(v) + (v[0].tenant == keep.tenant), -v[0].last_used))
-            old = heaviest.pop(0)
-            victims.append(old)
-            count -= 1
-            total -= old.adapter.nbytes()
+            weigh = len if over_count else nbytes
+            heaviest = max(
+                (t for t in per_tenant if held(t)),
+                key=lambda t: (weigh(held(t)), -held(t)[0].last_used),  # ties: the oldest snapshot
+            )
+            if not per_tenant[heaviest]:
+                break  # only the new snapshot: its owner is over on its own, nobody else pays for it
+            victims.append(per_tenant[heaviest].pop(0))
         for old in victims:
             if old.model_path is not None:
                 old.adapter = None

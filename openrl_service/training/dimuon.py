@@ -3,7 +3,7 @@
 What Tinker documents (DimuonParams): the learning rate applies to a direction with Frobenius norm
 sqrt(rank); a rank correction relative to rank 32, with exponent ``rank_lr_correction_exponent``
 (0.175; 0 turns it off), applies uniformly to all LoRA matrices; ``beta1`` is the EMA coefficient of
-the momentum; ``grad_clip_norm`` clips the global gradient norm (<= 0: off); ``damping`` (> 0)
+the momentum; ``grad_clip_norm`` clips the global gradient norm (<= 0: off); ``damping`` (>= 1e-8)
 smooths a row and column preconditioner; the matrix-sign iteration count and its normalisation
 epsilon are internal constants; there is no weight decay. The rest is this service's reading, since
 the update's full definition is not published. For each parameter ``P`` (a vector is a 1 × n matrix):

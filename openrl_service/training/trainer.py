@@ -88,6 +88,9 @@ def optimizer_config(kind: str) -> dict:
     return {"type": "dimuon", "version": 1} if kind == "dimuon" else {"type": "adamw"}
 
 
+MIN_DAMPING = 1e-8  # Dimuon's damping: below it the float32 preconditioner can divide 0 by 0
+
+
 def dimuon_params(raw: Any) -> DimuonParams:
     """``optimizer_params`` of type "dimuon", every field range-checked (SDK 0.38 sends learning_rate,
     grad_clip_norm and beta1; older clients damping and rank_lr_correction_exponent too)."""
@@ -125,8 +128,11 @@ def dimuon_params(raw: Any) -> DimuonParams:
             )
     if raw.get("damping") is not None:
         out.damping = number(raw["damping"], "optimizer_params.damping", 0, big)
-        if out.damping <= 0:
-            raise UserError("optimizer_params.damping must be > 0", field="optimizer_params.damping")
+        if out.damping < MIN_DAMPING:  # smaller underflows in float32: a zero row and column give 0/0
+            raise UserError(
+                f"optimizer_params.damping must be >= {MIN_DAMPING:g}; got {out.damping!r}",
+                field="optimizer_params.damping",
+            )
     if raw.get("rank_lr_correction_exponent") is not None:
         out.rank_lr_correction_exponent = number(
             raw["rank_lr_correction_exponent"], "optimizer_params.rank_lr_correction_exponent", -8, 8

@@ -15,6 +15,7 @@ from tinker import types
 from openrl_service.config import Limits
 from tests._support.raw import RawTinker
 from tests.conftest import ALICE_KEY, BOB_KEY, TINY
+from tests.service.test_full_finetune import footprint
 
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [11, 12]}]}
 
@@ -47,6 +48,31 @@ def test_a_tenant_filling_the_snapshot_budget_evicts_its_own_snapshots_not_a_nei
         assert newest.status_code == 200, newest.text
         alice.finish_sessions()
         bob.finish_sessions()
+
+
+def test_over_the_byte_budget_the_tenant_holding_the_most_bytes_gives_way(make_server, tiny_model_dir):
+    """The attack: alice's full fine-tune makes sampler snapshots, each a whole copy of the model, until
+    the service's snapshot bytes are full. Bob holds more snapshots than she does, but small LoRA ones:
+    over the byte budget the tenant holding the most bytes gives way, not the one holding the most
+    snapshots; and a snapshot bigger than the whole budget is kept without costing anybody else."""
+    whole = footprint(tiny_model_dir) // 4  # one float32 copy of the tiny model
+    for budget in (int(whole * 1.5), int(whole * 0.5)):  # room for one full snapshot; for none
+        live = make_server(max_sampler_snapshot_bytes=budget)
+        with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
+            alice, bob = RawTinker(a), RawTinker(b)
+            bob_model = bob.create_model(bob.session(), rank=2)
+            bobs = [_snapshot(bob, bob_model, seq) for seq in (1, 2, 3)]
+            alice_model = alice.create_model(alice.session(), rank=0)
+            alices = [_snapshot(alice, alice_model, seq) for seq in (1, 2)]
+            for sid in bobs:
+                ok = bob.post("asample", sampling_session_id=sid, num_samples=1, prompt=PROMPT)
+                assert ok.status_code == 200, (budget, ok.text)
+            first = alice.post("asample", sampling_session_id=alices[0], num_samples=1, prompt=PROMPT)
+            assert first.status_code == 404 and "evicted" in first.json()["error"], first.text
+            newest = alice.post("asample", sampling_session_id=alices[1], num_samples=1, prompt=PROMPT)
+            assert newest.status_code == 200, newest.text
+            alice.finish_sessions()
+            bob.finish_sessions()
 
 
 def test_a_tenant_has_its_own_snapshot_quota_named_when_its_sampler_was_evicted(make_server):

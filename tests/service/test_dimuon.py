@@ -93,6 +93,7 @@ def test_dimuon_parameters_are_checked_naming_the_field():
         ({}, "optimizer_params.learning_rate"),
         ({"learning_rate": 1e-3, "beta1": 1.0}, "optimizer_params.beta1"),
         ({"learning_rate": 1e-3, "damping": 0}, "optimizer_params.damping"),
+        ({"learning_rate": 1e-3, "damping": 1e-30}, "optimizer_params.damping"),
         ({"learning_rate": 1e-3, "nesterov": True}, "optimizer_params.nesterov"),
         ({"learning_rate": float("nan")}, "optimizer_params.learning_rate"),
     ]
