@@ -114,6 +114,8 @@ class Settings:
     max_sampler_snapshots_per_tenant: int = 64
     # sequences a tenant's record_stability_info samplers keep for stable_reinforce (engine/stability.py)
     max_stability_records: int = 65536
+    # OPENRL_MAX_STABILITY_BYTES: all tenants' records together; over it the heaviest tenant gives way
+    max_stability_bytes: int = 1 << 30
     min_ttl_s: float = 3600.0  # OPENRL_MIN_TTL_S: shortest checkpoint TTL accepted (Tinker: 1 hour)
     session_idle_timeout_s: float = 3600.0  # OPENRL_SESSION_IDLE_TIMEOUT_S: no heartbeat/request → finished
     # OPENRL_DRAIN_GRACE_S / --drain-grace-s: on SIGTERM, how long accepted work may take to finish

@@ -185,8 +185,8 @@ def build_router(svc: TrainingService) -> APIRouter:
             config = loss_config(msg)
             if msg.loss_fn == "stable_reinforce":  # the sampler's recorded logprobs, by provenance
                 run = svc.run(tenant(request), msg.model_id)
-                data = svc.stability.resolve(
-                    run.tenant, run.session_id, data, [spans_of(d) for d in msg.data]
+                data = await run_in_threadpool(  # up to a span per token: off the event loop
+                    svc.stability.resolve, run.tenant, run.session_id, data, [spans_of(d) for d in msg.data]
                 )
         except UserError as e:
             data, config = e, {}

@@ -123,7 +123,9 @@ class TrainingService(Registry):
         self._init_registry()
         self.inference = Inference(self)  # sampling by model name (the OpenAI-compatible API)
         self.exports = Exports(self)  # checkpoints as PEFT or merged Hugging Face folders
-        self.stability = StabilityRecords(settings.max_stability_records)  # stable_reinforce
+        self.stability = StabilityRecords(  # stable_reinforce
+            settings.max_stability_records, settings.max_stability_bytes
+        )
         self.tenant_forgetters.append(self.stability.forget)
         self.session_listeners.append(
             lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id)

@@ -14,7 +14,10 @@ sampled token. :meth:`StabilityRecords.resolve` checks a ``stable_reinforce`` re
 and puts the recorded logprobs in place of the datum's ``logprobs``, so the loss's behaviour policy
 is the one that really sampled each token (the sampler's numerics, not the client's copy of them).
 Records live in memory (a restart forgets them: a request naming one then gets a 400 saying so), at
-most OPENRL_MAX_STABILITY_RECORDS per tenant, the least recently used dropped first.
+most OPENRL_MAX_STABILITY_RECORDS per tenant, the least recently used dropped first, and at most
+OPENRL_MAX_STABILITY_BYTES in all: over it the tenant holding the most bytes loses its least recently
+used record, so one tenant's flood never drops a neighbour's. The samples of one request share one
+copy of their prompt.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ WINDOW_S = 24 * 3600.0  # "can be trained on for one day after sampling"; each u
 
 @dataclass
 class Record:
-    prompt: np.ndarray  # int64
-    tokens: np.ndarray  # int64, the sampled tokens
+    prompt: np.ndarray  # int32, shared by the samples of one request
+    tokens: np.ndarray  # int32, the sampled tokens
     logprobs: np.ndarray  # float32, the sampler's logprob of each sampled token
     expires_at: float
+    nbytes: int = 0  # what it adds to the budget (its prompt counted with the request's first sample)
 
 
 @dataclass(frozen=True)
@@ -57,40 +61,61 @@ class Provenance:
 
 
 class StabilityRecords:
-    def __init__(self, max_per_tenant: int, window_s: float = WINDOW_S):
+    def __init__(self, max_per_tenant: int, max_bytes: int = 1 << 30, window_s: float = WINDOW_S):
         self.max_per_tenant = max_per_tenant
+        self.max_bytes = max_bytes
         self.window_s = window_s
         self._lock = threading.Lock()
         # (tenant, session_id) -> sequence_id -> record, least recently used first per tenant
         self._by_tenant: dict[str, OrderedDict[tuple[str, str], Record]] = {}
+        self._bytes: dict[str, int] = {}  # per tenant
 
     def record(self, tenant: str, session_id: str, ids: list[str], prompt: list[int], sequences) -> None:
         now = time.time()
+        shared = np.asarray(prompt, dtype=np.int32)  # one copy for the request's samples
         with self._lock:
             mine = self._by_tenant.setdefault(tenant, OrderedDict())
-            for sid, seq in zip(ids, sequences, strict=True):
-                mine[(session_id, sid)] = Record(
-                    np.asarray(prompt, dtype=np.int64),
-                    np.asarray(seq.tokens, dtype=np.int64),
+            for k, (sid, seq) in enumerate(zip(ids, sequences, strict=True)):
+                rec = Record(
+                    shared,
+                    np.asarray(seq.tokens, dtype=np.int32),
                     np.asarray(seq.logprobs, dtype=np.float32),
                     now + self.window_s,
                 )
-                mine.move_to_end((session_id, sid))
+                rec.nbytes = rec.tokens.nbytes + rec.logprobs.nbytes + (shared.nbytes if k == 0 else 0) + 200
+                self._drop(tenant, (session_id, sid))
+                mine[(session_id, sid)] = rec
+                self._bytes[tenant] = self._bytes.get(tenant, 0) + rec.nbytes
             while len(mine) > self.max_per_tenant:
-                mine.popitem(last=False)
+                self._drop(tenant, next(iter(mine)))
+            while sum(self._bytes.values()) > self.max_bytes:
+                heaviest = max(self._bytes, key=self._bytes.__getitem__)
+                self._drop(heaviest, next(iter(self._by_tenant[heaviest])))
+
+    def _drop(self, tenant: str, key: tuple[str, str]) -> None:
+        mine = self._by_tenant.get(tenant, {})
+        rec = mine.pop(key, None)
+        if rec is None:
+            return
+        self._bytes[tenant] -= rec.nbytes
+        if not mine:
+            self._by_tenant.pop(tenant, None)
+            self._bytes.pop(tenant, None)
 
     def count(self, tenant: str) -> int:
         with self._lock:
             return len(self._by_tenant.get(tenant, {}))
 
+    def held_bytes(self, tenant: str) -> int:
+        with self._lock:
+            return self._bytes.get(tenant, 0)
+
     def forget(self, tenant: str, session_id: str | None = None) -> None:
         with self._lock:
-            if session_id is None:
-                self._by_tenant.pop(tenant, None)
-                return
-            mine = self._by_tenant.get(tenant, {})
-            for key in [k for k in mine if k[0] == session_id]:
-                del mine[key]
+            for key in [
+                k for k in self._by_tenant.get(tenant, {}) if session_id is None or k[0] == session_id
+            ]:
+                self._drop(tenant, key)
 
     def _get(self, tenant: str, session_id: str, sid: str, where: str) -> Record:
         mine = self._by_tenant.get(tenant, {})
@@ -98,7 +123,7 @@ class StabilityRecords:
         now = time.time()
         if rec is None or rec.expires_at < now:
             if rec is not None:
-                del mine[(session_id, sid)]
+                self._drop(tenant, (session_id, sid))
             raise UserError(
                 f"{where}.sequence_id: {sid!r} names no recorded sequence of this session (sample it with "
                 "record_stability_info=True in the training run's own session; records are kept one day "
@@ -207,6 +232,8 @@ def spans_of(msg_datum) -> Provenance | None:
                     "provenance spans need a sequence_id, offset >= 0 and length >= 0",
                     field="loss_fn_input_spans",
                 )
+            if inner.length == 0:
+                continue  # covers nothing: left out, so a request's spans are at most its tokens
             out.append(Span(kind, inner.sequence_id, int(inner.offset), int(inner.length)))
         return out
 

@@ -232,3 +232,27 @@ def test_notebook_runs_count_against_the_session_quota(make_server):
         assert second.status_code == 403 and "OPENRL_MAX_SESSIONS_PER_TENANT" in second.json()["error"]
         assert a.delete(f"/openrl/v1/runs/{first.json()['run_id']}").status_code in (200, 204)
         assert a.post("/openrl/v1/runs", json={"name": "two", "rank": 2}).status_code == 201
+
+
+def test_recorded_sequences_over_the_byte_budget_drop_the_heaviest_tenants_not_a_neighbours():
+    """The attack: alice samples with record_stability_info=True until the service's memory for
+    stable_reinforce records is full, so that bob's recorded sequences are dropped and his training
+    request is refused. Over OPENRL_MAX_STABILITY_BYTES the tenant holding the most bytes gives way."""
+    from types import SimpleNamespace
+
+    from openrl_service.engine.stability import StabilityRecords
+
+    seq = SimpleNamespace(tokens=list(range(100)), logprobs=[-1.0] * 100)
+    one_request = StabilityRecords(max_per_tenant=10_000, max_bytes=1 << 30)
+    one_request.record("alice", "s", [f"r:{i}" for i in range(4)], list(range(1000)), [seq] * 4)
+    assert one_request.held_bytes("alice") < 4 * 4 * 1000  # less than four copies of the (int32) prompt alone
+
+    records = StabilityRecords(max_per_tenant=10_000, max_bytes=50_000)
+    records.record("bob", "s", ["b:0"], [1, 2, 3], [seq])
+    for k in range(200):
+        records.record("alice", "s", [f"a{k}:{i}" for i in range(4)], list(range(50)), [seq] * 4)
+    assert records.count("bob") == 1  # bob's record survived alice's flood
+    assert records.held_bytes("alice") + records.held_bytes("bob") <= 50_000
+    assert 0 < records.count("alice") < 800  # alice lost her least recently used ones
+    records.forget("alice")
+    assert records.held_bytes("alice") == 0 and records.count("bob") == 1
