@@ -41,7 +41,8 @@ class Record:
     tokens: np.ndarray  # int32, the sampled tokens
     logprobs: np.ndarray  # float32, the sampler's logprob of each sampled token
     expires_at: float
-    nbytes: int = 0  # what it adds to the budget (its prompt counted with the request's first sample)
+    users: list[int]  # live records sharing ``prompt`` (one cell per request): its bytes go with the last
+    nbytes: int = 0  # its own tokens and logprobs (and bookkeeping), as the budget counts them
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,23 @@ class StabilityRecords:
     def record(self, tenant: str, session_id: str, ids: list[str], prompt: list[int], sequences) -> None:
         now = time.time()
         shared = np.asarray(prompt, dtype=np.int32)  # one copy for the request's samples
+        users = [0]
         with self._lock:
-            mine = self._by_tenant.setdefault(tenant, OrderedDict())
-            for k, (sid, seq) in enumerate(zip(ids, sequences, strict=True)):
+            for sid, seq in zip(ids, sequences, strict=True):
                 rec = Record(
                     shared,
                     np.asarray(seq.tokens, dtype=np.int32),
                     np.asarray(seq.logprobs, dtype=np.float32),
                     now + self.window_s,
+                    users,
                 )
-                rec.nbytes = rec.tokens.nbytes + rec.logprobs.nbytes + (shared.nbytes if k == 0 else 0) + 200
-                self._drop(tenant, (session_id, sid))
-                mine[(session_id, sid)] = rec
-                self._bytes[tenant] = self._bytes.get(tenant, 0) + rec.nbytes
+                rec.nbytes = rec.tokens.nbytes + rec.logprobs.nbytes + 200
+                self._drop(tenant, (session_id, sid))  # (may forget the tenant's emptied dict)
+                self._by_tenant.setdefault(tenant, OrderedDict())[(session_id, sid)] = rec
+                users[0] += 1
+                charge = rec.nbytes + (shared.nbytes if users[0] == 1 else 0)  # the prompt with the first
+                self._bytes[tenant] = self._bytes.get(tenant, 0) + charge
+            mine = self._by_tenant.get(tenant, {})
             while len(mine) > self.max_per_tenant:
                 self._drop(tenant, next(iter(mine)))
             while sum(self._bytes.values()) > self.max_bytes:
@@ -97,7 +102,8 @@ class StabilityRecords:
         rec = mine.pop(key, None)
         if rec is None:
             return
-        self._bytes[tenant] -= rec.nbytes
+        rec.users[0] -= 1
+        self._bytes[tenant] -= rec.nbytes + (rec.prompt.nbytes if rec.users[0] == 0 else 0)
         if not mine:
             self._by_tenant.pop(tenant, None)
             self._bytes.pop(tenant, None)

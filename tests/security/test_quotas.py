@@ -246,6 +246,9 @@ def test_recorded_sequences_over_the_byte_budget_drop_the_heaviest_tenants_not_a
     one_request = StabilityRecords(max_per_tenant=10_000, max_bytes=1 << 30)
     one_request.record("alice", "s", [f"r:{i}" for i in range(4)], list(range(1000)), [seq] * 4)
     assert one_request.held_bytes("alice") < 4 * 4 * 1000  # less than four copies of the (int32) prompt alone
+    capped = StabilityRecords(max_per_tenant=1, max_bytes=1 << 30)
+    capped.record("alice", "s", [f"r:{i}" for i in range(4)], list(range(1000)), [seq] * 4)
+    assert capped.count("alice") == 1 and capped.held_bytes("alice") >= 4 * 1000  # the prompt it keeps
 
     records = StabilityRecords(max_per_tenant=10_000, max_bytes=50_000)
     records.record("bob", "s", ["b:0"], [1, 2, 3], [seq])
