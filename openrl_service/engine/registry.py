@@ -32,6 +32,7 @@ from openrl_service.engine.state import (
 from openrl_service.errors import NotFound, QuotaExceeded, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
+from openrl_service.training.full import leave_device
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import optimizer_config
 
@@ -156,9 +157,8 @@ class Registry:
                 run_ids = [r for r in sess.run_ids if r in self.runs]
                 for rid in run_ids:
                     gone = self.runs.pop(rid, None)
-                    st = gone.state if gone is not None else None
-                    if st is not None and st.adapter.full and st.adapter.home is not None:
-                        st.adapter.home.drop(st.adapter)  # its device share and spill file
+                    if gone is not None and gone.state is not None:
+                        leave_device(gone.state.adapter)
                 for sid in sess.sampler_ids:
                     self.samplers.pop(sid, None)
         self.store.write_session(tenant, sess.record())
@@ -411,11 +411,10 @@ class Registry:
         victims: list[SamplerEntry] = []
         while mine and len(mine) + (keep.adapter is not None) > cap:
             victims.append(mine.pop(0))
-        size: dict[int, int] = {}
+        size = {id(x.adapter): x.adapter.nbytes() for x in [*loaded, keep] if x.adapter is not None}
 
         def nbytes(entries: list[SamplerEntry]) -> int:
-            seen = {id(x.adapter): x.adapter for x in entries}  # a shared (inflight) adapter once
-            return sum(size.setdefault(k, a.nbytes()) for k, a in seen.items())
+            return sum(size[k] for k in {id(x.adapter) for x in entries})  # a shared (inflight) adapter once
 
         def held(tenant: str) -> list[SamplerEntry]:
             extra = [keep] if tenant == keep.tenant and keep.adapter is not None else []

@@ -61,7 +61,12 @@ from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
 from openrl_service.storage.layout import migrate_tenant_folders
 from openrl_service.telemetry import OpRecorder
-from openrl_service.training.full import Residency, checkpoint_payload, weights_from_checkpoint
+from openrl_service.training.full import (
+    Residency,
+    checkpoint_payload,
+    leave_device,
+    weights_from_checkpoint,
+)
 from openrl_service.training.lora import Adapter, LoraSpec
 from openrl_service.training.losses import check_loss
 from openrl_service.training.trainer import (
@@ -333,8 +338,7 @@ class TrainingService(Registry):
                 if opt is not None:
                     Trainer.load_optimizer_tensors(state, opt)
             except BaseException:
-                if adapter.full and adapter.home is not None:
-                    adapter.home.drop(adapter)  # its device share, taken by state_for
+                leave_device(adapter)  # the device share state_for took
                 raise
             self._adopt(run, state)
             self._write_run_meta(run, source_checkpoint=ref.path)
@@ -348,8 +352,8 @@ class TrainingService(Registry):
         run.state = state
         with self._lock:
             live = self.runs.get(run.run_id) is run
-        if not live and state.adapter.full and state.adapter.home is not None:
-            state.adapter.home.drop(state.adapter)
+        if not live:
+            leave_device(state.adapter)
 
     def _submit_run(
         self,

@@ -192,6 +192,13 @@ def footprint(base, spec, optimizer_slots: int = 2) -> int:
     return parameter_count(base, spec) * 4 * (2 + optimizer_slots)
 
 
+def leave_device(adapter) -> None:
+    """A full run's device share and spill file go (its session finished, or it was never adopted);
+    nothing for a LoRA adapter."""
+    if adapter.full and adapter.home is not None:
+        adapter.home.drop(adapter)
+
+
 class Residency:
     """Which full runs' tensors are on the device; least recently served ones wait elsewhere.
 
@@ -270,16 +277,15 @@ class Residency:
 
     def status(self) -> dict:
         with self._lock:  # read from the metrics thread while the worker moves runs
-            return self._status()
-
-    def _status(self) -> dict:
-        return {
-            "budget_bytes": self.budget,
-            "host_budget_bytes": self.host_budget,
-            "runs": {t: sum(1 for w in self.where.values() if w == t) for t in ("device", "host", "disk")},
-            "moves": dict(self.moves),
-            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
-        }
+            return {
+                "budget_bytes": self.budget,
+                "host_budget_bytes": self.host_budget,
+                "runs": {
+                    t: sum(1 for w in self.where.values() if w == t) for t in ("device", "host", "disk")
+                },
+                "moves": dict(self.moves),
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            }
 
     # -- turns -----------------------------------------------------------------------------------
     def ensure(self, weights: FullWeights) -> None:

@@ -560,9 +560,7 @@ def accumulating_grads(states: list[TrainState]) -> Iterator[None]:
     sliced call is closed between slices) every run's gradients and count are left exactly as they
     were, so a failed call never leaks part of its gradient into optim_step."""
     distinct = {id(st): st for st in states}
-    for st in distinct.values():
-        if st.adapter.full:
-            st.adapter.ensure_resident()  # its gradient is on the device only while it is
+    _back_on_device(distinct.values())  # a full run's gradient is on the device only while it is
     params = [p for st in distinct.values() for p in st.adapter.parameters()]
     stash = [p.grad for p in params]
     pending = {k: st.pending_backward for k, st in distinct.items()}
