@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,45 +46,19 @@ FORMAT_VERSION = 1
 
 
 def base_state(model: ServedModel) -> dict[str, torch.Tensor]:
-    """The base model's weights under their Hugging Face names (the LoRA wrappers' ``.base`` removed)."""
-    wrapped = {t.name for t in model.base.targets}
-    out = {}
-    for key, value in model.base.model.state_dict().items():
-        owner, _, leaf = key.rpartition(".")
-        if owner.endswith(".base") and owner[: -len(".base")] in wrapped:
-            key = f"{owner[: -len('.base')]}.{leaf}"
-        elif owner == "base" and "" in wrapped:
-            key = leaf
-        out[key] = value
-    return out
-
-
-def weights_digest(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """The base model's weights under their Hugging Face names: the router's record of the base's own
+    tensors, never the modules' slots (a neighbour's full run is swapped into those during its ops)."""
+    return dict(model.base.router.base_weights)
 
 
 class Exports:
     def __init__(self, svc: Any):  # the TrainingService (typed loosely: it imports this module)
         self.svc = svc
         self.root = Path(svc.store.root) / "exports"
-        self._digests: dict[str, str] = {}
-        self._lock = threading.Lock()
         svc.sweepers.append(self.sweep)
         svc.tenant_forgetters.append(
             lambda tenant: shutil.rmtree(self._tenant_dir(tenant), ignore_errors=True)
         )
-
-    def base_digest(self, model: ServedModel) -> str:
-        with self._lock:
-            if model.name not in self._digests:
-                self._digests[model.name] = weights_digest(base_state(model))
-            return self._digests[model.name]
 
     def _tenant_dir(self, tenant: str) -> Path:
         return self.root / tenant_folder(tenant)
@@ -124,7 +97,7 @@ class Exports:
             "tinker_path": ref.path,
             "base_model": model.name,
             "base_model_source": model.base.source,
-            "base_weights_sha256": self.base_digest(model),
+            "base_weights_sha256": model.base.weights_sha256,
             "base_weights_dtype": str(model.base.dtype).removeprefix("torch."),
             "base_dequantized_from_gguf": str(model.base.source).endswith(".gguf"),
             "lora": spec.to_json(),

@@ -3,6 +3,7 @@ estimate before loading what the models need on each device (the memory budget).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class BaseModel:
     arch: str
     defaults: dict = field(default_factory=dict)
     folder: Path | None = None  # the Hugging Face folder it was loaded from; None for a GGUF file
+    weights_sha256: str = ""  # of the base weights as loaded (weights_digest), computed once at load
 
     def capability(self) -> dict:
         return {
@@ -145,6 +147,7 @@ def load_base_model(
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.insert(0, int(tok.eos_token_id))
     context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+    digest = weights_digest(router.base_weights)  # before any run's op: the base's own weights
     log.info("loaded %s (%s) on %s/%s, %d LoRA targets", model_name, spec, dev, dtype, len(targets))
     return BaseModel(
         name=model_name,
@@ -161,7 +164,20 @@ def load_base_model(
         arch=type(model).__name__,
         defaults=defaults,
         folder=folder,
+        weights_sha256=digest,
     )
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order (what an export's
+    ``base_weights_sha256`` records)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 # -- the memory budget ---------------------------------------------------------------------------

@@ -105,9 +105,10 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def base_tensors(base) -> dict[str, torch.Tensor]:
-    """The served model's own parameters by Hugging Face name (no copies)."""
-    router = base.router
-    return {n: slots[0][0]._parameters[slots[0][1]] for n, slots in router.slots.items()}
+    """The served model's own parameters by Hugging Face name (no copies): from the router's record
+    of them, never from the modules' slots, which hold a full run's tensors during its ops."""
+    own = base.router.base_weights
+    return {n: own[n] for n in base.router.slots}
 
 
 def new_full_weights(base, spec, *, trainable: bool = True) -> FullWeights:

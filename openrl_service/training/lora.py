@@ -128,11 +128,24 @@ class AdapterRouter:
         # attribute) slots that hold it (a tied embedding has two), and its layer group.
         self.slots: dict[str, list[tuple[nn.Module, str]]] = {}
         self.param_groups: dict[str, str] = {}
+        # The base model's own tensors (parameters and persistent buffers, Hugging Face names, a tied
+        # embedding under both its names), recorded at bind, before any full run is swapped in. They
+        # are never written and never leave this record, so any thread may read them; the modules'
+        # slots hold a full run's tensors during its ops and are read on the device worker only.
+        self.base_weights: dict[str, torch.Tensor] = {}
 
     def bind(self, model: nn.Module, targets: list[TargetModule]) -> None:
         """Learn the model's parameter slots, under the names Hugging Face gives them (a wrapped
-        Linear's ``<name>.base.weight`` is ``<name>.weight``)."""
+        Linear's ``<name>.base.weight`` is ``<name>.weight``), and record the base's own tensors."""
         wrapped = {t.name: t.group for t in targets}
+        self.base_weights = {}
+        for key, value in model.state_dict().items():
+            owner, _, leaf = key.rpartition(".")
+            if owner.endswith(".base") and owner[: -len(".base")] in wrapped:
+                key = f"{owner[: -len('.base')]}.{leaf}"
+            elif owner == "base" and "" in wrapped:
+                key = leaf
+            self.base_weights[key] = value
         inputs = model.get_input_embeddings()
         canonical: dict[int, str] = {}
         for name, p in model.named_parameters():

@@ -130,7 +130,7 @@ def test_the_export_records_the_digest_of_the_exact_base_weights(server, trained
     changed weight would not."""
     from transformers import AutoModelForCausalLM
 
-    from openrl_service.engine.export import weights_digest
+    from openrl_service.models.loading import weights_digest
 
     assert export(server, trained["sampler"], tmp_path / "a").returncode == 0
     info = json.loads((tmp_path / "a" / "openrl_export.json").read_text())
