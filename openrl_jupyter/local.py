@@ -26,31 +26,41 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
-import hashlib
 import json
 import os
-import re
+import secrets
+import select
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+from openrl_common.datadirs import (
+    DISCOVERY_PREFIX,
+    KEY_NAME,
+    SECRET_ENV,
+    SECRET_NAME,
+    alive,
+    discovery_dir,
+    gone,
+    local_data_dir,
+    lock_holder,
+    loopback_url,
+    own_private_file,
+    proves,
+    read_private,
+)
 from openrl_common.files import write_atomic
 from openrl_jupyter._exceptions import ServiceUnavailable
 
 READY_TIMEOUT_S = 300.0
-DISCOVERY_PREFIX = (
-    "openrl-local-"  # <jupyter runtime dir>/openrl-local-<pid>.json: read by the server extension
-)
-LOCK_NAME = "openrl-service.lock"  # openrl_service.storage.lock.LOCK_NAME (not imported: no torch side)
-KEY_NAME = "api-key"  # the key serve generates in its data folder (openrl_service.api.auth)
 EXIT_DATA_DIR_IN_USE = 3  # serve's exit code when another process holds its data folder
 LOG_KEEP_BYTES = 4 << 20  # a kept data folder's service.log: the older part is dropped past this
 
@@ -71,7 +81,7 @@ class _Running:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and _gone(self.pid):
+        if self.returncode is None and gone(self.pid):
             self.returncode = 0
         return self.returncode
 
@@ -100,6 +110,8 @@ class LocalService:
     url: str
     data_dir: str
     key: str | None = field(default=None, repr=False)  # None with --no-auth
+    # the start secret /readyz proves it holds (None: unknown, and then this process sends it no key)
+    secret: str | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     discovery_path: str | None = None  # set by advertise(): removed again on stop()
     detached: bool = False  # outlives this process (start_service(detached=True) or find_detached())
@@ -140,15 +152,6 @@ class LocalService:
             self._tmp = None
 
 
-def discovery_dir() -> str | None:
-    """The per-user Jupyter runtime folder the discovery files live in (None without jupyter_core)."""
-    try:
-        from jupyter_core.paths import jupyter_runtime_dir
-    except ImportError:
-        return None
-    return jupyter_runtime_dir()
-
-
 def advertise(service: LocalService) -> str | None:
     """Tell this user's Jupyter server (the OpenRL panel) where the embedded service is and its key:
     ``{"url", "token", "pid"}`` in ``<runtime dir>/openrl-local-<pid>.json``, created with mode 0600
@@ -159,7 +162,7 @@ def advertise(service: LocalService) -> str | None:
     os.makedirs(folder, mode=0o700, exist_ok=True)
     for stale in glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")):  # killed kernels' files
         pid = os.path.basename(stale)[len(DISCOVERY_PREFIX) : -len(".json")]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             with contextlib.suppress(OSError):
                 os.unlink(stale)
     path = os.path.join(folder, f"{DISCOVERY_PREFIX}{service.process.pid}.json")
@@ -172,20 +175,8 @@ def advertise(service: LocalService) -> str | None:
     return path
 
 
-def _own_private_file(path: str) -> bool:
-    """A regular file (not a link) of this user that nobody else may write: a discovery file anyone
-    else could have written would point this kernel (or the panel) at their service."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    getuid = getattr(os, "getuid", None)
-    mine = getuid is None or st.st_uid == getuid()  # no uids (Windows): the folder's ACLs hold
-    return stat.S_ISREG(st.st_mode) and mine and not st.st_mode & 0o022
-
-
 def _read_discovery(path: str) -> dict | None:
-    if not _own_private_file(path):
+    if not own_private_file(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -210,7 +201,7 @@ def discovered(folder: str | None = None) -> dict | None:
             continue
         if info is None or not isinstance(info.get("url"), str):
             continue
-        if not isinstance(info.get("pid"), int) or not _alive(info["pid"]):
+        if not isinstance(info.get("pid"), int) or not alive(info["pid"]):
             continue
         found.append((mtime, {**info, "path": path}))
     return max(found, key=lambda t: t[0])[1] if found else None
@@ -235,117 +226,40 @@ def find_detached(folder: str | None = None) -> LocalService | None:
         if info is None or info.get("detached") is not True:
             continue
         pid = info.get("pid")
-        if isinstance(pid, int) and isinstance(info.get("url"), str) and _alive(pid):
+        if isinstance(pid, int) and isinstance(info.get("url"), str) and alive(pid):
+            data_dir = str(info.get("data_dir") or "")
             return LocalService(
                 _Running(pid),
                 info["url"],
-                str(info.get("data_dir") or ""),
+                data_dir,
                 info.get("token"),
+                read_private(os.path.join(data_dir, SECRET_NAME)) if data_dir else None,
                 discovery_path=path,
                 detached=True,
             )
     return None
 
 
-def user_data_folder(variable: str, name: str) -> str:
-    """``$variable`` when set, else ``openrl-<name>`` in the Jupyter data folder (without
-    jupyter_core: ``~/.local/share/openrl/<name>``): a folder of this user's that outlives kernels."""
-    if os.environ.get(variable):
-        return os.environ[variable]
-    try:
-        from jupyter_core.paths import jupyter_data_dir
-
-        return os.path.join(jupyter_data_dir(), f"openrl-{name}")
-    except ImportError:
-        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", name)
-
-
-def local_data_dir(model: str | None = None) -> str:
-    """Where the notebook's embedded service of ``model`` keeps its data, detached or not:
-    ``$OPENRL_LOCAL_DATA_DIR``, else the Jupyter data folder's ``openrl-local``
-    (``~/.local/share/jupyter/openrl-local`` on Linux; it follows ``$XDG_DATA_HOME`` /
-    ``$JUPYTER_DATA_DIR``), for the tiny model; another model's is beside it,
-    ``openrl-local-<model>-<hash>``, so kernels of different models do not contend for one folder. It
-    outlives kernels: checkpoints and the key."""
-    base = user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
-    if model in (None, "tiny", "openrl/tiny"):
-        return base
-    slug = re.sub(r"[^A-Za-z0-9._]+", "-", os.path.basename(os.path.normpath(model)) or model).strip("-._")
-    digest = hashlib.sha256(model.encode()).hexdigest()[:8]  # two folders of one name stay apart
-    return f"{base.rstrip(os.sep)}-{slug[-40:] or 'model'}-{digest}"
-
-
-def local_data_dirs() -> list[str]:
-    """Every embedded service's data folder of this user (the tiny model's and the others beside it)."""
-    base = local_data_dir().rstrip(os.sep)
-    return [base, *sorted(glob.glob(glob.escape(base) + "-*-" + "[0-9a-f]" * 8))]
-
-
-def lock_holder(data_dir: str | os.PathLike[str]) -> dict | None:
-    """What the service holding ``data_dir`` wrote in its lock file (pid, host, since, url), when that
-    process runs on this host and is an openrl service; None when nothing holds the folder. Read, never
-    locked: a probe must not keep a starting service out. A lock file of another account, or one
-    others may write, names nothing (a planted one must not make a kernel send its key elsewhere)."""
-    path = os.path.join(data_dir, LOCK_NAME)
-    if not _own_private_file(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
-        return None
-    if holder.get("host") not in (None, socket.gethostname()):  # a folder shared between hosts
-        return None
-    return holder if _alive(holder["pid"]) else None
-
-
 def running_on(data_dir: str | os.PathLike[str]) -> LocalService | None:
     """The service that holds ``data_dir`` (another kernel's embedded service, a detached one, or one
     started by hand with ``--data-dir``), to join: its URL from the lock, its key from the folder's
-    ``api-key`` (None if it was started with other keys). ``detached``: it does not stop with the
-    process that started it. None when nothing holds the folder."""
+    ``api-key`` (None if it was started with other keys) and its start secret from ``instance-secret``
+    (checked by :func:`wait_ready` before the key goes anywhere). ``detached``: it does not stop with
+    the process that started it. None when nothing holds the folder."""
     holder = lock_holder(data_dir)
-    url = holder.get("url") if holder is not None else None
-    if not isinstance(url, str):
-        return None
-    url = re.sub(r"^http://(0\.0\.0\.0|\[::\])(:\d+)$", r"http://127.0.0.1\2", url)  # all interfaces
-    if not re.fullmatch(r"http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url):
+    url = loopback_url(holder.get("url") if holder is not None else None)
+    if holder is None or url is None:
         return None  # the key goes to a loopback service only
     pid = holder["pid"]
-    key = None
-    key_path = os.path.join(data_dir, KEY_NAME)
-    if _own_private_file(key_path):
-        with contextlib.suppress(OSError), open(key_path, encoding="utf-8") as f:
-            key = f.read().strip() or None
     return LocalService(
         _Running(pid),
         url,
         os.fspath(data_dir),
-        key,
+        read_private(os.path.join(data_dir, KEY_NAME)),
+        read_private(os.path.join(data_dir, SECRET_NAME)),
         detached=b"--exit-with-parent" not in _cmdline(pid),
         owned=False,
     )
-
-
-def stop_on(data_dir: str | os.PathLike[str], timeout_s: float = 30.0) -> int | None:
-    """Stop the service holding ``data_dir`` (SIGTERM: it drains and exits; SIGKILL after
-    ``timeout_s``); its pid, or None when nothing held the folder."""
-    holder = lock_holder(data_dir)
-    if holder is None:
-        return None
-    proc = _Running(holder["pid"])
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    for path in glob.glob(os.path.join(discovery_dir() or "", f"{DISCOVERY_PREFIX}{holder['pid']}.json")):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return holder["pid"]
 
 
 def _cmdline(pid: int) -> bytes:
@@ -354,38 +268,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b"--exit-with-parent"  # no /proc (macOS): assume it stops with its parent
-
-
-def _gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie counts as exited; one still exiting does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc (macOS)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a running openrl service (a killed kernel leaves its file behind, and its
-    pid may be reused later by an unrelated process: where /proc exists, its command line says)."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # gone, or reused by another user's process
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-            return b"openrl_service" in cmdline or b"openrl-service" in cmdline  # -m, or the script
-    except OSError:
-        return True  # no /proc (macOS): the pid check alone
 
 
 def start_service(
@@ -413,7 +295,6 @@ def start_service(
     outlive this process (see the module docstring); its data folder defaults to
     ``local_data_dir()``.
     """
-    port = free_port()
     tmp = None
     if data_dir is None and detached:
         data_dir = local_data_dir(model)
@@ -429,34 +310,45 @@ def start_service(
     child_env.update(env or {})  # what the caller passes on purpose is kept
     if api_key is not None:
         child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
+    secret = secrets.token_hex(32)  # /readyz proves the service holds it before any key is sent
+    child_env[SECRET_ENV] = secret
     _trim_log(os.path.join(data_dir, "service.log"))
     cmd = [sys.executable, "-m", "openrl_service.cli", "serve"]
     if not detached:
         cmd.append("--exit-with-parent")
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--data-dir", data_dir, "--log-level", log_level]
+    report, reported = os.pipe()  # serve binds port 0 itself and writes its URL here
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--report-fd", str(reported)]
+    cmd += ["--data-dir", data_dir, "--log-level", log_level]
     if model not in (None, "tiny", "openrl/tiny"):
         cmd += ["--model", model]
     if not auth:
         cmd.append("--no-auth")
     cmd += list(args)
     log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL if detached else subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=child_env,
-        start_new_session=detached,  # a detached one is outside the kernel's process group
-    )
-    log.close()
-    service = LocalService(proc, f"http://127.0.0.1:{port}", data_dir, api_key, tmp, detached=detached)
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL if detached else subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=detached,  # a detached one is outside the kernel's process group
+            pass_fds=(reported,),
+        )
+    finally:
+        log.close()
+        os.close(reported)  # the child holds its own copy: EOF here once it has written or died
+    service = LocalService(proc, "", data_dir, api_key, secret, tmp, detached=detached)
     if not detached:
         atexit.register(service.stop)
     try:
-        _wait_ready(service, model or "openrl/tiny", timeout_s, progress)
+        service.url = _reported_url(report, service, timeout_s)
+        wait_ready(service, model or "openrl/tiny", timeout_s, progress)
     except BaseException:
         service.stop()
         raise
+    finally:
+        os.close(report)
     if service.key is None and auth:
         with contextlib.suppress(OSError), open(os.path.join(data_dir, "api-key"), encoding="utf-8") as f:
             service.key = f.read().strip()
@@ -473,22 +365,64 @@ def _trim_log(path: str) -> None:
             write_atomic(path, b"(older lines dropped)\n" + tail.split(b"\n", 1)[-1], mode=0o600)
 
 
-def _wait_ready(
-    service: LocalService, model: str, timeout_s: float, progress: Callable[[str], None] | None
+def _reported_url(fd: int, service: LocalService, timeout_s: float) -> str:
+    """The URL the child bound, as it writes it to its report pipe (one JSON line) once its port is
+    bound and its data folder's lock taken."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServiceUnavailable(f"the openrl service did not bind a port within {timeout_s:.0f} s")
+        ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:  # it exited before binding (its data folder was in use, a bad flag...)
+            service.process.wait(10)
+            _exited(service)
+        data += chunk
+    try:
+        url = loopback_url(json.loads(data.split(b"\n", 1)[0]).get("url"))
+    except (ValueError, AttributeError):
+        url = None
+    if url is None:
+        raise ServiceUnavailable(f"the openrl service reported no loopback URL: {data[:200]!r}")
+    return url
+
+
+def _exited(service: LocalService) -> None:
+    err = ServiceUnavailable(
+        f"the openrl service exited with code {service.process.returncode}:\n{service.log_tail(2000)}"
+    )
+    err.exit_code = service.process.returncode
+    raise err
+
+
+def wait_ready(
+    service: LocalService, model: str, timeout_s: float, progress: Callable[[str], None] | None = None
 ) -> None:
+    """Wait until ``service`` answers ready, and check that it is the service meant (its ``/readyz``
+    proves it holds ``service.secret``) before anything of this process's (a key) goes there."""
     started = time.monotonic()
     shown = False
+    port = urllib.parse.urlsplit(service.url).port
     with httpx.Client(base_url=service.url, timeout=5.0) as http:
         while True:
             if service.process.poll() is not None:
-                err = ServiceUnavailable(
-                    f"the openrl service exited with code {service.process.returncode}:\n{service.log_tail(2000)}"
-                )
-                err.exit_code = service.process.returncode
-                raise err
+                _exited(service)
+            challenge = secrets.token_hex(16)
             with contextlib.suppress(httpx.TransportError, ValueError):
-                r = http.get("/readyz")
-                if r.status_code == 200 and r.json().get("status") == "ready":
+                r = http.get("/readyz", params={"challenge": challenge})
+                body = r.json()
+                if r.status_code == 200 and body.get("status") == "ready":
+                    if service.secret is None or not proves(body, service.secret, port, challenge):
+                        raise ServiceUnavailable(
+                            f"{service.url} answers, but not as the openrl service of {service.data_dir} "
+                            "(it cannot prove it holds that service's start secret): another process may "
+                            "hold the port; no key was sent there. Stop the service on that folder "
+                            f"(openrl-service stop --data-dir {service.data_dir}) and connect again"
+                        )
                     return
             if time.monotonic() - started > timeout_s:
                 raise ServiceUnavailable(f"the openrl service was not ready after {timeout_s:.0f} s")

@@ -475,7 +475,7 @@ class OpenRLMagics(Magics):
         note = f"; stopped its active runs: {', '.join(stopped)}" if stopped else ""
         print(f"openrl: session {session.name!r} disconnected{note}")
         if a.stop_service:
-            from openrl_jupyter.local import stop_on
+            from openrl_common.datadirs import stop_on
 
             pid = stop_on(local.data_dir)
             print(

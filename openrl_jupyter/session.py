@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
+from openrl_common.datadirs import local_data_dir
 from openrl_jupyter import credentials
 from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable, UsageError
 from openrl_jupyter.client import AsyncClient, Client
@@ -27,11 +28,10 @@ from openrl_jupyter.local import (
     EXIT_DATA_DIR_IN_USE,
     READY_TIMEOUT_S,
     LocalService,
-    _wait_ready,
     advertise,
-    local_data_dir,
     running_on,
     start_service,
+    wait_ready,
 )
 
 if TYPE_CHECKING:
@@ -391,7 +391,7 @@ def _join(
             f"the service holding {folder} (pid {pid}, {found.url}) was started with keys of its own: "
             f"connect to it by URL with its key, or stop it (openrl-service stop --data-dir {folder})"
         )
-    _wait_ready(found, model, timeout_s, None)
+    wait_ready(found, model, timeout_s)  # it proves it is the folder's service before the key goes
     if check_model:  # a model asked for by name: the running one must serve it
         _check_detached_model(found, model)
     return found

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openrl_common.datadirs import CHALLENGE_RE, readyz_proof
 from openrl_service.api.admin import AdminKey, TenantAdmin, build_admin_router, write_admin_key
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
@@ -41,7 +42,7 @@ from openrl_service.api.tinker import build_router, health
 from openrl_service.config import Settings
 from openrl_service.container import Container
 from openrl_service.engine.service import TrainingService
-from openrl_service.errors import ApiError
+from openrl_service.errors import ApiError, UserError
 from openrl_service.lifecycle import Lifecycle
 
 log = logging.getLogger("openrl_service")
@@ -180,9 +181,16 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
         return health(svc)
 
     @app.get("/readyz")
-    async def readyz():
-        """200 when the service takes work; else 503 and its state (starting, draining...)."""
+    async def readyz(request: Request, challenge: str | None = None):
+        """200 when the service takes work; else 503 and its state (starting, draining...). With
+        ``challenge`` (32-128 hex digits), a ``proof`` that this is the service started with its
+        secret, on the port asked (openrl_common.datadirs: a kernel checks it before sending a key)."""
         status, body = life.readiness()
+        if challenge is not None:
+            if not CHALLENGE_RE.fullmatch(challenge):
+                raise UserError("challenge must be 32 to 128 lowercase hex digits", field="challenge")
+            port = (request.scope.get("server") or (None, settings.port))[1]
+            body["proof"] = readyz_proof(settings.instance_secret, port, challenge)
         return json_response(body, status=status)
 
     @app.exception_handler(ApiError)

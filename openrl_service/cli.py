@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from openrl_common.datadirs import SECRET_ENV, SECRET_NAME
+from openrl_common.files import write_atomic
 from openrl_service import config as cfg
 from openrl_service.checks import number
 from openrl_service.kube import KubeSettings, load_api_client
@@ -135,14 +140,26 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     host = settings.host
+    try:  # the port first: the lock never names a port this process does not hold (--port 0: any free)
+        sock = listening_socket(host, settings.port)
+    except OSError as e:
+        print(f"openrl-service: cannot listen on {host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    settings.port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{settings.port}"
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:  # before anything is written there: one process owns a data dir
         lock = DataDirLock.acquire(settings.data_dir, url=url)
     except DataDirInUse as e:
+        sock.close()
         print(f"openrl-service: {e}", file=sys.stderr)
         return EXIT_DATA_DIR_IN_USE
+    # the start secret /readyz proves: the starting kernel's (not passed on to this process's children)
+    settings.instance_secret = os.environ.pop(SECRET_ENV, None) or settings.instance_secret
+    write_atomic(settings.data_dir / SECRET_NAME, settings.instance_secret + "\n")  # 0600
+    if args.report_fd is not None:
+        _report(args.report_fd, url)
     if settings.auth_enabled and settings.hub_api_url:
         print(
             f"openrl-service: JupyterHub users sign in with their hub token through {settings.hub_api_url} "
@@ -210,7 +227,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = DrainingServer(config, app.state.lifecycle)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         lock.release()
     if app.state.service.engine.alive:
@@ -221,6 +238,34 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening (port 0: one the kernel picks), as uvicorn
+    binds its own (SO_REUSEADDR: a restart reuses its predecessor's port at once)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _report(fd: int, url: str) -> None:
+    """Tell the parent (``openrl_jupyter.local.start_service``) the bound URL, through the pipe it passed."""
+    try:
+        os.write(fd, json.dumps({"url": url, "pid": os.getpid()}).encode() + b"\n")
+    except OSError as e:  # the parent is gone: it will not connect; serve on
+        print(f"openrl-service: --report-fd {fd}: {e.strerror}", file=sys.stderr)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class DrainingServer(uvicorn.Server):
@@ -306,7 +351,7 @@ def _admin_target(data_dir: Path) -> tuple[str, str]:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from openrl_jupyter.local import local_data_dirs, stop_on
+    from openrl_common.datadirs import local_data_dirs, stop_on
 
     if args.local and args.data_dir is not None:
         print("openrl-service stop: give --local or --data-dir, not both", file=sys.stderr)
@@ -410,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--model-name", default=None, help="the name clients use for the model (default: derived)")
     s.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000; 0: a free one, see --report-fd)")
     s.add_argument(
         "--data-dir", type=Path, default=None, help="checkpoints, keys and model cache (default: per-user)"
     )
@@ -530,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--vllm-max-model-len", type=int, help="longest prompt + decode (model context)")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument(
+        "--report-fd",
+        type=int,
+        default=None,
+        help="write the bound URL as a JSON line to this file descriptor once the port is bound and the "
+        "data dir locked, then close it (a parent that started this process with --port 0)",
+    )
     s.add_argument(
         "--exit-with-parent",
         action="store_true",

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import secrets
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,6 +88,9 @@ class Settings:
     data_dir: Path = field(default_factory=default_data_dir)
     api_keys_file: Path | None = None
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant
+    # what /readyz?challenge= proves it holds (openrl_common.datadirs): the starting kernel's
+    # OPENRL_INSTANCE_SECRET (read by `serve`, written to <data>/instance-secret), else a fresh one
+    instance_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     no_auth: bool = False
     insecure: bool = False
     allowed_hosts: list[str] = field(default_factory=list)

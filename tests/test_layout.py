@@ -2,8 +2,8 @@
 
 - no import cycle inside a package, counting imports inside functions and under ``TYPE_CHECKING``;
 - the engine imports nothing from the HTTP layer (``openrl_service.api``);
-- the notebook side imports nothing from the service package, and what both share
-  (``openrl_common``) imports neither;
+- neither half imports the other (the notebook side nothing of the service package, the service
+  nothing of the notebook package), and what both share (``openrl_common``) imports neither;
 - no module grows past 700 lines unless it is named below with its reason.
 """
 
@@ -133,6 +133,7 @@ def test_the_engine_imports_nothing_of_the_http_layer():
     "source,target",
     [
         ("openrl_jupyter", "openrl_service"),
+        ("openrl_service", "openrl_jupyter"),
         ("openrl_common", "openrl_service"),
         ("openrl_common", "openrl_jupyter"),
     ],

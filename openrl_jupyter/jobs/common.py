@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from openrl_common.datadirs import user_data_folder
 from openrl_common.protocol import JOB_NAME_RE, TERMINAL_STATES
-from openrl_jupyter.local import user_data_folder
 
 PAYLOAD_FORMAT = 1
 WHERE = ("local", "k8s")

@@ -311,11 +311,7 @@ class Catalog:
             raise Gone("this download link has expired; ask for a new one", field="url")
         tenant = payload["tenant"]
         if payload["what"] == "export":
-            folder = self.exports.folder(tenant, payload["export"])
-            if not (folder / "openrl_export.json").is_file():
-                raise NotFound(
-                    "this export is gone (exports are kept for an hour); export again", field="url"
-                )
+            folder = self.exports.current(tenant, payload["export"])  # 404 once its checkpoint is gone
             return folder / payload["file"], payload["file"]
         if payload["what"] == "trace":
             return (

@@ -15,7 +15,10 @@ Both carry ``openrl_export.json``: the checkpoint, the base model's name and sou
 the exact base weights the adapter was trained on (as the service holds them: a GGUF base is
 dequantised, so its digest is not the digest of the model it names). Exports live under
 ``<data>/exports/<tenant>/`` for an hour (their download links' lifetime); a tenant keeps at most
-``MAX_PER_TENANT``, the oldest going first.
+``MAX_PER_TENANT``, the oldest going first. Their bytes count in the tenant's checkpoint quota
+(OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT); deleting the checkpoint removes its exports, and a link to an
+export answers only while its checkpoint is the one it was built from (not deleted, expired or
+overwritten).
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from openrl_service.config import tenant_folder
 from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
+from openrl_service.storage.checkpoints import parse_tinker_path
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +57,62 @@ def base_state(model: ServedModel) -> dict[str, torch.Tensor]:
 class Exports:
     def __init__(self, svc: Any):  # the TrainingService (typed loosely: it imports this module)
         self.svc = svc
+        self.store = svc.store
         self.root = Path(svc.store.root) / "exports"
         svc.sweepers.append(self.sweep)
         svc.tenant_forgetters.append(
             lambda tenant: shutil.rmtree(self._tenant_dir(tenant), ignore_errors=True)
         )
+        svc.store.deleted_listeners.append(self.forget_checkpoint)
 
     def _tenant_dir(self, tenant: str) -> Path:
-        return self.root / tenant_folder(tenant)
+        return self.store.exports_dir(tenant)
 
     def folder(self, tenant: str, export_id: str) -> Path:
         if not export_id.isalnum():
             raise NotFound("unknown export", field="url")
         return self._tenant_dir(tenant) / export_id
+
+    def current(self, tenant: str, export_id: str) -> Path:
+        """The export's folder while its checkpoint is still the one it was built from (else 404: a
+        link to an export ends when its checkpoint is deleted, expires or is overwritten)."""
+        folder = self.folder(tenant, export_id)
+        try:
+            info = json.loads((folder / "openrl_export.json").read_text())
+        except (OSError, ValueError):
+            raise NotFound(
+                "this export is gone (exports are kept for an hour, and go with their checkpoint); "
+                "export again",
+                field="url",
+            ) from None
+        try:
+            manifest = self.store.manifest(tenant, parse_tinker_path(info["tinker_path"]))
+        except NotFound:
+            raise NotFound(
+                f"the checkpoint {info['tinker_path']} of this export was deleted or expired: its links "
+                "have ended",
+                field="url",
+            ) from None
+        if inference.adapter_digest(manifest) != info.get("adapter_sha256"):
+            raise NotFound(
+                f"the checkpoint {info['tinker_path']} was overwritten since this export: its links have "
+                "ended; export it again",
+                field="url",
+            )
+        return folder
+
+    def forget_checkpoint(self, tenant: str, ref) -> None:
+        """A deleted checkpoint's exports go with it (and their bytes leave the tenant's quota)."""
+        d = self._tenant_dir(tenant)
+        for folder in list(d.iterdir()) if d.is_dir() else ():
+            if folder.name.startswith("."):
+                continue
+            try:
+                info = json.loads((folder / "openrl_export.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if info.get("tinker_path") == ref.path:
+                self.store.remove_export(tenant, folder)
 
     def build(self, tenant: str, tinker_path: object, merged: object) -> tuple[str, Path, dict]:
         """(export id, its folder, its provenance) for ``tenant``'s checkpoint; reused while fresh."""
@@ -120,10 +166,8 @@ class Exports:
                 (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             (tmp / "README.md").write_text(_card(info))
             (tmp / "openrl_export.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-            try:
-                tmp.rename(final)
-            except OSError:  # built meanwhile by another request: keep that one
-                shutil.rmtree(tmp, ignore_errors=True)
+            if not self.store.place_export(tenant, ref, tmp, final):  # QuotaExceeded if no room
+                shutil.rmtree(tmp, ignore_errors=True)  # built meanwhile by another request: keep that one
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -191,7 +235,7 @@ class Exports:
             reverse=True,
         )
         for old in done[MAX_PER_TENANT:]:
-            shutil.rmtree(old, ignore_errors=True)
+            self.store.remove_export(tenant, old)
 
     def sweep(self, now: float) -> None:
         """Remove exports (and abandoned partial builds) older than their links' hour."""
@@ -201,7 +245,7 @@ class Exports:
             for p in tenant_dir.iterdir() if tenant_dir.is_dir() else ():
                 try:
                     if now - p.stat().st_mtime > EXPORT_TTL_S:
-                        shutil.rmtree(p, ignore_errors=True)
+                        self.store.remove_export(None, p)
                 except FileNotFoundError:
                     continue
 

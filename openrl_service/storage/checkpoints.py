@@ -111,6 +111,12 @@ def _folder_bytes(folder: Path) -> int:
         return 0
 
 
+def _tree_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder`` (an export folder's files, one level down), but those
+    of folders whose names start with "." (partial builds); 0 if absent."""
+    return sum(_folder_bytes(d) for d in _dirs(folder) if not d.name.startswith("."))
+
+
 def _digest(p: Path) -> str:
     h = hashlib.sha256()
     with open(p, "rb") as f:
@@ -138,6 +144,8 @@ class CheckpointStore:
         self._listed: set[tuple[str, str]] = set()  # ("sessions" | "runs", tenant) read from disk
         self._checkpoints: dict[tuple[str, str], list[dict]] = {}  # (tenant, run id) → manifests
         self._changes = 0  # checkpoint writes so far: a listing read across one is not kept
+        # told (tenant, ref) after a checkpoint is deleted: its exports go with it (engine/export.py)
+        self.deleted_listeners: list = []
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
@@ -273,6 +281,8 @@ class CheckpointStore:
                 self._usage[tenant] -= size
         self._changed(tenant, ref.run_id)
         shutil.rmtree(trash, ignore_errors=True)
+        for listener in self.deleted_listeners:
+            listener(tenant, ref)
 
     def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
         """Copy a checkpoint to another run/name (atomically); the copy is private and has its own TTL."""
@@ -407,7 +417,8 @@ class CheckpointStore:
     # -- quota --------------------------------------------------------------------------------------
     def tenant_bytes(self, tenant: str) -> int:
         """The bytes of every checkpoint ``tenant`` keeps (all runs, all kinds; expired ones until the
-        sweep deletes them), counted from disk once and then kept current by this store's writes."""
+        sweep deletes them) and of its exports, counted from disk once and then kept current by this
+        store's writes."""
         with self._lock:
             return self._tenant_bytes_locked(tenant)
 
@@ -420,11 +431,19 @@ class CheckpointStore:
                 for kind in KINDS
                 for ck in _dirs(run / kind)
                 if not ck.name.startswith(".")
-            )
+            ) + _tree_bytes(self.exports_dir(tenant))
         return self._usage[tenant]
 
     def _check_quota(
-        self, tenant: str, ref: CheckpointRef, new: int, old: int, *, locked: bool = False
+        self,
+        tenant: str,
+        ref: CheckpointRef,
+        new: int,
+        old: int,
+        *,
+        locked: bool = False,
+        what: str | None = None,
+        field: str = "path",
     ) -> None:
         limit = self.limits.max_checkpoint_bytes_per_tenant if self.limits is not None else None
         if not limit:
@@ -433,12 +452,49 @@ class CheckpointStore:
         after = used - old + new
         if after > limit:
             raise QuotaExceeded(
-                f"checkpoint {ref.path} would bring this tenant's checkpoints to {after} bytes, over its "
-                f"quota of {limit} bytes (OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT; {used} bytes in use): "
-                "delete checkpoints you no longer need (RestClient.delete_checkpoint_from_tinker_path, "
-                "DELETE /api/v1/training_runs/<run>/checkpoints/<kind>/<name>) or save with a TTL",
-                field="path",
+                f"{what or f'checkpoint {ref.path}'} would bring this tenant's checkpoints and exports to "
+                f"{after} bytes, over its quota of {limit} bytes (OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT; "
+                f"{used} bytes in use): delete checkpoints you no longer need "
+                "(RestClient.delete_checkpoint_from_tinker_path, "
+                "DELETE /api/v1/training_runs/<run>/checkpoints/<kind>/<name>; their exports go with them) "
+                "or save with a TTL",
+                field=field,
             )
+
+    # -- exports (engine/export.py builds them; their bytes count in the tenant's quota) ----------
+    def exports_dir(self, tenant: str) -> Path:
+        return self.root / "exports" / tenant_folder(tenant)
+
+    def place_export(self, tenant: str, ref: CheckpointRef, built: Path, final: Path) -> bool:
+        """Move a built export folder into place if the tenant's quota has room for it (else
+        QuotaExceeded, naming the numbers); False when another request placed it first."""
+        with self._lock:
+            new = _folder_bytes(built)
+            self._check_quota(
+                tenant, ref, new, 0, locked=True, what=f"an export of {ref.path}", field="tinker_path"
+            )
+            try:
+                built.rename(final)
+            except OSError:
+                return False
+            if tenant in self._usage:
+                self._usage[tenant] += new
+            return True
+
+    def remove_export(self, tenant: str | None, folder: Path) -> None:
+        """Remove an export folder (``tenant`` None: whoever's; counted again on the next need)."""
+        trash = folder.with_name(f".{folder.name}.removed-{os.getpid()}-{time.monotonic_ns()}")
+        with self._lock:
+            size = _folder_bytes(folder)
+            try:
+                os.replace(folder, trash)
+            except OSError:
+                return
+            if tenant is None:
+                self._usage.clear()
+            elif tenant in self._usage:
+                self._usage[tenant] -= size
+        shutil.rmtree(trash, ignore_errors=True)
 
     # -- sessions -------------------------------------------------------------------------------
     def write_session(self, tenant: str, record: dict) -> None:

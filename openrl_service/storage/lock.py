@@ -26,9 +26,9 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-log = logging.getLogger(__name__)
+from openrl_common.datadirs import LOCK_NAME
 
-LOCK_NAME = "openrl-service.lock"
+log = logging.getLogger(__name__)
 
 
 class DataDirInUse(RuntimeError):

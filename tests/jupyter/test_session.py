@@ -213,7 +213,7 @@ def test_a_detached_embedded_service_is_stopped_by_the_command_its_connect_print
 
 
 def test_each_model_has_its_own_embedded_folder_beside_the_tiny_models(monkeypatch, tmp_path):
-    from openrl_jupyter.local import local_data_dir, local_data_dirs
+    from openrl_common.datadirs import local_data_dir, local_data_dirs
 
     monkeypatch.setenv("OPENRL_LOCAL_DATA_DIR", str(tmp_path / "openrl-local"))
     tiny = local_data_dir()

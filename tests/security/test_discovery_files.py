@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from openrl_jupyter.local import DISCOVERY_PREFIX, LOCK_NAME, discovered, find_detached, running_on
+from openrl_common.datadirs import DISCOVERY_PREFIX, LOCK_NAME
+from openrl_jupyter.local import discovered, find_detached, running_on
 
 
 @pytest.fixture
@@ -88,12 +89,6 @@ def _plant_lock(folder, pid: int, url: str = "http://127.0.0.1:1") -> str:
     key.write_text("tml-mine\n")
     key.chmod(0o600)
     return str(lock)
-
-
-def test_the_lock_file_local_py_reads_is_the_one_serve_writes():
-    from openrl_service.storage.lock import LOCK_NAME as SERVED
-
-    assert LOCK_NAME == SERVED
 
 
 def test_a_kernel_joins_an_embedded_service_only_by_a_lock_of_its_own_account(

@@ -243,3 +243,50 @@ def test_a_rebinding_or_cross_origin_page_cannot_fetch_a_link(live, links, heade
     r = httpx.get(urls["adapter_config.json"], headers=headers, timeout=30)
     refused(r, 400, 403)
     assert not any(h.lower().startswith("access-control-") for h in r.headers)
+
+
+def test_an_export_link_ends_when_its_checkpoint_is_deleted_or_overwritten(live):
+    """Attack: keep an export's link (a copy of the checkpoint's weights) and fetch it after the owner
+    overwrote or deleted the checkpoint. The link ends with the checkpoint it was built from, and a
+    deleted checkpoint's exports leave the disk."""
+    sc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4).result()
+    path = tc.save_weights_for_sampler("exported").result().path
+    with live.client(ALICE_KEY) as alice:
+
+        def export() -> dict[str, str]:
+            r = alice.post("/api/v1/exports", json={"tinker_path": path, "merged": False})
+            assert r.status_code == 200, r.text
+            return {f["name"]: f["url"] for f in r.json()["files"]}
+
+        first = export()
+        assert httpx.get(first["adapter_model.safetensors"], timeout=30).status_code == 200
+        tc.forward_backward(
+            [
+                tinker.types.Datum(
+                    model_input=tinker.types.ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+                )
+            ],
+            "cross_entropy",
+        ).result()
+        tc.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+        tc.save_weights_for_sampler("exported").result()  # the same name: overwritten
+        for url in first.values():
+            assert "overwritten" in refused(httpx.get(url, timeout=30), 404)["error"]
+        second = export()
+        assert httpx.get(second["adapter_model.safetensors"], timeout=30).status_code == 200
+        folders = live.service.store.exports_dir("alice")
+        assert [p for p in folders.iterdir() if not p.name.startswith(".")]
+        tinker.RestClient(base_url=live.url, api_key=ALICE_KEY).delete_checkpoint_from_tinker_path(
+            path
+        ).result()
+        for url in second.values():
+            assert "go with their checkpoint" in refused(httpx.get(url, timeout=30), 404)["error"]
+        kept = [
+            json.loads((p / "openrl_export.json").read_text())
+            for p in folders.iterdir()
+            if not p.name.startswith(".")
+        ]
+        assert not [info for info in kept if info["tinker_path"] == path]
+    sc.close("success").result()

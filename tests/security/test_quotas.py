@@ -259,3 +259,46 @@ def test_recorded_sequences_over_the_byte_budget_drop_the_heaviest_tenants_not_a
     assert 0 < records.count("alice") < 800  # alice lost her least recently used ones
     records.forget("alice")
     assert records.held_bytes("alice") == 0 and records.count("bob") == 1
+
+
+def test_exports_count_in_the_tenants_checkpoint_bytes(make_server):
+    """Attack: keep the disk filling with exports (each a merged copy of the model) beyond the checkpoint
+    quota. They count in the tenant's bytes, an export over the quota is refused naming it, and deleting
+    the checkpoint frees its exports' bytes."""
+    live = make_server()
+    sc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+    tc = sc.create_lora_training_client(base_model=TINY, rank=4).result()
+    path = tc.save_weights_for_sampler("s").result().path
+    store = live.service.store
+    alone = store.tenant_bytes("alice")
+    with live.client(ALICE_KEY) as alice:
+        r = alice.post("/api/v1/exports", json={"tinker_path": path, "merged": False})
+        assert r.status_code == 200, r.text
+        exported = sum(f["size_bytes"] for f in r.json()["files"])
+        assert store.tenant_bytes("alice") == alone + exported
+        live.service.settings.limits.max_checkpoint_bytes_per_tenant = store.tenant_bytes("alice") + 1024
+        r = alice.post("/api/v1/exports", json={"tinker_path": path, "merged": True})  # a whole model
+        assert r.status_code == 403, r.text
+        body = r.json()
+        assert body["field"] == "tinker_path" and "OPENRL_MAX_CHECKPOINT_BYTES_PER_TENANT" in body["error"]
+        assert "export" in body["error"] and "delete" in body["error"]
+        assert not [p for p in store.exports_dir("alice").iterdir() if p.name.startswith(".tmp")]
+        assert store.tenant_bytes("alice") == alone + exported  # the refused one left nothing
+        # bob's bytes are his own: alice's exports do not count against him
+        bob = tinker.ServiceClient(base_url=live.url, api_key=BOB_KEY)
+        bob_path = (
+            bob.create_lora_training_client(base_model=TINY, rank=4)
+            .result()
+            .save_weights_for_sampler("b")
+            .result()
+            .path
+        )
+        with live.client(BOB_KEY) as bob_http:
+            r = bob_http.post("/api/v1/exports", json={"tinker_path": bob_path, "merged": False})
+            assert r.status_code == 200, r.text
+        tinker.RestClient(base_url=live.url, api_key=ALICE_KEY).delete_checkpoint_from_tinker_path(
+            path
+        ).result()
+        assert store.tenant_bytes("alice") == 0
+    sc.close("success").result()
+    bob.close("success").result()

@@ -1,0 +1,206 @@
+"""Which service holds a data folder, and how it proves it: the lock file's reader, the embedded services'
+data folders, stopping the holder, and the start secret behind ``/readyz``'s proof.
+
+``openrl-service serve`` binds its port first, then takes ``<data>/openrl-service.lock`` (naming its pid,
+host and URL) and writes ``<data>/instance-secret`` (0600): the secret it was started with
+(``OPENRL_INSTANCE_SECRET``, which the starting kernel made and passed in its environment) or a fresh one.
+``GET /readyz?challenge=C`` answers ``proof = HMAC-SHA256(secret, "openrl-readyz|<port>|C")``, so a kernel
+that holds the secret (it made it, or reads it from the folder like the key) checks that the URL answers
+for the service it means before it sends a key there: another account squatting the port cannot answer,
+and a relay to the real service answers for the wrong port.
+
+Both halves use this module (the service's ``stop`` command and ``/readyz``, the notebook's
+``connect(local=True)``), so it imports nothing of either. No torch, no Jupyter needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import hmac
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import time
+
+LOCK_NAME = "openrl-service.lock"  # serve's exclusive lock on its data folder (storage/lock.py)
+KEY_NAME = "api-key"  # the key serve generates in its data folder (openrl_service.api.auth)
+SECRET_NAME = "instance-secret"  # the running service's start secret (0600)
+SECRET_ENV = "OPENRL_INSTANCE_SECRET"  # how a starting kernel hands serve the secret it made
+DISCOVERY_PREFIX = "openrl-local-"  # <jupyter runtime dir>/openrl-local-<pid>.json (openrl_jupyter.local)
+CHALLENGE_RE = re.compile(r"[0-9a-f]{32,128}")
+
+
+def readyz_proof(secret: str, port: int, challenge: str) -> str:
+    """What ``/readyz?challenge=`` answers: an HMAC of the challenge and the port it was asked on."""
+    return hmac.new(secret.encode(), f"openrl-readyz|{port}|{challenge}".encode(), hashlib.sha256).hexdigest()
+
+
+def proves(body: object, secret: str, port: int, challenge: str) -> bool:
+    """Whether a ``/readyz`` reply carries the proof that only the holder of ``secret`` on ``port`` gives."""
+    proof = body.get("proof") if isinstance(body, dict) else None
+    return isinstance(proof, str) and hmac.compare_digest(
+        proof.encode("ascii", "replace"), readyz_proof(secret, port, challenge).encode()
+    )
+
+
+def own_private_file(path: str | os.PathLike[str]) -> bool:
+    """A regular file (not a link) of this user that nobody else may write: a file anyone else could
+    have written would point this kernel (or the panel) at their service."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    getuid = getattr(os, "getuid", None)
+    mine = getuid is None or st.st_uid == getuid()  # no uids (Windows): the folder's ACLs hold
+    return stat.S_ISREG(st.st_mode) and mine and not st.st_mode & 0o022
+
+
+def read_private(path: str | os.PathLike[str]) -> str | None:
+    """The stripped text of one of this user's private files (:func:`own_private_file`), else None."""
+    if not own_private_file(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie counts as exited; one still exiting does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``pid`` to exit; whether it did."""
+    deadline = time.monotonic() + timeout_s
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a running openrl service (a killed kernel leaves its file behind, and its
+    pid may be reused later by an unrelated process: where /proc exists, its command line says)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone, or reused by another user's process
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+            return b"openrl_service" in cmdline or b"openrl-service" in cmdline  # -m, or the script
+    except OSError:
+        return True  # no /proc (macOS): the pid check alone
+
+
+def lock_holder(data_dir: str | os.PathLike[str]) -> dict | None:
+    """What the service holding ``data_dir`` wrote in its lock file (pid, host, since, url), when that
+    process runs on this host and is an openrl service; None when nothing holds the folder. Read, never
+    locked: a probe must not keep a starting service out. A lock file of another account, or one
+    others may write, names nothing (a planted one must not make a kernel send its key elsewhere)."""
+    path = os.path.join(data_dir, LOCK_NAME)
+    if not own_private_file(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        return None
+    if holder.get("host") not in (None, socket.gethostname()):  # a folder shared between hosts
+        return None
+    return holder if alive(holder["pid"]) else None
+
+
+def loopback_url(url: object) -> str | None:
+    """``url`` as a loopback http URL a kernel may send its key to (all interfaces become 127.0.0.1),
+    else None."""
+    if not isinstance(url, str):
+        return None
+    url = re.sub(r"^http://(0\.0\.0\.0|\[::\])(:\d+)$", r"http://127.0.0.1\2", url)
+    return url if re.fullmatch(r"http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url) else None
+
+
+def user_data_folder(variable: str, name: str) -> str:
+    """``$variable`` when set, else ``openrl-<name>`` in the Jupyter data folder (without
+    jupyter_core: ``~/.local/share/openrl/<name>``): a folder of this user's that outlives kernels."""
+    if os.environ.get(variable):
+        return os.environ[variable]
+    try:
+        from jupyter_core.paths import jupyter_data_dir
+
+        return os.path.join(jupyter_data_dir(), f"openrl-{name}")
+    except ImportError:
+        return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", name)
+
+
+def local_data_dir(model: str | None = None) -> str:
+    """Where the notebook's embedded service of ``model`` keeps its data, detached or not:
+    ``$OPENRL_LOCAL_DATA_DIR``, else the Jupyter data folder's ``openrl-local``
+    (``~/.local/share/jupyter/openrl-local`` on Linux; it follows ``$XDG_DATA_HOME`` /
+    ``$JUPYTER_DATA_DIR``), for the tiny model; another model's is beside it,
+    ``openrl-local-<model>-<hash>``, so kernels of different models do not contend for one folder. It
+    outlives kernels: checkpoints and the key."""
+    base = user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
+    if model in (None, "tiny", "openrl/tiny"):
+        return base
+    slug = re.sub(r"[^A-Za-z0-9._]+", "-", os.path.basename(os.path.normpath(model)) or model).strip("-._")
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]  # two folders of one name stay apart
+    return f"{base.rstrip(os.sep)}-{slug[-40:] or 'model'}-{digest}"
+
+
+def local_data_dirs() -> list[str]:
+    """Every embedded service's data folder of this user (the tiny model's and the others beside it)."""
+    base = local_data_dir().rstrip(os.sep)
+    return [base, *sorted(glob.glob(glob.escape(base) + "-*-" + "[0-9a-f]" * 8))]
+
+
+def discovery_dir() -> str | None:
+    """The per-user Jupyter runtime folder the discovery files live in (None without jupyter_core)."""
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+    except ImportError:
+        return None
+    return jupyter_runtime_dir()
+
+
+def stop_on(data_dir: str | os.PathLike[str], timeout_s: float = 30.0) -> int | None:
+    """Stop the service holding ``data_dir`` (SIGTERM: it drains and exits; SIGKILL after
+    ``timeout_s``); its pid, or None when nothing held the folder."""
+    holder = lock_holder(data_dir)
+    if holder is None:
+        return None
+    pid = holder["pid"]
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        if wait_gone(pid, wait_s):
+            break
+    else:
+        raise subprocess.TimeoutExpired(f"pid {pid}", timeout_s)
+    for path in glob.glob(os.path.join(discovery_dir() or "", f"{DISCOVERY_PREFIX}{pid}.json")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return pid
