@@ -455,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--model-name", default=None, help="the name clients use for the model (default: derived)")
     s.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="port (default 8000; 0: a free one, see --report-fd)")
+    s.add_argument(
+        "--port", type=int, default=None, help="port (default 8000; 0: a free one, see --report-fd)"
+    )
     s.add_argument(
         "--data-dir", type=Path, default=None, help="checkpoints, keys and model cache (default: per-user)"
     )
