@@ -109,6 +109,10 @@ class NativeRuns:
         self._share_cache: tuple[float, dict[str, float]] | None = None
         self.orphan_after_s = float(os.environ.get("OPENRL_ORPHAN_AFTER_S") or ORPHAN_AFTER_S)
         svc.durability.record_replayers["control"] = self._replay_control
+        svc.durability.record_replayers["run_state"] = self._replay_run_state
+        # what a replayed record said of a run whose creating intent (replayed as a task) has not made
+        # it yet: run id -> {"control": Control, "state": kernel state}, applied once it exists
+        self._replayed: dict[str, dict] = {}
         svc.session_listeners.append(self._session_finished)
         svc.sweepers.append(self.sweep_samples)
         svc.durability.loop_state.append(("native", self.capture, self.restore))
@@ -196,6 +200,7 @@ class NativeRuns:
                     "metrics": list(nr.metrics),
                     "metrics_dropped": nr.metrics_dropped,
                     "planned": nr.planned,
+                    "kernel_state": nr.kernel_state,
                 }
                 for run_id, nr in self.runs.items()
             ]
@@ -212,6 +217,7 @@ class NativeRuns:
                         run, r["name"], r["seq"], r["steps"], r["metrics"], r["metrics_dropped"]
                     )
                     self.runs[r["run_id"]].planned = r.get("planned")
+                    self.runs[r["run_id"]].kernel_state = r.get("kernel_state", "running")
             for sid, fields in state["samples"]:
                 self.samples[sid] = StoredSample(**fields)
                 self.sample_counts[fields["tenant"]] += 1
@@ -319,6 +325,11 @@ class NativeRuns:
             if nr is None:
                 nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
                 nr.planned = inputs.get("steps")
+            replayed = self._replayed.pop(run_id, {})
+        if "state" in replayed:
+            nr.kernel_state = replayed["state"]
+        if "control" in replayed:
+            self._set_control(run_id, replayed["control"])
         self._obey_job(tenant, run_id, inputs["user_metadata"])
         try:
             await self._result(rec)
@@ -518,7 +529,9 @@ class NativeRuns:
     def _kernel_reports(self, nr: NativeRunState, state: str) -> None:
         run_id, tenant = nr.run.run_id, nr.run.tenant
         if state != nr.kernel_state:
-            nr.kernel_state = state
+            with self.svc.durability.change():  # journaled: a finished or stopped run stays so
+                self.svc.durability.append(("run_state", tenant, run_id, state))
+                nr.kernel_state = state
             self.events.publish(tenant, {"event": "state", "run_id": run_id, "state": state})
         c = self.controls.get(run_id)
         if c is None:
@@ -534,7 +547,9 @@ class NativeRuns:
             new = "running"
         if new is not None and new != c.state:
             control = Control(new, c.reason if new != "running" else None)
-            self._set_control(run_id, control)
+            with self.svc.durability.change():  # the kernel's confirmation is journaled like the request
+                self.svc.durability.append(("control", tenant, run_id, control.to_json()))
+                self._set_control(run_id, control)
             self._announce(tenant, run_id, control)
 
     def control(self, tenant: str, run_id: str, body: dict) -> dict:
@@ -579,6 +594,16 @@ class NativeRuns:
         run = self.svc.runs.get(run_id)
         if run is not None and run.tenant == tenant:
             self._set_control(run_id, Control(**control))
+        elif run is None:  # a notebook run its creating intent has not made yet
+            self._replayed.setdefault(run_id, {})["control"] = Control(**control)
+
+    def _replay_run_state(self, record: tuple) -> None:
+        _, tenant, run_id, state = record
+        nr = self.runs.get(run_id)
+        if nr is not None and nr.run.tenant == tenant:
+            nr.kernel_state = state
+        elif nr is None:
+            self._replayed.setdefault(run_id, {})["state"] = state
 
     async def delete(self, tenant: str, run_id: str) -> None:
         nr = self.get(tenant, run_id)

@@ -141,6 +141,7 @@ TYPES: dict[str, tuple[int, tuple[str, ...]]] = {
     "sampler": (1, ("tenant", "args")),
     "forget_tenant": (1, ("tenant", "move_to")),
     "control": (1, ("tenant", "run_id", "control")),
+    "run_state": (1, ("tenant", "run_id", "state")),  # what a notebook run's kernel reported
     "native": (1, ("id", "kind", "inputs")),
     "call": (1, ("id", "method", "args")),
 }

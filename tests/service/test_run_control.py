@@ -268,3 +268,81 @@ def test_control_state_survives_a_restart_with_the_journal(tmp_path, tiny_model_
             assert entry(alice, tc.model_id)["step"] == 1
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("snapshots", [False, True], ids=["journal", "snapshot"])
+def test_finished_and_stopped_runs_read_as_such_after_kill_9_and_a_restart(
+    tmp_path, tiny_model_dir, snapshots
+):
+    """What a kernel reported of its run (finished, stopped, failed) is journaled with the panel's
+    control: after a SIGKILL and a restart the runs list, the panel's buttons and the status bar's
+    count (all read from it) say what they said before, from the journal or from a snapshot."""
+    from tests._support.serve import finish, start, wait_ready
+
+    env = {
+        "OPENRL_API_KEYS": f"alice:{ALICE_KEY}",
+        "OPENRL_SNAPSHOT_INTERVAL_S": "0.3" if snapshots else "0",
+    }
+    data = tmp_path / "d"
+    data.mkdir()
+    served = start(data, tiny_model_dir, env=env)
+    try:
+        wait_ready(served)
+        with httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=60) as alice:
+            ids = {}
+            for name, final in (
+                ("done", "finished"),
+                ("halted", "stopped"),
+                ("broke", "failed"),
+                ("live", None),
+            ):
+                r = alice.post(f"{V1}/runs", json={"name": name, "seed": 0, "steps": 3})
+                assert r.status_code == 201, r.text
+                ids[name] = run_id = r.json()["run_id"]
+                alice.post(f"{V1}/runs/{run_id}/heartbeat", json={"state": "running"})
+                if name == "halted":  # stopped from the panel, confirmed by its kernel
+                    assert control(alice, run_id, "stop").json()["control"]["state"] == "stop_requested"
+                if final is not None:
+                    assert (
+                        alice.post(f"{V1}/runs/{run_id}/heartbeat", json={"state": final}).status_code == 200
+                    )
+            sc = tinker.ServiceClient(base_url=served.url, api_key=ALICE_KEY)
+            sdk = sc.create_lora_training_client(base_model=TINY, rank=4, seed=0)
+            assert control(alice, sdk.model_id, "stop").status_code == 200
+            before = {
+                e["run_id"]: (e["state"], e["control"]["state"])
+                for e in alice.get(f"{V1}/runs", params={"include": "all"}).json()["runs"]
+            }
+        assert before[ids["done"]] == ("finished", "running")
+        assert before[ids["halted"]] == ("stopped", "stopped")
+        assert before[ids["broke"]] == ("failed", "running")
+        assert before[ids["live"]] == ("running", "running")
+        assert before[sdk.model_id] == ("stopped", "stopped")
+        if snapshots:
+            deadline = time.monotonic() + 30
+            while not list((data / "journal").glob("snap-*")) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # a snapshot after the last report
+            assert list((data / "journal").glob("snap-*"))
+        served.proc.kill()
+        served.proc.wait()
+        served = start(data, tiny_model_dir, env=env, port=int(served.url.rsplit(":", 1)[1]))
+        wait_ready(served)
+        with httpx.Client(base_url=served.url, headers={"X-API-Key": ALICE_KEY}, timeout=60) as alice:
+            deadline = time.monotonic() + 30  # notebook runs come back as their intents replay
+            while True:
+                after = {
+                    e["run_id"]: (e["state"], e["control"]["state"])
+                    for e in alice.get(f"{V1}/runs", params={"include": "all"}).json()["runs"]
+                }
+                if set(before) <= set(after) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert {k: after.get(k) for k in before} == before
+            running = [k for k, (state, _) in after.items() if state in ("running", "active")]
+            assert running == [ids["live"]]  # what the status bar counts
+            r = control(alice, ids["done"], "pause")
+            assert r.status_code == 409 and "finished" in r.json()["error"]
+    finally:
+        served.proc.terminate()
+        finish(served)
