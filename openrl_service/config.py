@@ -52,6 +52,10 @@ class Limits:
     max_stop_sequences: int = 16  # OPENRL_MAX_STOP_SEQUENCES
     max_target_k: int = 64  # OPENRL_MAX_TARGET_K: K of [N, K] targets
     max_request_tokens: int = 4 * 1024 * 1024  # OPENRL_MAX_REQUEST_TOKENS: Σ N·K over a call's datums
+    # OPENRL_SAMPLE_BATCH_BYTES: the most one batched generate of the torch sampler may take (its
+    # estimate, sampling/budget.py); a call is split into batches within it, a single sample over it is
+    # refused (413). None: a quarter of a GPU's free memory, an eighth of the host's (at most 8 GiB)
+    sample_batch_bytes: int | None = None
     max_metadata_bytes: int = 64 * 1024  # OPENRL_MAX_METADATA_BYTES: user_metadata / tags, as JSON
     max_metric_rows: int = 100_000  # OPENRL_MAX_METRIC_ROWS: a native run keeps its newest rows, drops older
     max_job_payload_bytes: int = 8 * 1024 * 1024  # OPENRL_MAX_JOB_PAYLOAD_BYTES: a detached job's payload
@@ -376,7 +380,7 @@ def parse_api_keys_file(text: str, source: str) -> dict[str, str]:
 # Every Settings and Limits field is read from OPENRL_<FIELD> except these (flags or files only: a
 # variable left in a shell must not turn authentication off); api_keys is OPENRL_API_KEYS
 # (tenant:key,tenant:key) and hub_api_token is JUPYTERHUB_API_TOKEN, read where a hub is set.
-NOT_FROM_ENV = ("api_keys_file", "no_auth", "insecure", "hub_api_token", "limits")
+NOT_FROM_ENV = ("api_keys_file", "no_auth", "insecure", "hub_api_token", "limits", "instance_secret")
 _CHOICES = {"durability": DURABILITY, "sampler": SAMPLERS}
 
 

@@ -33,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from openrl_service.api.http import read_json, tenant
 from openrl_service.checks import integer, number
+from openrl_service.engine import prompts
 from openrl_service.engine.inference import Inference, Target
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import ApiError, UserError
@@ -219,8 +220,9 @@ def _chat_text(messages: Any) -> list[dict]:
     return out
 
 
-def _prompts(body: dict, tok: Any, vocab: int) -> list[list[int]]:
-    """/completions' ``prompt``: a string, a list of strings, a list of token ids or a list of those."""
+def _prompt_items(body: dict, base: Any) -> list:
+    """/completions' ``prompt`` as a list of items (a string, a list of strings, a list of token ids or
+    a list of those), each string's length checked against the context before anything is encoded."""
     p = body.get("prompt")
     if (
         isinstance(p, str)
@@ -231,6 +233,14 @@ def _prompts(body: dict, tok: Any, vocab: int) -> list[list[int]]:
         p = [p]
     if not isinstance(p, list) or not p:
         raise UserError("prompt must be a string, a list of strings, or token ids", field="prompt")
+    for i, item in enumerate(p):
+        if isinstance(item, str):
+            prompts.check_text(base, len(item), f"prompt[{i}]" if len(p) > 1 else "prompt")
+    return p
+
+
+def _prompts(p: list, tok: Any, vocab: int) -> list[list[int]]:
+    """The items of :func:`_prompt_items` as token ids (on a worker thread: it tokenises)."""
     out = []
     for i, item in enumerate(p):
         if isinstance(item, str):
@@ -400,48 +410,39 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         echo = body.get("echo") or False
         if not isinstance(echo, bool):
             raise UserError("echo must be true or false", field="echo")
-        prompts = _prompts(body, tok, target.model.base.vocab_size)
-        if len(prompts) > svc.limits.max_datums:
+        items = _prompt_items(body, target.model.base)
+        if len(items) > svc.limits.max_datums:
             raise UserError(
-                f"prompt: at most {svc.limits.max_datums} prompts per call (OPENRL_MAX_DATUMS); got {len(prompts)}",
+                f"prompt: at most {svc.limits.max_datums} prompts per call (OPENRL_MAX_DATUMS); got {len(items)}",
                 field="prompt",
             )
-        jobs = [
-            inference.check(
-                target,
-                p,
-                n,
-                SampleJob(
-                    prompt=p,
-                    num_samples=n,
-                    params=params if params.seed is None else _seeded(params, i),
-                    adapter=None,
-                    prompt_logprobs=bool(echo and k is not None),
-                    topk_prompt_logprobs=k if echo and k else 0,
-                    topk_sample_logprobs=k or 0,
-                ),
-            )
-            for i, p in enumerate(prompts)
-        ]
+
+        def checked_jobs() -> list[SampleJob]:  # tokenised and checked on a worker thread
+            return [
+                inference.check(
+                    target,
+                    p,
+                    n,
+                    SampleJob(
+                        prompt=p,
+                        num_samples=n,
+                        params=params if params.seed is None else _seeded(params, i),
+                        adapter=None,
+                        prompt_logprobs=bool(echo and k is not None),
+                        topk_prompt_logprobs=k if echo and k else 0,
+                        topk_sample_logprobs=k or 0,
+                    ),
+                )
+                for i, p in enumerate(_prompts(items, tok, target.model.base.vocab_size))
+            ]
+
+        jobs = await prompts.off_loop(checked_jobs)
         outs = await _run(svc, inference, who, target, jobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        choices, completion_tokens = [], 0
-        for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
-            prompt_text = tok.decode(job.prompt, skip_special_tokens=True) if echo else ""
-            echoed = _echo_parts(out, job.prompt, tok, k or 0) if echo and k is not None else None
-            for j, seq in enumerate(out.sequences):
-                d = Decoded(seq, tok, job.params, k)
-                completion_tokens += d.generated
-                choices.append(
-                    {
-                        "index": i * n + j,
-                        "text": prompt_text + d.text,
-                        "logprobs": None if k is None else _completion_logprobs(d, tok, 0, echoed),
-                        "finish_reason": d.finish_reason,
-                        "_decoded": d,
-                        "_prefix": prompt_text,
-                    }
-                )
+        # detokenising thousands of choices is work too: off the event loop
+        choices, completion_tokens = await prompts.off_loop(
+            lambda: _completion_choices(jobs, outs, tok, n, k, echo)
+        )
         usage = _usage(sum(len(j.prompt) for j in jobs), completion_tokens)
         head = {"id": rid, "object": "text_completion", "created": created, "model": target.id}
         if body.get("stream"):
@@ -468,13 +469,8 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
             raise UserError(
                 f"model: {base.name} has no chat template; use /completions with a prompt", field="model"
             )
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - the template refused these messages (roles, order)
-            raise UserError(
-                f"messages: {base.name}'s chat template refused them: {e}", field="messages"
-            ) from None
-        prompt = list(tok.encode(text, add_special_tokens=False))
+        prompts.check_text(base, sum(len(m["content"]) for m in messages), "messages")
+        prompt = await prompts.off_loop(lambda: _chat_prompt(messages, tok, base.name))
         job = inference.check(
             target,
             prompt,
@@ -484,7 +480,7 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         )
         (out,) = await _run(svc, inference, who, target, [job])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        decoded = [Decoded(seq, tok, job.params, k) for seq in out.sequences]
+        decoded = await prompts.off_loop(lambda: [Decoded(seq, tok, job.params, k) for seq in out.sequences])
         usage = _usage(len(prompt), sum(d.generated for d in decoded))
         head = {"id": rid, "object": "chat.completion", "created": created, "model": target.id}
         if body.get("stream"):
@@ -502,6 +498,39 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         return _json({**head, "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(svc)})
 
     return r
+
+
+def _chat_prompt(messages: list[dict], tok: Any, model: str) -> list[int]:
+    """The chat template's text for ``messages``, tokenised (on a worker thread)."""
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - the template refused these messages (roles, order)
+        raise UserError(f"messages: {model}'s chat template refused them: {e}", field="messages") from None
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def _completion_choices(
+    jobs: list[SampleJob], outs: list[SampleOutput], tok: Any, n: int, k: int | None, echo: bool
+) -> tuple[list[dict], int]:
+    """/completions' choices (their texts, logprobs, finish reasons) and the completion tokens."""
+    choices, completion_tokens = [], 0
+    for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
+        prompt_text = tok.decode(job.prompt, skip_special_tokens=True) if echo else ""
+        echoed = _echo_parts(out, job.prompt, tok, k or 0) if echo and k is not None else None
+        for j, seq in enumerate(out.sequences):
+            d = Decoded(seq, tok, job.params, k)
+            completion_tokens += d.generated
+            choices.append(
+                {
+                    "index": i * n + j,
+                    "text": prompt_text + d.text,
+                    "logprobs": None if k is None else _completion_logprobs(d, tok, 0, echoed),
+                    "finish_reason": d.finish_reason,
+                    "_decoded": d,
+                    "_prefix": prompt_text,
+                }
+            )
+    return choices, completion_tokens
 
 
 def _seeded(params: SamplingParams, i: int) -> SamplingParams:

@@ -200,7 +200,13 @@ class Inference:
                 field="max_tokens",
             )
         params = self.svc.checks.check_sample(
-            prompt, num, params, job.topk_prompt_logprobs, job.topk_sample_logprobs, base=base
+            prompt,
+            num,
+            params,
+            job.topk_prompt_logprobs,
+            job.topk_sample_logprobs,
+            base=base,
+            prompt_logprobs=job.prompt_logprobs,
         )
         return dataclasses.replace(job, prompt=prompt, num_samples=num, params=self.svc.seeded(params))
 

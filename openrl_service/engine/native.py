@@ -67,6 +67,7 @@ from openrl_service.engine.native_state import (
     RunControlled,
     StoredSample,
 )
+from openrl_service.engine.prompts import check_text, off_loop
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
@@ -693,7 +694,15 @@ class NativeRuns:
                 field="chat",
             )
         base = self.svc.model_of(nr.run).base
-        encoded = [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):  # the raw text's length first: no encoding of what cannot fit
+            if isinstance(p, str):
+                check_text(base, len(p), f"prompts[{i}]")
+            elif isinstance(p, list):
+                contents = [m.get("content") for m in p if isinstance(m, dict)]
+                check_text(base, sum(len(c) for c in contents if isinstance(c, str)), f"prompts[{i}]")
+        encoded = await off_loop(
+            lambda: [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
+        )
         raw = {
             k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in body
         }

@@ -57,6 +57,7 @@ from openrl_service.models.loading import (
     load_base_model,
 )
 from openrl_service.sampling.base import SampleJob, SampleOutput, SamplingParams
+from openrl_service.sampling.budget import default_batch_bytes
 from openrl_service.sampling.factory import CountingSampler, make_sampler
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore, check_name, parse_tinker_path
 from openrl_service.storage.layout import migrate_tenant_folders
@@ -164,6 +165,9 @@ class TrainingService(Registry):
                     f"two models are named {base.name!r} ({models[base.name].base.source} and {base.source}); "
                     "name them apart with NAME=SPEC"
                 )
+            base.sample_batch_bytes = s.limits.sample_batch_bytes or default_batch_bytes(
+                base.device.type, free_bytes(base.device)
+            )
             trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
             models[base.name] = ServedModel(base, trainer, self._make_sampler(base))
             self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
@@ -1024,7 +1028,13 @@ class TrainingService(Registry):
         model = self.model_of(entry)
         params = self.seeded(
             self.checks.check_sample(
-                prompt, num_samples, params, topk_prompt_logprobs, topk_sample_logprobs, base=model.base
+                prompt,
+                num_samples,
+                params,
+                topk_prompt_logprobs,
+                topk_sample_logprobs,
+                base=model.base,
+                prompt_logprobs=bool(prompt_logprobs),
             )
         )
         call = self.durability.call(

@@ -20,9 +20,10 @@ from safetensors import safe_open
 
 from openrl_service.checks import integer, number
 from openrl_service.config import Limits, Settings
-from openrl_service.errors import UserError
+from openrl_service.errors import PayloadTooLarge, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SamplingParams
+from openrl_service.sampling.budget import cost_of
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore
 from openrl_service.training.full import check_full_tensors
 from openrl_service.training.lora import LoraSpec, check_peft_shapes
@@ -255,6 +256,7 @@ class Checks:
         topk_sample: Any = 0,
         *,
         base: BaseModel | None = None,
+        prompt_logprobs: bool = False,
     ) -> SamplingParams:
         """Validate one sample request against the limits and the model; returns the params with
         ``max_tokens`` resolved (when omitted: as many as fit the context, up to OPENRL_MAX_TOKENS)."""
@@ -277,7 +279,34 @@ class Checks:
             )
         if min(prompt) < 0 or max(prompt) >= base.vocab_size:
             raise UserError(f"prompt: token ids must be in [0, {base.vocab_size})", field="prompt")
+        self.check_sample_fits(base, len(prompt), params.max_tokens, bool(prompt_logprobs or topk_prompt))
         return params
+
+    @staticmethod
+    def check_sample_fits(
+        base: BaseModel, prompt_tokens: int, max_tokens: int, prompt_logprobs: bool
+    ) -> None:
+        """Refuse (413, with the numbers) a sample that alone would take more memory than a sampling batch
+        may (OPENRL_SAMPLE_BATCH_BYTES): a call is split into batches, but one sample cannot be."""
+        limit = base.sample_batch_bytes
+        if not limit:
+            return
+        need = cost_of(base).bytes(
+            prompts=1,
+            width=prompt_tokens,
+            rows=1,
+            decode=max_tokens,
+            logprob_tokens=prompt_tokens if prompt_logprobs else 0,
+            padded=False,
+        )
+        if need > limit:
+            raise PayloadTooLarge(
+                f"prompt: one sample of a {prompt_tokens}-token prompt with max_tokens {max_tokens}"
+                f"{' and prompt logprobs' if prompt_logprobs else ''} needs about {_mib(need)} MiB to sample on "
+                f"{base.name}, more than the {_mib(limit)} MiB one sampling batch may take "
+                "(OPENRL_SAMPLE_BATCH_BYTES): send a shorter prompt or a smaller max_tokens",
+                field="prompt",
+            )
 
     def check_adapter_file(
         self,
@@ -306,3 +335,7 @@ class Checks:
             check_full_tensors(base, spec, shapes, field=field_name, model=base.name)
             return
         check_peft_shapes(spec, base.targets, shapes, model=base.name, field=field_name)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f}"

@@ -59,6 +59,8 @@ class BaseModel:
     defaults: dict = field(default_factory=dict)
     folder: Path | None = None  # the Hugging Face folder it was loaded from; None for a GGUF file
     weights_sha256: str = ""  # of the base weights as loaded (weights_digest), computed once at load
+    # the most one sampling batch may take (OPENRL_SAMPLE_BATCH_BYTES, sampling/budget.py); set at setup
+    sample_batch_bytes: int | None = None
 
     def capability(self) -> dict:
         return {

@@ -37,6 +37,7 @@ class SampleJob:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    first_row: int = 0  # its samples are rows first_row.. of a bigger job (a split call): their seeds
 
 
 @dataclass

@@ -1,11 +1,13 @@
-"""Sampling with plain torch on CPU, MPS or CUDA: one batched decode per request, KV-cached.
+"""Sampling with plain torch on CPU, MPS or CUDA: batched decodes, KV-cached, within a memory budget.
 
 The prompt is prefilled once and its cache repeated for the ``num_samples`` rows. Each row has its
 own ``torch.Generator`` seeded from (seed, row), so a seeded request gives the same samples whatever
 else is running. ``sample_many`` runs several requests (different runs' adapters, prompts and
 parameters) as one batched generate: left-padded prefill, per-row LoRA routing
 (``AdapterRouter.use_rows``), one shared KV cache whose rows keep their own generators and stop rules. Logprobs are always the raw model's (log-softmax of the unscaled logits), so they
-match what training computes; temperature, top-k and top-p only shape the choice.
+match what training computes; temperature, top-k and top-p only shape the choice. A call bigger than
+OPENRL_SAMPLE_BATCH_BYTES is split into batches that fit (sampling/budget.py): whole jobs, or a job's
+samples across batches, each row keeping its seed, so the samples are those one batch would draw.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -20,6 +23,7 @@ import torch
 from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput
+from openrl_service.sampling.budget import Piece, cost_of, default_batch_bytes, plan
 
 TOPK_EMPTY_LOGPROB = -99999.0
 
@@ -39,9 +43,47 @@ class TorchSampler:
         self.base = base
         self._cache_arg, self._cache_out = _cache_io(base.model)
         self._keep_arg = "logits_to_keep" in inspect.signature(base.model.forward).parameters
+        self.cost = cost_of(base)
+        self._default_bytes: int | None = None
+
+    @property
+    def batch_bytes(self) -> int:
+        """The most one batch may take: the served model's OPENRL_SAMPLE_BATCH_BYTES (set at setup), else
+        the device's default."""
+        if self.base.sample_batch_bytes:
+            return self.base.sample_batch_bytes
+        if self._default_bytes is None:
+            from openrl_service.models.loading import free_bytes
+
+            self._default_bytes = default_batch_bytes(self.base.device.type, free_bytes(self.base.device))
+        return self._default_bytes
+
+    def sample(self, job: SampleJob) -> SampleOutput:
+        return self.sample_many([job])[0]
+
+    def sample_many(self, jobs: list[SampleJob]) -> list[SampleOutput]:
+        """Several jobs (any adapters, prompts and parameters), one output per job: one batched generate
+        (:meth:`_batched`) per batch of the plan that keeps each within :attr:`batch_bytes`."""
+        jobs = [
+            j if j.params.seed is not None else replace(j, params=replace(j.params, seed=_fresh_seed()))
+            for j in jobs
+        ]  # a job split across batches draws every row from one seed
+        batches = plan(jobs, self.cost, self.batch_bytes)
+        if len(batches) <= 1 and all(p.rows == jobs[p.job].num_samples for b in batches for p in b):
+            return self._generate(jobs)
+        outs: list[SampleOutput | None] = [None] * len(jobs)
+        for batch in batches:
+            done = self._generate([_piece(jobs[p.job], p) for p in batch])
+            for p, out in zip(batch, done, strict=True):
+                first = outs[p.job]
+                outs[p.job] = out if first is None else _joined(first, out, len(jobs[p.job].prompt))
+        return outs  # type: ignore[return-value]
+
+    def _generate(self, jobs: list[SampleJob]) -> list[SampleOutput]:
+        return [self._one(jobs[0])] if len(jobs) == 1 else self._batched(jobs)
 
     @torch.inference_mode()
-    def sample(self, job: SampleJob) -> SampleOutput:
+    def _one(self, job: SampleJob) -> SampleOutput:
         base = self.base
         dev = base.device
         p = job.params
@@ -60,7 +102,9 @@ class TorchSampler:
         result = _prompt_outputs(job, logits_prompt, prompt[0])
 
         base_seed = p.seed if p.seed is not None else random.SystemRandom().randrange(2**62)
-        gens = [torch.Generator(device=dev).manual_seed(row_seed(base_seed, r)) for r in range(n)]
+        gens = [
+            torch.Generator(device=dev).manual_seed(row_seed(base_seed, job.first_row + r)) for r in range(n)
+        ]
         stop_ids = set(p.stop_token_ids)
         window = max((len(s) for s in p.stop_strings), default=0) + 8
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -115,17 +159,14 @@ class TorchSampler:
         return result
 
     @torch.inference_mode()
-    def sample_many(self, jobs: list[SampleJob]) -> list[SampleOutput]:
+    def _batched(self, jobs: list[SampleJob]) -> list[SampleOutput]:
         """Several jobs (any adapters, prompts and parameters) in ONE batched generate; one output per job.
 
         Prompts are left-padded into one prefill (attention mask + per-row positions), routed per row
         to each job's adapter; every sample then decodes as a row of one shared KV cache, with its own
         stop rules, ``max_tokens`` and generator (seeded from (job seed, row) exactly as in
         :meth:`sample`), and the batch shrinks as rows finish. Greedy tokens equal per-job sampling;
-        logprobs agree to float32 rounding (padding changes matmul shapes, not the math). A single
-        job is simply :meth:`sample`."""
-        if len(jobs) <= 1:
-            return [self.sample(j) for j in jobs]
+        logprobs agree to float32 rounding (padding changes matmul shapes, not the math)."""
         base = self.base
         dev = base.device
         lens = [len(j.prompt) for j in jobs]
@@ -159,7 +200,10 @@ class TorchSampler:
             j.params.seed if j.params.seed is not None else random.SystemRandom().randrange(2**62)
             for j in jobs
         ]
-        gens = [torch.Generator(device=dev).manual_seed(row_seed(seeds[j], r)) for j, r in rows]
+        gens = [
+            torch.Generator(device=dev).manual_seed(row_seed(seeds[j], jobs[j].first_row + r))
+            for j, r in rows
+        ]
         stop_ids = [set(j.params.stop_token_ids) for j in jobs]
         windows = [max((len(s) for s in j.params.stop_strings), default=0) + 8 for j in jobs]
         tokens: list[list[int]] = [[] for _ in rows]
@@ -252,6 +296,32 @@ class TorchSampler:
         # Only the newest token can complete a stop string (earlier ones were checked already).
         before = tok.decode(toks[-window:-1], skip_special_tokens=False) if len(toks) > 1 else ""
         return any(s in tail and s not in before for s in stops) or not before
+
+
+def _fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**62)
+
+
+def _piece(job: SampleJob, piece: Piece) -> SampleJob:
+    """The samples of ``job`` that ``piece`` names, as a job of their own (prompt logprobs: the first)."""
+    if piece.rows == job.num_samples:
+        return job
+    first = piece.first_row == 0
+    return replace(
+        job,
+        num_samples=piece.rows,
+        first_row=job.first_row + piece.first_row,
+        prompt_logprobs=job.prompt_logprobs and first,
+        topk_prompt_logprobs=job.topk_prompt_logprobs if first else 0,
+    )
+
+
+def _joined(out: SampleOutput, more: SampleOutput, prompt_tokens: int) -> SampleOutput:
+    """A job's output from its pieces' outputs, in row order (the prompt counted once)."""
+    out.sequences.extend(more.sequences)
+    out.tokens += more.tokens - prompt_tokens
+    out.notice = out.notice or more.notice
+    return out
 
 
 def _prompt_outputs(job: SampleJob, logits_prompt: torch.Tensor, prompt: torch.Tensor) -> SampleOutput:
