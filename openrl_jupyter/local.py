@@ -53,9 +53,9 @@ from openrl_common.datadirs import (
     local_data_dir,
     lock_holder,
     loopback_url,
-    own_private_file,
     proves,
     read_private,
+    read_private_json,
 )
 from openrl_common.files import write_atomic
 from openrl_jupyter._exceptions import ServiceUnavailable
@@ -175,17 +175,6 @@ def advertise(service: LocalService) -> str | None:
     return path
 
 
-def _read_discovery(path: str) -> dict | None:
-    if not own_private_file(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
 def discovered(folder: str | None = None) -> dict | None:
     """The newest discovery file whose service process is alive: ``{"url", "token", "pid", "path"}``;
     None when there is none. Files of dead processes (a killed kernel) are skipped."""
@@ -194,7 +183,7 @@ def discovered(folder: str | None = None) -> dict | None:
         return None
     found = []
     for path in glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")):
-        info = _read_discovery(path)
+        info = read_private_json(path)
         try:
             mtime = os.stat(path).st_mtime
         except OSError:
@@ -222,7 +211,7 @@ def find_detached(folder: str | None = None) -> LocalService | None:
 
     # the newest first (by when it was written, not by its pid's digits)
     for path in sorted(glob.glob(os.path.join(folder, f"{DISCOVERY_PREFIX}*.json")), key=mtime, reverse=True):
-        info = _read_discovery(path)
+        info = read_private_json(path)
         if info is None or info.get("detached") is not True:
             continue
         pid = info.get("pid")
