@@ -16,11 +16,9 @@ It exits non-zero unless B - A is at least --min-gain.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -87,30 +85,6 @@ def convert(data_dir: Path) -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"demo-real: the service exited ({proc.returncode}); its log: {log}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        time.sleep(1)
-    raise SystemExit(f"demo-real: the service was not ready in {READY_TIMEOUT_S} s; its log: {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
@@ -127,7 +101,7 @@ def main() -> int:
     )
     p.add_argument("--min-gain", type=float, default=0.2)
     args = p.parse_args()
-    from openrl_jupyter.local import free_port
+    from openrl_jupyter.local import start_service
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()
@@ -166,34 +140,27 @@ def main() -> int:
     keys = data_dir / "demo-keys.txt"
     keys.write_text(f"demo {key}\n")
     keys.chmod(0o600)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = out / "service.log"
-    argv = [
-        str(python),
-        "-m",
-        "openrl_service.cli",
-        "serve",
-        "--model",
-        "smollm2",
-        "--data-dir",
-        str(data_dir),
-        "--port",
-        str(port),
-        "--api-keys-file",
-        str(keys),
-        "--exit-with-parent",
-        "--durability",
-        "none",  # a demo: no journal or snapshots (each waits for a quiet point between minute-long ops)
-        *sampler_args,
-    ]
-    print(f"demo-real: starting the service on {url} (sampler: {sampler}; log {log}) ...", flush=True)
-    with open(log, "wb") as logf:
+    print(f"demo-real: starting the service (sampler: {sampler}; log {log}) ...", flush=True)
+    service = start_service(
+        python=str(python),
+        model="smollm2",
+        data_dir=data_dir,
+        args=[
+            "--api-keys-file",
+            str(keys),
+            "--durability",
+            "none",  # a demo: no journal or snapshots (each waits for a quiet point between minute-long ops)
+            *sampler_args,
+        ],
         # vLLM on CPU pads every LoRA to its max_lora_rank (OPENRL_MAX_RANK): keep it at the demo's rank.
-        env = _env({"OPENRL_MAX_RANK": "8"})
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=logf, stderr=logf)
+        env=_env({"OPENRL_MAX_RANK": "8"}),
+        log_path=str(log),
+        log_level="info",
+        timeout_s=READY_TIMEOUT_S,
+    )
+    url = service.url
     try:
-        wait_ready(url, proc, log)
         t_ready = time.monotonic()
         print(f"demo-real: service ready ({t_ready - t0:.0f} s)", flush=True)
         env = {
@@ -214,7 +181,7 @@ def main() -> int:
             print(f"demo-real: the notebook failed: {exc}", file=sys.stderr)
             return 1
     finally:
-        stop(proc)
+        service.stop(60)
     history = json.loads((out / "real-model-history.json").read_text())
     means = [h["reward_mean"] for h in history]
     k = min(5, len(means))

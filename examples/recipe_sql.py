@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03-text-to-sql.ipynb"
 
 sys.path.insert(0, str(ROOT / "examples"))
-from demo_real import VLLM_PYTHON, _env, convert, stop, vllm_usable, wait_ready  # noqa: E402
+from demo_real import READY_TIMEOUT_S, VLLM_PYTHON, _env, convert, vllm_usable  # noqa: E402
 from notebook_demo import execute  # noqa: E402
 
 
@@ -50,7 +49,7 @@ def main() -> int:
         help="the service's data dir; the converted model stays there for the next run",
     )
     args = p.parse_args()
-    from openrl_jupyter.local import free_port
+    from openrl_jupyter.local import start_service
 
     t0 = time.monotonic()
     out = Path(args.out).resolve()
@@ -76,34 +75,21 @@ def main() -> int:
     keys = data_dir / "recipe-keys.txt"
     keys.write_text(f"recipe {key}\n")
     keys.chmod(0o600)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = out / "service.log"
-    argv = [
-        str(python),
-        "-m",
-        "openrl_service.cli",
-        "serve",
-        "--model",
-        "smollm2",
-        "--data-dir",
-        str(data_dir),
-        "--port",
-        str(port),
-        "--api-keys-file",
-        str(keys),
-        "--exit-with-parent",
-        "--durability",
-        "none",
-        *sampler_args,
-    ]
-    print(f"recipe-sql: starting the service on {url} (sampler: {sampler}; log {log}) ...", flush=True)
-    with open(log, "wb") as logf:
+    print(f"recipe-sql: starting the service (sampler: {sampler}; log {log}) ...", flush=True)
+    service = start_service(
+        python=str(python),
+        model="smollm2",
+        data_dir=data_dir,
+        args=["--api-keys-file", str(keys), "--durability", "none", *sampler_args],
         # vLLM on CPU pads every LoRA to its max_lora_rank (OPENRL_MAX_RANK): keep it at the recipe's rank.
-        env = _env({"OPENRL_MAX_RANK": str(args.rank)})
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=logf, stderr=logf)
+        env=_env({"OPENRL_MAX_RANK": str(args.rank)}),
+        log_path=str(log),
+        log_level="info",
+        timeout_s=READY_TIMEOUT_S,
+    )
+    url = service.url
     try:
-        wait_ready(url, proc, log)
         t_ready = time.monotonic()
         print(f"recipe-sql: service ready ({t_ready - t0:.0f} s)", flush=True)
         env = {
@@ -135,7 +121,7 @@ def main() -> int:
             print(f"recipe-sql: the notebook failed: {exc}", file=sys.stderr)
             return 1
     finally:
-        stop(proc)
+        service.stop(60)
     results = json.loads((out / "sql-results.json").read_text())
     minutes = (time.monotonic() - t0) / 60
     figures = " -> ".join(f"{label} {score:.3f}" for label, score in results["scores"].items())

@@ -114,12 +114,13 @@ class LocalService:
     secret: str | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     discovery_path: str | None = None  # set by advertise(): removed again on stop()
+    log_file: str | None = None  # where its output goes (None: its data folder's service.log)
     detached: bool = False  # outlives this process (start_service(detached=True) or find_detached())
     owned: bool = True  # started by this process; False: joined (another kernel's, or found running)
 
     @property
     def log_path(self) -> str:
-        return os.path.join(self.data_dir, "service.log")
+        return self.log_file or os.path.join(self.data_dir, "service.log")
 
     def log_tail(self, n: int = 4000) -> str:
         """The last ``n`` characters of the service's output."""
@@ -271,6 +272,8 @@ def start_service(
     timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
     detached: bool = False,
+    python: str | None = None,
+    log_path: str | None = None,
 ) -> LocalService:
     """Start a service and return it once ``/readyz`` answers ready.
 
@@ -282,7 +285,9 @@ def start_service(
     on ``stop``). ``args``: more ``serve`` flags (``--device``, ``--fusion``...); ``env``: more
     environment. ``progress`` is told once if the start takes more than a second. ``detached``:
     outlive this process (see the module docstring); its data folder defaults to
-    ``local_data_dir()``.
+    ``local_data_dir()``. ``python``: the interpreter that runs it (another environment's, e.g. one
+    with vLLM; default this one). ``log_path``: where its output goes (default its data folder's
+    ``service.log``).
     """
     tmp = None
     if data_dir is None and detached:
@@ -301,8 +306,9 @@ def start_service(
         child_env["OPENRL_API_KEYS"] = f"default:{api_key}"
     secret = secrets.token_hex(32)  # /readyz proves the service holds it before any key is sent
     child_env[SECRET_ENV] = secret
-    _trim_log(os.path.join(data_dir, "service.log"))
-    cmd = [sys.executable, "-m", "openrl_service.cli", "serve"]
+    log_path = log_path or os.path.join(data_dir, "service.log")
+    _trim_log(log_path)
+    cmd = [python or sys.executable, "-m", "openrl_service.cli", "serve"]
     if not detached:
         cmd.append("--exit-with-parent")
     report, reported = os.pipe()  # serve binds port 0 itself and writes its URL here
@@ -313,7 +319,7 @@ def start_service(
     if not auth:
         cmd.append("--no-auth")
     cmd += list(args)
-    log = open(os.path.join(data_dir, "service.log"), "ab")  # noqa: SIM115 - owned by the child's lifetime
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
     try:
         proc = subprocess.Popen(
             cmd,
@@ -327,7 +333,7 @@ def start_service(
     finally:
         log.close()
         os.close(reported)  # the child holds its own copy: EOF here once it has written or died
-    service = LocalService(proc, "", data_dir, api_key, secret, tmp, detached=detached)
+    service = LocalService(proc, "", data_dir, api_key, secret, tmp, detached=detached, log_file=log_path)
     if not detached:
         atexit.register(service.stop)
     try:
