@@ -1,10 +1,14 @@
-"""The one way this project starts ``openrl-service serve`` as a child on a free loopback port.
+"""The one way this project starts ``openrl-service serve`` as a child on loopback, and checks it is that child.
 
     service = start_service(api_key=key)          # waits for /readyz; stops when this process exits
     ... Client(service.url, token=key) ...
     service.stop()
 
-Used by ``connect(local=True)``, the demos, the benchmarks and the tests. The child runs with
+Used by ``connect(local=True)``, the demos, the benchmarks and the tests. The child binds port 0
+itself and writes the URL it got to a pipe only this process reads (``--report-fd``); this process makes
+a start secret for it (in its environment) and sends it nothing of value until ``/readyz`` proves it
+holds that secret for that port (``wait_ready``; openrl_common/datadirs.py), so another account on the
+host cannot take its place on a port it guessed. The child runs with
 ``--exit-with-parent``: it watches a pipe on its stdin and stops when this process closes it, exits
 or dies, so no service outlives its owner. Its output goes to ``service.log`` in its data folder.
 ``start_service(detached=True)`` is the exception, for detached runs: no ``--exit-with-parent``, its
@@ -17,8 +21,9 @@ folder of the user's, ``local_data_dir()`` (the Jupyter data folder's ``openrl-l
 ``$OPENRL_LOCAL_DATA_DIR``), with the key the service generated there (``api-key``, mode 0600): what
 a run saved and the key that reads it are the same after a kernel restart. One service owns a data
 folder (its lock, ``openrl-service.lock``, names its pid and URL), so a second kernel of the user
-finds it by that lock and joins it (``running_on``) instead of starting another; ``openrl-service
-stop --data-dir DIR`` (or ``stop_on(DIR)``) stops whichever holds it.
+finds it by that lock and joins it (``running_on``, after the same proof, with the secret the folder
+keeps in ``instance-secret``) instead of starting another; ``openrl-service stop --data-dir DIR`` (or
+``openrl_common.datadirs.stop_on(DIR)``) stops whichever holds it.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ LOG_KEEP_BYTES = 4 << 20  # a kept data folder's service.log: the older part is 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS picks it)."""
+    """A port nothing listens on right now (the OS picks it), for tests that run a server of their own.
+    Not for a service that will receive a key: another process may bind it first (start_service has
+    the service bind port 0 itself)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
