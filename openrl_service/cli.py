@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from openrl_common.datadirs import SECRET_ENV, SECRET_NAME
+from openrl_common.datadirs import SECRET_ENV, SECRET_NAME, lock_holder
 from openrl_common.files import write_atomic
 from openrl_service import config as cfg
 from openrl_service.checks import number
@@ -143,6 +143,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:  # the port first: the lock never names a port this process does not hold (--port 0: any free)
         sock = listening_socket(host, settings.port)
     except OSError as e:
+        holder = lock_holder(settings.data_dir)
+        if holder is not None:  # most likely that service holds the port too: say who
+            print(f"openrl-service: {DataDirInUse(settings.data_dir, holder)}", file=sys.stderr)
+            return EXIT_DATA_DIR_IN_USE
         print(f"openrl-service: cannot listen on {host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     settings.port = sock.getsockname()[1]

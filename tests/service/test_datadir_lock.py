@@ -33,6 +33,11 @@ def test_a_second_serve_on_the_same_data_dir_exits_naming_the_holder(tmp_path, t
         assert first.url in message
         assert "--data-dir" in message  # the remedy
         assert first.proc.poll() is None  # the holder is untouched and still serves
+        # the same port too (bound first, now): the holder is named, not just "address in use"
+        port = first.url.rsplit(":", 1)[1]
+        argv, env = cli("serve", "--no-auth", "--port", port, "--data-dir", str(data))
+        same = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=SECOND_START_GUARD_S)
+        assert same.returncode == 3 and f"pid {first.proc.pid}" in same.stderr, same.stderr
         assert json.loads((data / LOCK_NAME).read_text())["pid"] == first.proc.pid
 
         # kill -9: no cleanup runs, yet the kernel drops the lock with the process.
