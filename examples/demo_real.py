@@ -156,6 +156,7 @@ def main() -> int:
         # vLLM on CPU pads every LoRA to its max_lora_rank (OPENRL_MAX_RANK): keep it at the demo's rank.
         env=_env({"OPENRL_MAX_RANK": "8"}),
         log_path=str(log),
+        inherit_env=False,  # _env: this environment less its OPENRL_*/TINKER_* settings
         log_level="info",
         timeout_s=READY_TIMEOUT_S,
     )

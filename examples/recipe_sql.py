@@ -85,6 +85,7 @@ def main() -> int:
         # vLLM on CPU pads every LoRA to its max_lora_rank (OPENRL_MAX_RANK): keep it at the recipe's rank.
         env=_env({"OPENRL_MAX_RANK": str(args.rank)}),
         log_path=str(log),
+        inherit_env=False,  # _env: this environment less its OPENRL_*/TINKER_* settings
         log_level="info",
         timeout_s=READY_TIMEOUT_S,
     )

@@ -281,6 +281,7 @@ def start_service(
     detached: bool = False,
     python: str | None = None,
     log_path: str | None = None,
+    inherit_env: bool = True,
 ) -> LocalService:
     """Start a service and return it once ``/readyz`` answers ready.
 
@@ -294,7 +295,8 @@ def start_service(
     outlive this process (see the module docstring); its data folder defaults to
     ``local_data_dir()``. ``python``: the interpreter that runs it (another environment's, e.g. one
     with vLLM; default this one). ``log_path``: where its output goes (default its data folder's
-    ``service.log``).
+    ``service.log``). ``inherit_env=False``: the child's environment is ``env`` alone (plus the
+    key and the start secret), not this process's.
     """
     tmp = None
     if data_dir is None and detached:
@@ -304,7 +306,7 @@ def start_service(
         data_dir = tmp.name
     data_dir = os.fspath(data_dir)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    child_env = dict(os.environ)
+    child_env = dict(os.environ) if inherit_env else {}
     if api_key is None and auth:  # the data folder's own key, not keys (or a hub) this process has
         for var in ("OPENRL_API_KEYS", "OPENRL_API_KEYS_FILE", "OPENRL_HUB_API_URL"):
             child_env.pop(var, None)

@@ -154,14 +154,16 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"http://{url_host}:{settings.port}"
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:  # before anything is written there: one process owns a data dir
-        lock = DataDirLock.acquire(settings.data_dir, url=url)
+        lock = DataDirLock.acquire(settings.data_dir)
     except DataDirInUse as e:
         sock.close()
         print(f"openrl-service: {e}", file=sys.stderr)
         return EXIT_DATA_DIR_IN_USE
-    # the start secret /readyz proves: the starting kernel's (not passed on to this process's children)
+    # the start secret /readyz proves: the starting kernel's (not passed on to this process's children),
+    # written before the lock names the URL, so a kernel that joins by the lock reads this one
     settings.instance_secret = os.environ.pop(SECRET_ENV, None) or settings.instance_secret
     write_atomic(settings.data_dir / SECRET_NAME, settings.instance_secret + "\n")  # 0600
+    lock.announce(url)
     if args.report_fd is not None:
         _report(args.report_fd, url)
     if settings.auth_enabled and settings.hub_api_url:
@@ -247,13 +249,10 @@ def _serve(args: argparse.Namespace) -> int:
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) and listening (port 0: one the kernel picks), as uvicorn
     binds its own (SO_REUSEADDR: a restart reuses its predecessor's port at once)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
+        sock.bind((host.strip("[]"), port))
         sock.listen(2048)
     except BaseException:
         sock.close()

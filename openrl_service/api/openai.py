@@ -335,7 +335,7 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         usage = usage_of(sum(len(j.prompt) for j in jobs), completion_tokens)
         head = {"id": rid, "object": "text_completion", "created": created, "model": target.id}
         if body.get("stream"):
-            return _stream(completion_chunks(head, choices, usage, tok, _includeusage(body)))
+            return _stream(completion_chunks(head, choices, usage, tok, _include_usage(body)))
         for c in choices:
             c.pop("_decoded")
             c.pop("_prefix")
@@ -358,7 +358,7 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
             raise UserError(
                 f"model: {base.name} has no chat template; use /completions with a prompt", field="model"
             )
-        prompts.check_text(base, sum(len(m["content"]) for m in messages), "messages")
+        prompts.check_messages(base, messages, "messages")
         prompt = await prompts.off_loop(lambda: _chat_prompt(messages, tok, base.name))
         job = inference.check(
             target,
@@ -374,16 +374,18 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         head = {"id": rid, "object": "chat.completion", "created": created, "model": target.id}
         if body.get("stream"):
             head["object"] = "chat.completion.chunk"
-            return _stream(chat_chunks(head, decoded, usage, tok, k, _includeusage(body)))
-        choices = [
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": d.text, "refusal": None},
-                "logprobs": None if k is None else chat_logprobs(d, tok),
-                "finish_reason": d.finish_reason,
-            }
-            for j, d in enumerate(decoded)
-        ]
+            return _stream(chat_chunks(head, decoded, usage, tok, k, _include_usage(body)))
+        choices = await prompts.off_loop(
+            lambda: [
+                {
+                    "index": j,
+                    "message": {"role": "assistant", "content": d.text, "refusal": None},
+                    "logprobs": None if k is None else chat_logprobs(d, tok),
+                    "finish_reason": d.finish_reason,
+                }
+                for j, d in enumerate(decoded)
+            ]
+        )
         return _json({**head, "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(svc)})
 
     return r
@@ -420,7 +422,7 @@ async def _run(
         svc.futures.drop(rec)
 
 
-def _includeusage(body: dict) -> bool:
+def _include_usage(body: dict) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and bool(opts.get("include_usage"))
 

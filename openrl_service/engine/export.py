@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from openrl_service.config import folder_tenant
 from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
@@ -64,6 +66,8 @@ class Exports:
             lambda tenant: shutil.rmtree(self._tenant_dir(tenant), ignore_errors=True)
         )
         svc.store.deleted_listeners.append(self.forget_checkpoint)
+        self._lock = threading.Lock()
+        self._builds: dict[str, threading.Lock] = {}  # tenant -> held while one of its exports is built
 
     def _tenant_dir(self, tenant: str) -> Path:
         return self.store.exports_dir(tenant)
@@ -115,7 +119,17 @@ class Exports:
                 self.store.remove_export(tenant, folder)
 
     def build(self, tenant: str, tinker_path: object, merged: object) -> tuple[str, Path, dict]:
-        """(export id, its folder, its provenance) for ``tenant``'s checkpoint; reused while fresh."""
+        """(export id, its folder, its provenance) for ``tenant``'s checkpoint; reused while fresh. A
+        tenant's exports are built one at a time, each only when its quota has room for it (so no
+        tenant fills the disk with builds it would be refused)."""
+        with self._building(tenant):
+            return self._build(tenant, tinker_path, merged)
+
+    def _building(self, tenant: str) -> threading.Lock:
+        with self._lock:
+            return self._builds.setdefault(tenant, threading.Lock())
+
+    def _build(self, tenant: str, tinker_path: object, merged: object) -> tuple[str, Path, dict]:
         if not isinstance(merged, bool):
             raise UserError(
                 "merged must be true (a full model folder) or false (a PEFT adapter)", field="merged"
@@ -137,6 +151,13 @@ class Exports:
         if info_file.is_file():
             final.touch()  # used again: the newest
             return export_id, final, json.loads(info_file.read_text())
+        # the bytes it will take, before any is written: the model's for a merged (or full) one
+        need = (
+            sum(t.numel() * model.base.dtype.itemsize for t in base_state(model).values())
+            if merged
+            else (self.store.folder(tenant, ref) / "adapter_model.safetensors").stat().st_size
+        )
+        self.store.check_room(tenant, ref, need, what=f"an export of {ref.path}", field="tinker_path")
         info = {
             "format_version": FORMAT_VERSION,
             "format": fmt,
@@ -238,16 +259,27 @@ class Exports:
             self.store.remove_export(tenant, old)
 
     def sweep(self, now: float) -> None:
-        """Remove exports (and abandoned partial builds) older than their links' hour."""
+        """Remove exports (and abandoned partial builds) older than their links' hour, and exports
+        whose checkpoint has expired or gone."""
         if not self.root.is_dir():
             return
         for tenant_dir in self.root.iterdir():
+            tenant = folder_tenant(tenant_dir.name)
             for p in tenant_dir.iterdir() if tenant_dir.is_dir() else ():
                 try:
-                    if now - p.stat().st_mtime > EXPORT_TTL_S:
-                        self.store.remove_export(None, p)
+                    if now - p.stat().st_mtime > EXPORT_TTL_S or (
+                        tenant is not None and not p.name.startswith(".") and not self._current(tenant, p)
+                    ):
+                        self.store.remove_export(tenant, p)
                 except FileNotFoundError:
                     continue
+
+    def _current(self, tenant: str, folder: Path) -> bool:
+        try:
+            self.current(tenant, folder.name)
+        except NotFound:
+            return False
+        return True
 
 
 def _card(info: dict) -> str:

@@ -67,7 +67,7 @@ from openrl_service.engine.native_state import (
     RunControlled,
     StoredSample,
 )
-from openrl_service.engine.prompts import check_text, off_loop
+from openrl_service.engine.prompts import check_messages, check_text, off_loop
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
@@ -112,7 +112,8 @@ class NativeRuns:
         svc.durability.record_replayers["control"] = self._replay_control
         svc.durability.record_replayers["run_state"] = self._replay_run_state
         # what a replayed record said of a run whose creating intent (replayed as a task) has not made
-        # it yet: run id -> {"control": Control, "state": kernel state}, applied once it exists
+        # it yet: run id -> {"tenant", "control": Control, "state": kernel state}, applied once it
+        # exists (bounded by the journal replayed; a run never made leaves its entry until restart)
         self._replayed: dict[str, dict] = {}
         svc.session_listeners.append(self._session_finished)
         svc.sweepers.append(self.sweep_samples)
@@ -327,6 +328,8 @@ class NativeRuns:
                 nr = self.runs[run_id] = NativeRunState(self.svc.run(tenant, run_id), inputs["name"])
                 nr.planned = inputs.get("steps")
             replayed = self._replayed.pop(run_id, {})
+            if replayed.get("tenant") != tenant:
+                replayed = {}
         if "state" in replayed:
             nr.kernel_state = replayed["state"]
         if "control" in replayed:
@@ -596,7 +599,7 @@ class NativeRuns:
         if run is not None and run.tenant == tenant:
             self._set_control(run_id, Control(**control))
         elif run is None:  # a notebook run its creating intent has not made yet
-            self._replayed.setdefault(run_id, {})["control"] = Control(**control)
+            self._replayed.setdefault(run_id, {"tenant": tenant})["control"] = Control(**control)
 
     def _replay_run_state(self, record: tuple) -> None:
         _, tenant, run_id, state = record
@@ -604,7 +607,7 @@ class NativeRuns:
         if nr is not None and nr.run.tenant == tenant:
             nr.kernel_state = state
         elif nr is None:
-            self._replayed.setdefault(run_id, {})["state"] = state
+            self._replayed.setdefault(run_id, {"tenant": tenant})["state"] = state
 
     async def delete(self, tenant: str, run_id: str) -> None:
         nr = self.get(tenant, run_id)
@@ -698,8 +701,7 @@ class NativeRuns:
             if isinstance(p, str):
                 check_text(base, len(p), f"prompts[{i}]")
             elif isinstance(p, list):
-                contents = [m.get("content") for m in p if isinstance(m, dict)]
-                check_text(base, sum(len(c) for c in contents if isinstance(c, str)), f"prompts[{i}]")
+                check_messages(base, p, f"prompts[{i}]")
         encoded = await off_loop(
             lambda: [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
         )
@@ -736,7 +738,13 @@ class NativeRuns:
         rec = self.svc.sample_run(tenant, run_id, inputs["seq"], jobs, None)
         outs = await self._result(rec)
         base = self.svc.model_of(nr.run).base
-        tok = base.tokenizer
+        # detokenising up to prompts x num_samples completions is work: off the event loop
+        samples = await off_loop(lambda: self._samples(inputs, jobs, outs, base))
+        return {"run_id": run_id, "snapshot": nr.steps, "samples": samples}
+
+    def _samples(self, inputs: dict, jobs: list[SampleJob], outs: list, base) -> list[dict]:
+        """A sample call's completions stored by sample id and as the reply shows them (their text)."""
+        tenant, run_id, tok = inputs["tenant"], inputs["run_id"], base.tokenizer
         samples = []
         for i, (job, out) in enumerate(zip(jobs, outs, strict=True)):
             stop_ids = set(job.params.stop_token_ids) or set(base.eos_token_ids)
@@ -761,7 +769,7 @@ class NativeRuns:
                         "stop_reason": seq.stop_reason,
                     }
                 )
-        return {"run_id": run_id, "snapshot": nr.steps, "samples": samples}
+        return samples
 
     def _store(self, sid: str, sample: StoredSample) -> None:
         with self._lock:

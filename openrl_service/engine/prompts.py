@@ -3,7 +3,8 @@ then the chat template and the tokenizer run off the event loop.
 
 A model's longest token spells at most ``longest`` characters (its vocabulary says), so a text longer
 than ``context_length × longest`` characters encodes to more tokens than the context holds, whatever
-it says: it is refused at once (413, with the numbers), never tokenised. Anything shorter is encoded
+it says: it is refused at once (413, with the numbers), never tokenised; chat messages count their
+roles and contents, and no more messages than the context has tokens. Anything shorter is encoded
 in a worker thread (``off_loop``): a long prompt's template and tokenizer never stall the loop that
 answers everyone's requests.
 """
@@ -47,6 +48,23 @@ def check_text(base, chars: int, field: str) -> None:
             f"characters, so at most {limit:,} characters could); send a shorter text",
             field=field,
         )
+
+
+def check_messages(base, messages: list, field: str) -> None:
+    """Refuse (413) chat messages that cannot fit ``base``'s context, before the chat template runs: their
+    roles and contents counted, and as many messages as the context has tokens at most (a template
+    gives each message a token or more, however empty)."""
+    if len(messages) > base.context_length:
+        raise PayloadTooLarge(
+            f"{field}: {len(messages):,} messages cannot fit {base.name}'s context of "
+            f"{base.context_length:,} tokens (each message takes one or more); send fewer",
+            field=field,
+        )
+    chars = 0
+    for m in messages:
+        if isinstance(m, dict):
+            chars += sum(len(v) for v in (m.get("role"), m.get("content")) if isinstance(v, str))
+    check_text(base, chars, field)
 
 
 async def off_loop(fn: Callable[[], T]) -> T:

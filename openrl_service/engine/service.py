@@ -165,11 +165,15 @@ class TrainingService(Registry):
                     f"two models are named {base.name!r} ({models[base.name].base.source} and {base.source}); "
                     "name them apart with NAME=SPEC"
                 )
+            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
+            sampler = self._make_sampler(base)
+            # after the sampler took its share (vLLM's KV cache); a vLLM sampler schedules its own
+            # memory, so only what the torch sampler serves is held to it at a request's checks
             base.sample_batch_bytes = s.limits.sample_batch_bytes or default_batch_bytes(
                 base.device.type, free_bytes(base.device)
             )
-            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
-            models[base.name] = ServedModel(base, trainer, self._make_sampler(base))
+            base.sampled_by_torch = sampler.backend == "torch"
+            models[base.name] = ServedModel(base, trainer, sampler)
             self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
             self.engine.fusers[f"sample:{base.name}"] = functools.partial(self._fused_sample, base.name)
         self.models = models

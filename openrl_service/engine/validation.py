@@ -289,7 +289,7 @@ class Checks:
         """Refuse (413, with the numbers) a sample that alone would take more memory than a sampling batch
         may (OPENRL_SAMPLE_BATCH_BYTES): a call is split into batches, but one sample cannot be."""
         limit = base.sample_batch_bytes
-        if not limit:
+        if not limit or not base.sampled_by_torch:
             return
         need = cost_of(base).bytes(
             prompts=1,

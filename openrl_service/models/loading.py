@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +60,17 @@ class BaseModel:
     arch: str
     defaults: dict = field(default_factory=dict)
     folder: Path | None = None  # the Hugging Face folder it was loaded from; None for a GGUF file
-    weights_sha256: str = ""  # of the base weights as loaded (weights_digest), computed once at load
+    # the SHA-256 of the base weights as loaded (weights_digest), computed once at load on a thread of
+    # its own from the router's record of them (a big model's hashing does not delay readiness)
+    digest: Future | None = field(default=None, repr=False)
     # the most one sampling batch may take (OPENRL_SAMPLE_BATCH_BYTES, sampling/budget.py); set at setup
     sample_batch_bytes: int | None = None
+    sampled_by_torch: bool = True  # False: vLLM samples it (and schedules its own memory)
+
+    @property
+    def weights_sha256(self) -> str:
+        """The base weights' digest (waits for it the first time, if it is still being computed)."""
+        return self.digest.result() if self.digest is not None else weights_digest(self.router.base_weights)
 
     def capability(self) -> dict:
         return {
@@ -149,7 +159,7 @@ def load_base_model(
     if tok.eos_token_id is not None and tok.eos_token_id not in eos:
         eos.insert(0, int(tok.eos_token_id))
     context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-    digest = weights_digest(router.base_weights)  # before any run's op: the base's own weights
+    digest = _digest_in_background(router.base_weights, model_name)
     log.info("loaded %s (%s) on %s/%s, %d LoRA targets", model_name, spec, dev, dtype, len(targets))
     return BaseModel(
         name=model_name,
@@ -166,8 +176,22 @@ def load_base_model(
         arch=type(model).__name__,
         defaults=defaults,
         folder=folder,
-        weights_sha256=digest,
+        digest=digest,
     )
+
+
+def _digest_in_background(state: dict[str, torch.Tensor], name: str) -> Future:
+    """:func:`weights_digest` of ``state`` (the base's own tensors, never written) on a daemon thread."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(weights_digest(state))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the digest
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=f"digest-{name}", daemon=True).start()
+    return done
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:

@@ -11,7 +11,8 @@ and ``D`` tokens to decode, where ``b`` is the model's dtype size:
                (the residual stream, q/k/v, the MLP, and an attention row per token where the scores
                are materialised: a padded batch, or a model on eager attention; SDPA's fused kernels
                keep no W x W scores for an unpadded one)
-               + prompt logprob tokens · vocab · 12 (float32 logits, log-softmax, top-k)
+               + vocab · 12 per position whose logits are kept: all J·W when a job of the batch
+               asks for prompt logprobs (a single job: its own prompt), else none
     KV cache   J·W·kv + R·(W + D)·kv·(1 + 1/layers), kv = 2·layers·kv_heads·head_dim·b
                (the prompts' cache, repeated per sample and grown by the decode; one layer's copy)
     logits     J·vocab·8 + R·vocab·16 (the last positions, then each step's choice)
@@ -74,7 +75,7 @@ class BatchCost:
     ) -> int:
         """The estimate for ``prompts`` prompts padded to ``width`` tokens (``padded``: of different
         lengths), ``rows`` samples decoding up to ``decode`` tokens, and ``logprob_tokens`` prompt
-        tokens whose logprobs are asked for."""
+        positions whose logits are kept (for prompt logprobs)."""
         tokens = prompts * width
         scores = self.attention * width if (padded or self.eager) else 0
         prefill = tokens * (self.prefill + scores) + logprob_tokens * self.vocab * 12
@@ -114,19 +115,23 @@ def plan(jobs: list, cost: BatchCost, limit: int) -> list[list[Piece]]:
     limit gets a batch of its own (the request's checks refuse those before they reach here)."""
     batches: list[list[Piece]] = []
     current: list[Piece] = []
-    width = rows = decode = logprob_tokens = 0  # the current batch's
-    shortest = 1 << 62
+    width = rows = decode = 0  # the current batch's
+    shortest, asks_any = 1 << 62, False
+
+    def asks(job, first_row: int) -> bool:
+        return first_row == 0 and bool(job.prompt_logprobs or job.topk_prompt_logprobs)
 
     def fits(job, first_row: int, n: int) -> bool:
-        asks = first_row == 0 and (job.prompt_logprobs or job.topk_prompt_logprobs)
         wide = max(width, len(job.prompt))
+        prompts = len(current) + 1
+        kept = asks_any or asks(job, first_row)  # then every position's logits are kept
         return (
             cost.bytes(
-                prompts=len(current) + 1,
+                prompts=prompts,
                 width=wide,
                 rows=rows + n,
                 decode=max(decode, job.params.max_tokens or 0),
-                logprob_tokens=logprob_tokens + (len(job.prompt) if asks else 0),
+                logprob_tokens=(len(job.prompt) if prompts == 1 else prompts * wide) if kept else 0,
                 padded=min(shortest, len(job.prompt)) != wide,
             )
             <= limit
@@ -149,11 +154,10 @@ def plan(jobs: list, cost: BatchCost, limit: int) -> list[list[Piece]]:
                 take = lo
             if take == 0 and current:  # full: this job starts the next batch
                 batches.append(current)
-                current, width, rows, decode, logprob_tokens, shortest = [], 0, 0, 0, 0, 1 << 62
+                current, width, rows, decode, shortest, asks_any = [], 0, 0, 0, 1 << 62, False
                 continue
             take = max(take, 1)  # one sample over the limit: alone
-            if start == 0 and (job.prompt_logprobs or job.topk_prompt_logprobs):
-                logprob_tokens += len(job.prompt)
+            asks_any = asks_any or asks(job, start)
             current.append(Piece(j, start, take))
             width, rows = max(width, len(job.prompt)), rows + take
             shortest = min(shortest, len(job.prompt))
@@ -161,7 +165,7 @@ def plan(jobs: list, cost: BatchCost, limit: int) -> list[list[Piece]]:
             start += take
             if start < job.num_samples:  # the batch is full
                 batches.append(current)
-                current, width, rows, decode, logprob_tokens, shortest = [], 0, 0, 0, 0, 1 << 62
+                current, width, rows, decode, shortest, asks_any = [], 0, 0, 0, 1 << 62, False
     if current:
         batches.append(current)
     return batches

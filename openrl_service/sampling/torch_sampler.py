@@ -64,6 +64,8 @@ class TorchSampler:
     def sample_many(self, jobs: list[SampleJob]) -> list[SampleOutput]:
         """Several jobs (any adapters, prompts and parameters), one output per job: one batched generate
         (:meth:`_batched`) per batch of the plan that keeps each within :attr:`batch_bytes`."""
+        if not jobs:
+            return []
         jobs = [
             j if j.params.seed is not None else replace(j, params=replace(j.params, seed=_fresh_seed()))
             for j in jobs

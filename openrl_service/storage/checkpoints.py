@@ -29,6 +29,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "externa
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,127}$")
 MANIFEST_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,10 @@ class CheckpointStore:
         self._changed(tenant, ref.run_id)
         shutil.rmtree(trash, ignore_errors=True)
         for listener in self.deleted_listeners:
-            listener(tenant, ref)
+            try:
+                listener(tenant, ref)
+            except Exception:  # noqa: BLE001 - the checkpoint is deleted; its exports' sweep catches up
+                log.exception("after deleting %s", ref.path)
 
     def copy(self, tenant: str, src: CheckpointRef, dst: CheckpointRef, *, expires_at: float | None) -> dict:
         """Copy a checkpoint to another run/name (atomically); the copy is private and has its own TTL."""
@@ -465,10 +470,16 @@ class CheckpointStore:
     def exports_dir(self, tenant: str) -> Path:
         return self.root / "exports" / tenant_folder(tenant)
 
+    def check_room(self, tenant: str, ref: CheckpointRef, need: int, *, what: str, field: str) -> None:
+        """QuotaExceeded (naming the numbers) unless ``need`` more bytes fit the tenant's quota."""
+        self._check_quota(tenant, ref, need, 0, what=what, field=field)
+
     def place_export(self, tenant: str, ref: CheckpointRef, built: Path, final: Path) -> bool:
         """Move a built export folder into place if the tenant's quota has room for it (else
         QuotaExceeded, naming the numbers); False when another request placed it first."""
         with self._lock:
+            if final.exists():
+                return False
             new = _folder_bytes(built)
             self._check_quota(
                 tenant, ref, new, 0, locked=True, what=f"an export of {ref.path}", field="tinker_path"
@@ -482,7 +493,8 @@ class CheckpointStore:
             return True
 
     def remove_export(self, tenant: str | None, folder: Path) -> None:
-        """Remove an export folder (``tenant`` None: whoever's; counted again on the next need)."""
+        """Remove an export folder (``tenant`` None: one whose folder name does not say; every tenant is
+        counted again on its next need)."""
         trash = folder.with_name(f".{folder.name}.removed-{os.getpid()}-{time.monotonic_ns()}")
         with self._lock:
             size = _folder_bytes(folder)

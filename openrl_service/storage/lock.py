@@ -59,6 +59,7 @@ class DataDirLock:
     def __init__(self, path: Path, fd: int | None):
         self.path = path
         self._fd = fd
+        self.holder: dict = {}
 
     @classmethod
     def acquire(cls, data_dir: Path, *, url: str | None = None) -> DataDirLock:
@@ -77,13 +78,24 @@ class DataDirLock:
         except BaseException:
             os.close(fd)
             raise
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": since}
+        lock = cls(path, fd)
+        lock.holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        lock.announce(url)
+        return lock
+
+    def announce(self, url: str | None) -> None:
+        """Name the URL this holder serves in the lock file (readers join a service by it: ``serve``
+        names it once its port is bound and its start secret written)."""
+        holder = dict(self.holder)
         if url:
             holder["url"] = url
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode() + b"\n", 0)
-        return cls(path, fd)
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, json.dumps(holder).encode() + b"\n", 0)
 
     def release(self) -> None:
         """Give the data dir up (idempotent). The file stays; its next owner rewrites it."""
