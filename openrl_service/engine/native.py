@@ -125,11 +125,12 @@ class NativeRuns:
     async def _intent(self, kind: str, inputs: dict, nr: NativeRunState | None = None) -> dict:
         """Journal a request's resolved inputs (its intent), then carry it out; the engine calls it
         makes are covered by the intent's record. A request in a run's order (``SEQ_SLOTS``) takes
-        its seq_ids here, once every check has passed, right before the journal append: a request
-        refused on the way never leaves a gap the run's next request would wait on."""
+        its seq_ids here, once every check has passed, right before the journal append (a sample, whose
+        prompts are encoded off the event loop, takes its own as it arrives and gives it back if it is
+        refused): a request refused on the way never leaves a gap the run's next request would wait on."""
         d = self.svc.durability
         n = SEQ_SLOTS.get(kind, 0)
-        if n and nr is not None:
+        if n and nr is not None and "seq" not in inputs:  # (a sample takes its own as it arrives)
             inputs["seq"] = nr.next_seq(n)
         try:
             intent_id = d.intent(kind, inputs)
@@ -702,28 +703,41 @@ class NativeRuns:
                 check_text(base, len(p), f"prompts[{i}]")
             elif isinstance(p, list):
                 check_messages(base, p, f"prompts[{i}]")
-        encoded = await off_loop(
-            lambda: [self._encode(base.tokenizer, p, i, bool(chat)) for i, p in enumerate(prompts)]
-        )
         raw = {
             k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop") if k in body
         }
-        params = self.svc.checks.sampling_params(raw, base)
         num = body.get("num_samples", 1)
-        # Validate each prompt as the Tinker path does (limits, context length, vocabulary) before queueing.
-        jobs = []
-        for i, toks in enumerate(encoded):
-            if not toks:
-                raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
-            job_params = self.svc.checks.check_sample(toks, num, params, base=base)
-            seed = None if job_params.seed is None else job_params.seed + 7_919 * i
-            jobs.append(
-                SampleJob(prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None)
-            )
 
+        def jobs_of() -> list[SampleJob]:  # on a worker thread: chat templates and tokenizers are work
+            params = self.svc.checks.sampling_params(raw, base)
+            jobs = []
+            for i, p in enumerate(prompts):
+                toks = self._encode(base.tokenizer, p, i, bool(chat))
+                if not toks:
+                    raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
+                # each prompt checked as the Tinker path checks it (limits, context, vocabulary)
+                job_params = self.svc.checks.check_sample(toks, num, params, base=base)
+                seed = None if job_params.seed is None else job_params.seed + 7_919 * i
+                jobs.append(
+                    SampleJob(
+                        prompt=toks, num_samples=num, params=replace(job_params, seed=seed), adapter=None
+                    )
+                )
+            return jobs
+
+        # its place in the run's order is taken as it arrives, as before any wait: a train step sent
+        # after it (overlapped sampling) runs after it, however long its prompts take to encode
+        seq = nr.next_seq(SEQ_SLOTS["sample"])
+        try:
+            jobs = await off_loop(jobs_of)
+        except BaseException as e:  # refused (or cancelled) before it was accepted: no gap left behind
+            if not nr.give_back(seq, SEQ_SLOTS["sample"]):
+                self._fill_slots("sample", {"tenant": tenant, "run_id": run_id, "seq": seq}, e)
+            raise
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
+            "seq": seq,
             "jobs": [replace(j, params=self.svc.seeded(j.params)) for j in jobs],
             "sample_ids": [[f"smp-{uuid.uuid4().hex}" for _ in range(num)] for _ in jobs],
             "idem": idem,
