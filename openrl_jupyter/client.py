@@ -108,13 +108,27 @@ class _Base:
         retries: int = 4,
         backoff_s: float = 0.5,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        guard: Callable[[bool], None] | None = None,
     ):
         self.url = url.rstrip("/")
         self._token = token
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        self._http = self._http_class(base_url=self.url, timeout=timeout_s, transport=transport)
+        # ``guard(suspect)`` runs before each request leaves (its key with it) and raises to stop it:
+        # an embedded service checks that its process lives, and after a connection failure
+        # (``suspect``) that the URL still answers as that service (local.LocalService.check)
+        self._guard = guard
+        self._suspect = False
+        hooks = {"request": [self._on_request]} if guard is not None else None
+        self._http = self._http_class(
+            base_url=self.url, timeout=timeout_s, transport=transport, event_hooks=hooks
+        )
+
+    def _check_guard(self) -> None:
+        if self._guard is not None:
+            self._guard(self._suspect)
+            self._suspect = False
 
     def __repr__(self) -> str:  # never the key
         return f"{type(self).__name__}(url={self.url!r})"
@@ -193,7 +207,9 @@ class _Base:
         def retry(state: tenacity.RetryCallState) -> bool:
             response, exc = outcome(state)
             if exc is not None and not isinstance(exc, httpx.TransportError):
-                return False  # a bug, not the network: raised at once
+                return False  # a bug (or the guard's refusal), not the network: raised at once
+            if exc is not None:
+                self._suspect = True  # the next attempt checks who answers there before it sends
             attempt = _attempt(self, call, state.attempt_number - 1, exc)
             status = response.status_code if response is not None else None
             return self._should_retry(call.method, attempt, exc, status)
@@ -433,6 +449,9 @@ class Client(_Base):
 
     _http_class = httpx.Client  # ``transport``: an httpx.BaseTransport
 
+    def _on_request(self, request: httpx.Request) -> None:
+        self._check_guard()
+
     def __enter__(self) -> Client:
         return self
 
@@ -474,6 +493,7 @@ class Client(_Base):
                     if sse.data:  # a bare "retry:" field carries no event
                         yield sse.json()
         except httpx.TransportError as e:
+            self._suspect = True
             raise self._unreachable("GET", f"{API}/events", e) from None
 
 
@@ -481,6 +501,9 @@ class AsyncClient(_Base):
     """The same API for asyncio code (the notebook runner's loop)."""
 
     _http_class = httpx.AsyncClient  # ``transport``: an httpx.AsyncBaseTransport
+
+    async def _on_request(self, request: httpx.Request) -> None:
+        self._check_guard()  # blocking, briefly: a process check, a proof only after a failure
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -527,6 +550,7 @@ class AsyncClient(_Base):
                     if sse.data:
                         yield sse.json()
         except httpx.TransportError as e:
+            self._suspect = True
             raise self._unreachable("GET", f"{API}/events", e) from None
 
 

@@ -66,6 +66,7 @@ from openrl_common.files import write_atomic
 from openrl_jupyter._exceptions import ServiceUnavailable
 
 READY_TIMEOUT_S = 300.0
+PROVE_TIMEOUT_S = 60.0  # a running service that lost a connection: how long it has to prove itself again
 EXIT_DATA_DIR_IN_USE = 3  # serve's exit code when another process holds its data folder
 LOG_KEEP_BYTES = 4 << 20  # a kept data folder's service.log: the older part is dropped past this
 
@@ -136,6 +137,19 @@ class LocalService:
                 return f.read()[-n:].decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def check(self, suspect: bool) -> None:
+        """Before a request carries the key here (a Client's ``guard``): the service's process must
+        live (once it exits its port is anyone's), and after a connection failure (``suspect``) the URL
+        must prove again that it is this service (:func:`wait_ready`). Raises ServiceUnavailable."""
+        if self.process.poll() is not None:
+            raise ServiceUnavailable(
+                f"the embedded openrl service (pid {self.process.pid}) has exited, so nothing is sent to "
+                f"{self.url} any more (its port is free for anyone to take); connect again "
+                "(%openrl connect --local) to start it anew. Its log: " + self.log_path
+            )
+        if suspect:
+            wait_ready(self, "", PROVE_TIMEOUT_S, ready=False)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop gracefully (close the pipe it watches), kill after ``timeout_s``; remove a temporary
@@ -404,10 +418,16 @@ def _exited(service: LocalService) -> None:
 
 
 def wait_ready(
-    service: LocalService, model: str, timeout_s: float, progress: Callable[[str], None] | None = None
+    service: LocalService,
+    model: str,
+    timeout_s: float,
+    progress: Callable[[str], None] | None = None,
+    *,
+    ready: bool = True,
 ) -> None:
     """Wait until ``service`` answers ready, and check that it is the service meant (its ``/readyz``
-    proves it holds ``service.secret``) before anything of this process's (a key) goes there."""
+    proves it holds ``service.secret``) before anything of this process's (a key) goes there.
+    ``ready=False``: the proof alone, in whatever state it is (draining, recovering)."""
     started = time.monotonic()
     shown = False
     port = urllib.parse.urlsplit(service.url).port
@@ -419,7 +439,8 @@ def wait_ready(
             with contextlib.suppress(httpx.TransportError, ValueError):
                 r = http.get("/readyz", params={"challenge": challenge})
                 body = r.json()
-                if r.status_code == 200 and body.get("status") == "ready":
+                answered = r.status_code == 200 and body.get("status") == "ready"
+                if answered or (not ready and isinstance(body, dict) and "proof" in body):
                     if service.secret is None or not proves(body, service.secret, port, challenge):
                         raise ServiceUnavailable(
                             f"{service.url} answers, but not as the openrl service of {service.data_dir} "
@@ -429,7 +450,10 @@ def wait_ready(
                         )
                     return
             if time.monotonic() - started > timeout_s:
-                raise ServiceUnavailable(f"the openrl service was not ready after {timeout_s:.0f} s")
+                raise ServiceUnavailable(
+                    f"the openrl service at {service.url} was not "
+                    f"{'ready' if ready else 'answering'} after {timeout_s:.0f} s; no key was sent there"
+                )
             if progress is not None and not shown and time.monotonic() - started > 1:
                 shown = True
                 progress(f"starting the embedded openrl service ({model}) on {service.url} ...")

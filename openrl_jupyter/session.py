@@ -250,7 +250,12 @@ class Session:
     def async_client(self) -> AsyncClient:
         """The session's AsyncClient, bound to the runner loop (use it only there)."""
         if self._aclient is None:
-            self._aclient = AsyncClient(self.url, token=self._token, retries=self.client.retries)
+            self._aclient = AsyncClient(
+                self.url,
+                token=self._token,
+                retries=self.client.retries,
+                guard=self.local.check if self.local is not None else None,
+            )
         return self._aclient
 
     def feed(self) -> EventFeed:
@@ -447,7 +452,9 @@ def connect(
                 "TINKER_BASE_URL (and TINKER_API_KEY), or use local=True to start one here"
             )
     token = Secret(token) if token else None
-    client = Client(url, token=token)
+    # an embedded service is sent the key only while its process lives and, after a connection failure,
+    # once it has proved again that it is that service (another account may take a port it let go)
+    client = Client(url, token=token, guard=local_service.check if local_service is not None else None)
     try:
         models = client.capabilities()
         served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}

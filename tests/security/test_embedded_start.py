@@ -45,7 +45,7 @@ class Squatter:
     """Another account's HTTP server on a port a kernel may be told about: answers /readyz as a ready
     service would (or relays to ``upstream``, the real service) and records what each request carried."""
 
-    def __init__(self, upstream: str | None = None):
+    def __init__(self, upstream: str | None = None, port: int = 0):
         seen = self.seen = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -70,7 +70,7 @@ class Squatter:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -136,5 +136,43 @@ def test_a_port_squatter_receives_no_key(real, tmp_path, fake_service_pid, relay
 
         joined = running_on(real.data_dir)
         wait_ready(joined, "openrl/tiny", 30)
+    finally:
+        squatter.close()
+
+
+def test_a_port_the_service_let_go_gets_no_key_from_its_kernel(tmp_path, tiny_model_dir, fake_service_pid):
+    """Attack: wait for a kernel's embedded service to die (out of memory, a stop from another kernel),
+    take the port it let go, and answer the kernel's next request. The kernel sends nothing to a service
+    whose process has exited, and after a connection failure nothing before the URL proves again that
+    it is that service."""
+    from openrl_jupyter.client import Client
+    from openrl_jupyter.local import LocalService, _Running
+
+    data = tmp_path / "local"
+    shutil.copytree(tiny_model_dir, data / "models" / "openrl-tiny")
+    started = start_service(data_dir=data, api_key=KEY)
+    client = Client(started.url, token=KEY, guard=started.check)  # as connect(local=True) makes it
+    assert client.capabilities()
+    port = int(started.url.rsplit(":", 1)[1])
+    started.process.kill()
+    started.process.wait()
+    squatter = Squatter(port=port)
+    try:
+        with pytest.raises(ServiceUnavailable, match="has exited"):
+            client.capabilities()
+        assert not squatter.got_the_key() and not squatter.seen  # nothing at all went there
+    finally:
+        client.close()
+        squatter.close()
+        started.stop()
+    # a live process whose URL another process answers: after a failure, the proof is asked again
+    squatter = Squatter()
+    alive = LocalService(_Running(fake_service_pid), squatter.url, str(data), KEY, "a-start-secret")
+    try:
+        with Client(squatter.url, token=KEY, guard=alive.check) as client:
+            client._suspect = True  # as after a connection failure
+            with pytest.raises(ServiceUnavailable, match="no key was sent"):
+                client.capabilities()
+        assert squatter.seen and not squatter.got_the_key()  # asked for its proof, and nothing else
     finally:
         squatter.close()
