@@ -40,6 +40,9 @@ export function percent(value: number | null | undefined): string {
     : '–';
 }
 
+/** The least time between two redraws of the panel for model changes (a refresh, an event). */
+const RENDER_INTERVAL_MS = 250;
+
 export class OpenRLPanel extends Widget {
   constructor(
     readonly model: OpenRLModel,
@@ -68,12 +71,16 @@ export class OpenRLPanel extends Widget {
     });
     window.addEventListener('pointerup', this._release, true);
     window.addEventListener('pointercancel', this._release, true);
-    model.changed.connect(this.render, this);
+    model.changed.connect(this._schedule, this);
     this.render();
   }
 
   dispose(): void {
-    this.model.changed.disconnect(this.render, this);
+    this.model.changed.disconnect(this._schedule, this);
+    if (this._timer !== null) {
+      window.clearTimeout(this._timer);
+      this._timer = null;
+    }
     window.removeEventListener('pointerup', this._release, true);
     window.removeEventListener('pointercancel', this._release, true);
     super.dispose();
@@ -91,12 +98,29 @@ export class OpenRLPanel extends Widget {
     }
   };
 
+  /**
+   * A model change redraws at most every RENDER_INTERVAL_MS: runs stepping many times a second (a sweep
+   * of the tiny model) would otherwise replace every row, and its buttons, faster than a pointer (or a
+   * browser test) can rest on one.
+   */
+  private _schedule(): void {
+    if (this._timer !== null) {
+      return;
+    }
+    const wait = Math.max(0, this._renderedAt + RENDER_INTERVAL_MS - Date.now());
+    this._timer = window.setTimeout(() => {
+      this._timer = null;
+      this.render();
+    }, wait);
+  }
+
   /** Redraw from the model (keeps focus on the button that had it); held while a pointer is down. */
   render(): void {
     if (this._pressed) {
       this._stale = true;
       return;
     }
+    this._renderedAt = Date.now();
     const focused = document.activeElement as HTMLElement | null;
     const focusKey =
       focused && this.node.contains(focused) ? focused.dataset.key : undefined;
@@ -325,4 +349,6 @@ export class OpenRLPanel extends Widget {
   private _runs: HTMLUListElement;
   private _pressed = false;
   private _stale = false;
+  private _timer: number | null = null;
+  private _renderedAt = 0;
 }
