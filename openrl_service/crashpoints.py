@@ -8,7 +8,9 @@ SIGKILL: no handler, no flush, no atexit — what an OOM kill or a lost node doe
 Points: ``forward_backward`` (the gradient is accumulated, the result not yet stored),
 ``before_optim_step`` (between a forward_backward and its optim_step), ``sample`` (tokens sampled,
 the result not yet stored), ``checkpoint_save`` (a checkpoint's files written, not yet renamed into
-place), ``after_ack`` (just after a request's reply was sent).
+place), ``after_ack`` (just after a request's reply was sent), ``spill_write`` (half of a full run's tensors
+written to its spill file), ``snapshot_write`` (half of a run's tensors written to a journal snapshot's
+file).
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import os
 import signal
 import threading
 
-POINTS = ("forward_backward", "before_optim_step", "sample", "checkpoint_save", "after_ack")
+POINTS = (
+    "forward_backward",
+    "before_optim_step",
+    "sample",
+    "checkpoint_save",
+    "after_ack",
+    "spill_write",
+    "snapshot_write",
+)
 
 _spec = os.environ.get("OPENRL_CRASH_AT", "")
 _point, _, _nth = _spec.partition(":")

@@ -46,12 +46,11 @@ from typing import Any
 
 from openrl_service.engine import records
 from openrl_service.engine.futures import FutureRecord
+from openrl_service.engine.run_files import RunFiles
 from openrl_service.engine.snapshots import (
     STATE_VERSION,
-    adapter_data,
     adapter_from,
     read_snapshot,
-    tensor_data,
     tensor_from,
     write_snapshot,
 )
@@ -88,6 +87,8 @@ class Durability:
         self.svc = svc
         self.enabled = s.durability == "journal"
         self.journal = Journal(s.data_dir / "journal") if self.enabled else None
+        self.files = RunFiles(s.data_dir / "journal")  # each run's tensors, a file per run (format 3)
+        self.last_snapshot: dict = {}  # what the last one took: bytes written, files reused, seconds
         self.interval_s = s.snapshot_interval_s
         self.pending: OrderedDict[str, tuple] = OrderedDict()  # accepted, not yet done, in order
         # sessions whose "finish" replayed before the notebook-API intent that creates them (intents
@@ -233,9 +234,18 @@ class Durability:
             if captured is None:
                 return False
             n, state, appended = captured
-            size = await asyncio.to_thread(write_snapshot, self.journal, n, state)
+            keep = {r["state"]["file"] for r in state["runs"] if r["state"] is not None}
+            keep |= {e["weights"]["file"] for e in state["samplers"] if e["weights"] is not None}
+            size = await asyncio.to_thread(write_snapshot, self.journal, n, state, keep)
+            self.files.forget(keep)
             self.snapshotted_at = appended
-            log.info("snapshot %d (%s): %d bytes in %.2f s", n, reason, size, time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.last_snapshot = {"n": n, "bytes": size, "seconds": round(took, 3), "files": len(keep)}
+            log.info(
+                "snapshot %d (%s): %d bytes in %d files (%d bytes written so far, %d unchanged files "
+                "referred to again) in %.2f s",
+                n, reason, size, len(keep), self.files.written, self.files.reused, took,
+            )  # fmt: skip
             return True
         except Exception:  # noqa: BLE001 - the segments it would replace are kept: nothing is lost
             log.exception("snapshot failed; the journal keeps everything since the last one")
@@ -278,15 +288,14 @@ class Durability:
 
     def _capture_engine(self) -> dict:
         """On the worker, between ops: what only ops change (runs' tensors and lanes, sampler
-        snapshots' weights, the futures)."""
+        snapshots' weights, the futures). Each run's tensors go to a file of their own in the journal
+        folder (run_files.py), written only when the run changed since its last one; a sampler
+        snapshot's once."""
         svc = self.svc
         engine = svc.engine
         runs = {}
         for run in list(svc.runs.values()):
             st = run.state
-            tensors = None
-            if st is not None:
-                tensors = self._run_tensors(svc, run, st)
             runs[run.run_id] = {
                 "run_id": run.run_id,
                 "tenant": run.tenant,
@@ -296,34 +305,15 @@ class Durability:
                 "base_model": run.base_model,
                 "user_metadata": copy.deepcopy(run.user_metadata),
                 "created_at": run.created_at,
-                "state": tensors,
+                "state": None if st is None else self.files.run(run.run_id, st),
                 "lane": engine.lane_position(f"run:{run.run_id}"),
             }
         weights = {
-            e.sampler_id: (e.adapter.spec, adapter_data(e.adapter))
+            e.sampler_id: (e.adapter.spec, self.files.sampler(e.sampler_id, e.adapter))
             for e in list(svc.samplers.values())
             if e.adapter is not None and e.model_path is None
         }
         return {"runs": runs, "sampler_weights": weights, "futures": svc.futures.capture()}
-
-    @staticmethod
-    def _run_tensors(svc: Any, run: RunState, st: Any) -> dict:
-        """A run's weights, gradients and optimizer state as journal data (a full run waiting on disk
-        is read from there, not brought back onto the device)."""
-        home = st.adapter.home if st.adapter.full else None
-        with home.readable(st.adapter) if home is not None else contextlib.nullcontext():
-            return {
-                "weights": adapter_data(st.adapter),
-                "grads": {
-                    n: tensor_data(p.grad) for n, p in st.adapter.named_parameters() if p.grad is not None
-                },
-                "optimizer": {
-                    k: tensor_data(v)
-                    for k, v in type(svc.model_of(run).trainer).optimizer_tensors(st).items()
-                },
-                "steps": st.steps,
-                "pending_backward": st.pending_backward,
-            }
 
     def _capture_registry(self, engine: dict) -> dict:
         """At the cut (``state_lock`` held): sessions, samplers and which runs are live. A run or a
@@ -535,7 +525,15 @@ class Durability:
                 created_at=r["created_at"],
             )
             t = r["state"]
-            if t is not None:
+            if t is not None and "file" in t:  # format 3: the run's own file
+                trainer = svc.model_of(run).trainer
+                st = trainer.restore_state(r["spec"], t["names"], self.files.path(t["file"]))
+                st.steps = t["steps"]
+                st.pending_backward = t["pending_backward"]
+                run.state = st
+                st.adapter.lane = f"run:{run.run_id}"
+                self.files.adopt(run.run_id, st, t["file"])
+            elif t is not None:
                 trainer = svc.model_of(run).trainer
                 device = trainer.base.device
                 st = trainer.state_for(adapter_from(r["spec"], t["weights"], device, trainable=True))
@@ -548,11 +546,17 @@ class Durability:
                 st.steps = t["steps"]
                 st.pending_backward = t["pending_backward"]
                 run.state = st
+                st.adapter.lane = f"run:{run.run_id}"
             svc.runs[run.run_id] = run
             svc.engine.restore_lane(f"run:{run.run_id}", r["lane"], slots.get(f"run:{run.run_id}", {}))
         for e in state["samplers"]:
             adapter = None
-            if e["weights"] is not None:
+            if e["weights"] is not None and "file" in e["weights"]:  # format 3
+                trainer = svc.models[e["base_model"]].trainer
+                adapter = trainer.restore_weights(
+                    e["spec"], e["weights"]["names"], self.files.path(e["weights"]["file"])
+                )
+            elif e["weights"] is not None:
                 device = svc.models[e["base_model"]].base.device
                 adapter = adapter_from(e["spec"], e["weights"], device, trainable=False)
             svc.samplers[e["sampler_id"]] = SamplerEntry(

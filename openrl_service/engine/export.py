@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from openrl_service.config import folder_tenant
 from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
 from openrl_service.storage.checkpoints import parse_tinker_path
+from openrl_service.storage.tensorfile import write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class Exports:
                 config.tie_word_embeddings = False  # the output layer changed, the embeddings did not
             else:
                 weights.pop("lm_head.weight", None)  # tied again on load
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        write_tensors(out / "model.safetensors", weights, metadata={"format": "pt"}, mode=0o644)
         config.save_pretrained(out)
         gen = getattr(model.base.model, "generation_config", None)
         if gen is not None:
@@ -240,8 +240,8 @@ class Exports:
         served model's config, generation config and tokenizer."""
         _, tensors, _ = self.svc.store.load(tenant, ref)
         dtype = model.base.dtype
-        weights = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        weights = {n: t.to(dtype) for n, t in tensors.items()}  # no copy where the dtype is the same
+        write_tensors(out / "model.safetensors", weights, metadata={"format": "pt"}, mode=0o644)
         model.base.model.config.save_pretrained(out)
         gen = getattr(model.base.model, "generation_config", None)
         if gen is not None:

@@ -32,7 +32,6 @@ from openrl_service.engine.state import (
 from openrl_service.errors import NotFound, QuotaExceeded, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
-from openrl_service.training.full import leave_device
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.trainer import optimizer_config
 
@@ -158,7 +157,7 @@ class Registry:
                 for rid in run_ids:
                     gone = self.runs.pop(rid, None)
                     if gone is not None and gone.state is not None:
-                        leave_device(gone.state.adapter)
+                        gone.state.adapter.leave()
                 for sid in sess.sampler_ids:
                     self.samplers.pop(sid, None)
         self.store.write_session(tenant, sess.record())

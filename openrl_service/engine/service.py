@@ -64,8 +64,6 @@ from openrl_service.storage.layout import migrate_tenant_folders
 from openrl_service.telemetry import OpRecorder
 from openrl_service.training.full import (
     Residency,
-    checkpoint_payload,
-    leave_device,
     weights_from_checkpoint,
 )
 from openrl_service.training.lora import Adapter, LoraSpec
@@ -87,7 +85,7 @@ log = logging.getLogger(__name__)
 
 
 def _full(job: SampleJob) -> bool:
-    return job.adapter is not None and job.adapter.full
+    return job.adapter is not None and not job.adapter.shares_batch
 
 
 def true_or_false(value: Any, field_name: str) -> None:
@@ -194,7 +192,9 @@ class TrainingService(Registry):
         spill = s.data_dir / "spill"
         for stale in spill.glob("*.safetensors"):  # a killed process's: the journal holds the state
             stale.unlink(missing_ok=True)
-        return Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=spill)
+        residency = Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=spill)
+        residency.busy = lambda w: self.engine.lane_depth(getattr(w, "lane", "")) > 0
+        return residency
 
     def _make_sampler(self, base: BaseModel) -> CountingSampler:
         """The sampler of one served model (the one place a sampler is made): --sampler picks it."""
@@ -337,16 +337,16 @@ class TrainingService(Registry):
         )
 
         def work():
+            model.trainer.make_room_for(spec)  # before the checkpoint's tensors are read
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
-            if spec.full:
-                model.trainer.residency.make_room(model.trainer.footprint(spec))
             adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True)
+            del tensors  # its weights are copied: the file's tensors go before the optimizer's load
             state = model.trainer.state_for(adapter)
             try:
                 if opt is not None:
                     Trainer.load_optimizer_tensors(state, opt)
             except BaseException:
-                leave_device(adapter)  # the device share state_for took
+                adapter.leave()  # the device share state_for took
                 raise
             self._adopt(run, state)
             self._write_run_meta(run, source_checkpoint=ref.path)
@@ -358,10 +358,11 @@ class TrainingService(Registry):
         """Give a new run its state, made on the worker; if its session finished meanwhile (the finish
         found no state to free), a full run's device share and spill file go now, not at restart."""
         run.state = state
+        state.adapter.lane = f"run:{run.run_id}"  # its residency keeps it while its next op waits
         with self._lock:
             live = self.runs.get(run.run_id) is run
         if not live:
-            leave_device(state.adapter)
+            state.adapter.leave()
 
     def _submit_run(
         self,
@@ -650,11 +651,8 @@ class TrainingService(Registry):
                 st = self._state(run)
                 if request_id and not overwrite and self._saved_by(run.tenant, ref, request_id):
                     return {"path": ref.path}  # a replay: this very request wrote it before the crash
-                tensors, config = checkpoint_payload(
-                    self.model_of(run).base, run.spec, st.adapter, run.base_model
-                )
-                if st.adapter.full:
-                    st.adapter.ensure_resident()
+                st.adapter.ensure_resident()
+                tensors, config = st.adapter.checkpoint_payload(self.model_of(run).base, run.base_model)
                 self.store.save(
                     run.tenant,
                     ref,
@@ -728,8 +726,7 @@ class TrainingService(Registry):
                 manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
                 st = self._state(run)
                 loaded = weights_from_checkpoint(base, run.spec, tensors, trainable=False)
-                if st.adapter.full:
-                    st.adapter.ensure_resident()
+                st.adapter.ensure_resident()
                 with torch.no_grad():
                     theirs = dict(loaded.named_parameters())
                     for n, mine in st.adapter.named_parameters():
@@ -866,9 +863,7 @@ class TrainingService(Registry):
 
         def work() -> dict:
             st = self._state(run)
-            tensors, config = checkpoint_payload(
-                self.model_of(run).base, run.spec, st.adapter, run.base_model
-            )
+            tensors, config = st.adapter.checkpoint_payload(self.model_of(run).base, run.base_model)
             folder = self.store.save(
                 run.tenant,
                 ref,

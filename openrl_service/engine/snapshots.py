@@ -1,8 +1,9 @@
-"""A snapshot as data (format 2): the registry's state through the journal records' value codec, the
-runs' and samplers' tensors (adapters, gradients, Adam moments) in a safetensors file beside it
-(``snap-N.tensors``), referred to by key. Format 1 (the first release: data classes pickled, tensors
-inline) is still read. Durability (durability.py) captures and restores the state; this module is
-its on-disk form.
+"""A snapshot as data (format 3): the registry's state through the journal records' value codec; each
+run's and sampler snapshot's tensors (weights, gradients, optimizer state) in a file of its own in
+the journal folder (engine/run_files.py), referred to by name. Format 2 (all tensors in one
+``snap-N.tensors`` beside the snapshot, by key) and format 1 (the first release: data classes pickled,
+tensors inline) are still read. Durability (durability.py) captures and restores the state; this
+module is its on-disk form.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 from openrl_service.engine import records
 from openrl_service.storage.journal import Journal
 
-# 2: plain data (engine/records.py values), the runs' and samplers' tensors in snap-N.tensors
-# (safetensors) by reference; 1: the first release's, data classes pickled and tensors inline (read)
-STATE_VERSION = 2
-STATE_VERSIONS = (1, 2)
+# 3: plain data, each run's and sampler's tensors in a file of its own (engine/run_files.py), by
+# name; 2: plain data, all the tensors in snap-N.tensors (safetensors) by reference (read); 1: the
+# first release's, data classes pickled and tensors inline (read)
+STATE_VERSION = 3
+STATE_VERSIONS = (1, 2, 3)
 
 
 def tensor_data(t: torch.Tensor) -> tuple[str, np.ndarray]:
@@ -37,15 +39,9 @@ def tensor_from(data: tuple[str, np.ndarray], device: Any) -> torch.Tensor:
     return t.to(device)
 
 
-def adapter_data(adapter) -> dict:
-    """An adapter's weights as journal data: {module: (A, B)}; a full fine-tune's {parameter: W}."""
-    if adapter.full:
-        return {n: tensor_data(t) for n, t in adapter.weights.items()}
-    return {n: (tensor_data(a), tensor_data(b)) for n, (a, b) in adapter.weights.items()}
-
-
 def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
-    """The inverse of :func:`adapter_data`."""
+    """A run's or sampler's weights from format 1 or 2 snapshot data ({module: (A, B)} or
+    {parameter: W}, each (dtype, array))."""
     from openrl_service.training.lora import Adapter
 
     if spec.full:
@@ -66,39 +62,11 @@ def adapter_from(spec, data: dict, device: Any, *, trainable: bool):
     )
 
 
-def write_snapshot(journal: Journal, n: int, state: dict) -> int:
-    """Snapshot ``n`` as data: the runs' and samplers' tensors go to their own file (referenced by
-    key), everything else through the records' value codec."""
-    tensors: dict[str, np.ndarray] = {}
-
-    def refer(data: tuple[str, np.ndarray]) -> tuple[str, tuple]:
-        dtype, arr = data
-        key = f"t{len(tensors)}"
-        tensors[key] = np.ascontiguousarray(arr)
-        return dtype, (b"tensor", {"key": key})
-
-    def adapter(weights: dict) -> dict:
-        # a LoRA's {module: (A, B)}, or a full fine-tune's {parameter: W} (one (dtype, array) each)
-        return {
-            m: refer(w) if isinstance(w[0], str) else (refer(w[0]), refer(w[1])) for m, w in weights.items()
-        }
-
-    runs = []
-    for r in state["runs"]:
-        t = r["state"]
-        if t is not None:
-            t = {
-                **t,
-                "weights": adapter(t["weights"]),
-                "grads": {k: refer(v) for k, v in t["grads"].items()},
-                "optimizer": {k: refer(v) for k, v in t["optimizer"].items()},
-            }
-        runs.append({**r, "state": t})
-    samplers = [
-        {**e, "weights": None if e["weights"] is None else adapter(e["weights"])} for e in state["samplers"]
-    ]
-    data = records.encode_value({**state, "runs": runs, "samplers": samplers})
-    return journal.write_snapshot(n, data, tensors)
+def write_snapshot(journal: Journal, n: int, state: dict, keep: set[str]) -> int:
+    """Snapshot ``n`` as data (format 3): the runs' and samplers' tensors are in their own files
+    already (engine/run_files.py), named by the state; ``keep`` lists them, so that the journal
+    deletes the others once this snapshot is durable."""
+    return journal.write_snapshot(n, records.encode_value(state), keep=keep)
 
 
 def read_snapshot(journal: Journal, n: int, state: dict) -> dict:
@@ -111,6 +79,8 @@ def read_snapshot(journal: Journal, n: int, state: dict) -> dict:
         )
     if state["version"] == 1:
         return state  # inline tensors, its data classes unpickled as they are
+    if state["version"] == 3:
+        return records.decode_value(state)  # the run files are read as runs are restored
     path = journal.snapshot_tensors(n)
     if not path.exists():
         return records.decode_value(state)

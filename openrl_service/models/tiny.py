@@ -9,6 +9,10 @@ the vLLM sampler could not serve the default runs.
 
 `openrl/tiny-wide` (spec ``tiny-wide``) is the same recipe with hidden size 192 (~1.3 M parameters):
 a second, differently shaped model for serving several base models in one service.
+
+`openrl/scale-30m` and `openrl/scale-180m` (specs ``scale-30m``, ``scale-180m``) are the same recipe at
+sizes where memory matters (~28 M and ~181 M parameters, fp32): what ``make bench-scale`` serves under a
+container memory limit to make full fine-tunes take turns. Random weights: they learn, they know nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +26,27 @@ from pathlib import Path
 
 TINY_MODEL_NAME = "openrl/tiny"
 TINY_WIDE_MODEL_NAME = "openrl/tiny-wide"
-# name -> the config fields that differ between the tiny variants (openrl/tiny's bytes never change)
+SCALE_30M_MODEL_NAME = "openrl/scale-30m"
+SCALE_180M_MODEL_NAME = "openrl/scale-180m"
+_TINY_DEPTH = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+# name -> the config fields that differ between the variants (openrl/tiny's bytes never change)
 TINY_SHAPES = {
-    TINY_MODEL_NAME: {"hidden_size": 128, "intermediate_size": 256},
-    TINY_WIDE_MODEL_NAME: {"hidden_size": 192, "intermediate_size": 384},
+    TINY_MODEL_NAME: {"hidden_size": 128, "intermediate_size": 256, **_TINY_DEPTH},
+    TINY_WIDE_MODEL_NAME: {"hidden_size": 192, "intermediate_size": 384, **_TINY_DEPTH},
+    SCALE_30M_MODEL_NAME: {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
+    SCALE_180M_MODEL_NAME: {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -100,7 +121,8 @@ def _build_tokenizer():
 
 
 def tiny_variant(spec: str) -> str | None:
-    """The tiny model a ``--model`` spec names ("tiny", "tiny-wide" or the full name), else None."""
+    """The built-in model a ``--model`` spec names ("tiny", "tiny-wide", "scale-30m", "scale-180m" or
+    the full name), else None."""
     for name in TINY_SHAPES:
         if spec in (name, name.removeprefix("openrl/")):
             return name
@@ -126,9 +148,6 @@ def build_tiny_model(out_dir: str | os.PathLike, name: str = TINY_MODEL_NAME) ->
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         **TINY_SHAPES[name],
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         rope_theta=10000.0,

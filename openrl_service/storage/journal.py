@@ -238,10 +238,13 @@ class Journal:
             self._open(max(self.segment + 1, self.next_segment()))
             return self.segment
 
-    def write_snapshot(self, n: int, state: Any, tensors: dict | None = None) -> int:
+    def write_snapshot(
+        self, n: int, state: Any, tensors: dict | None = None, *, keep: set[str] | None = None
+    ) -> int:
         """Write snapshot ``n`` atomically (temp file, fsync, rename) — its ``tensors`` first, to
-        ``snap-N.tensors`` (safetensors), the state that refers to them last — then drop what it
-        replaces: segments before ``n`` and older snapshots. Returns its size in bytes."""
+        ``snap-N.tensors`` (safetensors, format 2), the state that refers to them last — then drop what
+        it replaces: segments before ``n``, older snapshots, and run files (``run-*.tensors``,
+        ``sampler-*.tensors``: format 3) not in ``keep``. Returns its size in bytes."""
         size = 0
         tmp = None
         if tensors:
@@ -254,6 +257,9 @@ class Journal:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             size += path.stat().st_size
+        keep = set(keep or ())
+        for name in keep:
+            size += (self.folder / name).stat().st_size
         data = frame(state)
         write_atomic(self._snap(n), data)  # the folder fsynced: the tensors' rename is durable too
         for k in self._numbers("seg"):
@@ -266,6 +272,10 @@ class Journal:
             stem = p.name.split("-", 1)[1].split(".", 1)[0]
             if stem.isdigit() and int(stem) < n:
                 p.unlink(missing_ok=True)
+        for pattern in ("run-*.tensors", "sampler-*.tensors"):
+            for p in self.folder.glob(pattern):
+                if p.name not in keep:
+                    p.unlink(missing_ok=True)
         # what an interrupted snapshot left: its tensors' temporary file, or write_atomic's
         for stale in [*self.folder.glob("*.tmp"), *self.folder.glob(".snap-*")]:
             if stale != tmp:

@@ -29,26 +29,32 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from openrl_service import crashpoints, progress
 from openrl_service.errors import UserError
-from openrl_service.training.lora import adapter_from_peft, peft_adapter_config
+from openrl_service.storage.tensorfile import link_or_copy, read_tensors, write_tensors
+from openrl_service.training.lora import adapter_from_peft
+from openrl_service.training.weights import RunWeights
 
 log = logging.getLogger("openrl.full")
 
 FULL_FILES = ("model.safetensors", "config.json")  # a full checkpoint: what AutoModelForCausalLM loads
 
 
-class FullWeights:
-    """A full fine-tune's own tensors: {Hugging Face parameter name: tensor}."""
+class FullWeights(RunWeights):
+    """A full fine-tune's own tensors: {Hugging Face parameter name: tensor}. One of the two kinds of
+    run weights (training/weights.py); the LoRA ``Adapter`` (training/lora.py) is the other."""
 
     full = True
+    shares_batch = False  # its tensors replace the model's own for a pass: one run per pass
     scale = 1.0
+    CHECKPOINT_FILE = "model.safetensors"
 
     def __init__(self, spec, weights: dict[str, torch.Tensor]):
         self.spec = spec
@@ -59,25 +65,61 @@ class FullWeights:
         self._cast: tuple[int, torch.dtype, dict[str, torch.Tensor]] | None = None
         self.embeddings: list[str] = []  # the vocabulary-sized ones (set by the Trainer)
 
+    @classmethod
+    def placeholders(cls, spec, names: list[str], *, dtype: torch.dtype, trainable: bool) -> FullWeights:
+        """Empty tensors under ``names``: a run waiting on disk (its tensors come from a file)."""
+        return cls(spec, {n: torch.empty(0, dtype=dtype).requires_grad_(trainable) for n in names})
+
     def cast(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in the model's dtype for a pass without gradients (sampling), cast once per
         version of the weights rather than at every decoded token."""
         version = self.version
         if self._cast is None or self._cast[0] != version or self._cast[1] != dtype:
+            self._cast = None  # the old copy goes before the new one is made
             with torch.no_grad():
                 self._cast = (version, dtype, {n: t.detach().to(dtype) for n, t in self.weights.items()})
         return self._cast[2][name]
 
-    def touch(self) -> None:
-        self.writes += 1
-
-    @property
-    def version(self) -> int:
-        return self.writes + sum(t._version for t in self.weights.values())
-
     def ensure_resident(self) -> None:
         if self.home is not None:
             self.home.ensure(self)
+
+    def prepare(self, base) -> None:
+        groups = base.router.param_groups  # which tensors are embeddings (Dimuon treats them apart)
+        self.embeddings = [n for n in self.weights if groups.get(n) == "unembed"]
+
+    def adopt(self, trainer, state, waiting_in=None) -> None:
+        need = trainer.footprint(self.spec) if state is not None else trainer.snapshot_need(self.spec)
+        if waiting_in is None:
+            trainer.residency.add(self, state, need)
+        else:
+            trainer.residency.add_on_disk(self, state, need, waiting_in)
+
+    def back_on_device(self) -> bool:
+        if self.home is None:
+            return False
+        self.home.ensure(self)
+        return True
+
+    def leave(self) -> None:
+        if self.home is not None:
+            self.home.drop(self)
+
+    @contextlib.contextmanager
+    def applied(self, router) -> Iterator[None]:
+        previous = router.active, router.groups, router.rows
+        router.active, router.groups, router.rows = None, None, 0
+        try:
+            with router._swapped(self):
+                yield
+        finally:
+            router.active, router.groups, router.rows = previous
+
+    def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
+        return None, [self.weights[n] for n in self.embeddings]
+
+    def checkpoint_payload(self, base, base_model: str) -> tuple[dict[str, torch.Tensor], dict]:
+        return full_checkpoint(base, self), full_config(base)
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.weights.values())
@@ -86,13 +128,20 @@ class FullWeights:
         yield from self.weights.items()
 
     def snapshot(self) -> FullWeights:
-        """An immutable copy (a sampler's snapshot): a whole copy of the trained weights."""
+        """An immutable copy (a sampler's snapshot): a whole copy of the trained weights, which takes
+        turns on the device like the run (held by the sampler: it leaves when the sampler does)."""
         self.ensure_resident()
+        home = self.home
+        if home is not None:
+            home._make_room(self.nbytes(), keep=id(self))  # before the copy is made
         with torch.no_grad():
-            return FullWeights(self.spec, {n: t.detach().clone() for n, t in self.weights.items()})
+            copy = FullWeights(self.spec, {n: t.detach().clone() for n, t in self.weights.items()})
+        if home is not None:
+            home.add(copy, None, copy.nbytes())
+        return copy
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.weights.values())
+    def detached(self) -> FullWeights:
+        return FullWeights(self.spec, {n: t.detach() for n, t in self.weights.items()})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained tensors on the CPU, float32."""
@@ -174,37 +223,74 @@ def weights_from_checkpoint(base, spec, tensors: dict[str, torch.Tensor], *, tra
     return adapter_from_peft(spec, tensors, device=base.device, trainable=trainable)
 
 
-def checkpoint_payload(base, spec, weights, base_model: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, config) a checkpoint of ``weights`` stores: model.safetensors + config.json of the
-    whole model for a full fine-tune, the PEFT pair for a LoRA."""
-    if spec.full:
-        return full_checkpoint(base, weights), full_config(base)
-    return weights.peft_state_dict(), peft_adapter_config(spec, base.targets, base_model)
-
-
 def parameter_count(base, spec) -> int:
     own = base_tensors(base)
     return sum(own[n].numel() for n in base.router.full_names(spec))
 
 
 def footprint(base, spec, optimizer_slots: int = 2) -> int:
-    """Bytes a full run holds on the device while served: float32 weights, gradients and the
-    optimizer's per-parameter state (AdamW 2 slots, Dimuon 1)."""
-    return parameter_count(base, spec) * 4 * (2 + optimizer_slots)
+    """Bytes a full run holds on the device while served: float32 weights, gradients, the gradient
+    set aside while a new one is computed (trainer.accumulating_grads), the optimizer's per-parameter
+    state (AdamW 2 slots, Dimuon 1) and, on a model narrower than float32, the casts of the weights
+    to its dtype (one for a pass with gradients, one kept for sampling)."""
+    per = 4 * (3 + optimizer_slots)
+    item = torch.empty((), dtype=base.dtype).element_size()
+    if item < 4:
+        per += 2 * item
+    return parameter_count(base, spec) * per
 
 
-def leave_device(adapter) -> None:
-    """A full run's device share and spill file go (its session finished, or it was never adopted);
-    nothing for a LoRA adapter."""
-    if adapter.full and adapter.home is not None:
-        adapter.home.drop(adapter)
+def run_tensors(weights, state) -> dict[str, torch.Tensor]:
+    """Everything that makes a run's training state, by name: ``w:<p>`` its weights, ``g:<p>`` their
+    gradients, ``o:<p>:<slot>`` the optimizer's state of each (the format of spill files and of the
+    journal snapshots' run files, so that a run waiting on disk is snapshotted by linking its file)."""
+    out: dict[str, torch.Tensor] = {}
+    opt = state.optimizer.state if state is not None else {}
+    for name, p in weights.named_parameters():
+        out[f"w:{name}"] = p.data
+        if p.grad is not None:
+            out[f"g:{name}"] = p.grad
+        for k, v in (opt.get(p) or {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"o:{name}:{k}"] = v
+    return out
+
+
+def place_tensors(weights, state, tensors, device: torch.device) -> None:
+    """Put a run's tensors (``tensors[key]`` for the keys of :func:`run_tensors`; a dict or a lazily
+    read file) back in place on ``device``, one at a time: the inverse of :func:`run_tensors`."""
+    weights._cast = None  # a sampling copy in the model's dtype goes with a move
+    keys = set(tensors.keys())
+    opt = state.optimizer.state if state is not None else None
+    for name, p in weights.named_parameters():
+        progress.tick()
+        p.data = tensors[f"w:{name}"].to(device)
+        g = f"g:{name}"
+        p.grad = tensors[g].to(device) if g in keys else None
+        if opt is None:
+            continue
+        prefix = f"o:{name}:"
+        slots = [k for k in keys if k.startswith(prefix)]
+        if not slots:
+            continue
+        st = opt[p]
+        for key in slots:
+            k, v = key[len(prefix) :], tensors[key]
+            st[k] = v if k == "step" and v.dim() == 0 else v.to(device)
 
 
 class Residency:
-    """Which full runs' tensors are on the device; least recently served ones wait elsewhere.
+    """Which full runs' tensors are on the device; the least recently served wait elsewhere.
 
-    The engine's worker moves runs (every caller of ``ensure`` / ``make_room`` is an op); a finished
-    session drops its run from a request thread. Every entry point takes the lock."""
+    Entries are training runs (weights, gradients and optimizer state) and sampler snapshots of full
+    runs (weights only). Only the engine's worker moves tensors (every caller of ``ensure`` /
+    ``make_room`` / ``add`` is an op); a finished session drops its run from a request thread. The
+    lock guards the bookkeeping only and is never held while tensors are copied or written: a spill
+    of gigabytes does not stall ``/metrics`` or a session's end, and ``status()`` answers from a copy.
+
+    Moves are written and read one tensor at a time (storage/tensorfile.py): the memory a move
+    needs beyond the run itself is one tensor. The resident run whose lane has work queued is moved
+    out last (``busy``), so runs take fewer turns."""
 
     def __init__(
         self,
@@ -224,167 +310,250 @@ class Residency:
         self.runs: OrderedDict[int, FullWeights] = OrderedDict()  # least recently served first
         self.where: dict[int, str] = {}  # "device" | "host" | "disk"
         self.need: dict[int, int] = {}
-        self._lock = threading.RLock()  # the worker moves runs; a finished session drops its own
+        self.busy: Callable[[FullWeights], bool] = lambda _w: False  # its next op is queued
+        self._lock = threading.Lock()  # bookkeeping only: never held across a copy or a write
+        self._moving: int | None = None  # the run whose tensors the worker is moving now
+        # Sampler snapshots are held weakly: when the sampler lets go of its weights, they leave
+        # (collected, their keys queued here by a finalizer, and forgotten at the next call).
+        self._gone: deque[int] = deque()
         self.moves = {"out_host": 0, "out_disk": 0, "in": 0}
         self.seconds = {"out_host": 0.0, "out_disk": 0.0, "in": 0.0}
+        self.moved_bytes = {"out_host": 0, "out_disk": 0, "in": 0}
+        self._status: dict = {}
+        self._publish()
 
     # -- accounting ------------------------------------------------------------------------------
     def _on(self, tier: str) -> int:
         return sum(self.need[k] for k, t in self.where.items() if t == tier)
 
+    def _get(self, key: int) -> FullWeights | None:
+        w = self.runs.get(key)
+        return w() if isinstance(w, weakref.ref) else w
+
+    def _collect(self) -> list[Path]:
+        """Forget collected snapshots (lock held); returns their spill files to remove."""
+        files = []
+        while self._gone:
+            key = self._gone.popleft()
+            w = self.runs.get(key)
+            if not isinstance(w, weakref.ref) or w() is not None:
+                continue  # not a snapshot, or its id was taken by a new one that is alive
+            self.runs.pop(key)
+            self.need.pop(key, None)
+            if self.where.pop(key, None) == "disk" and self.spill_dir is not None:
+                files.append(self._spill_path(key))
+        if files:
+            self._publish()
+        return files
+
+    def _collected(self, key: int) -> None:
+        """A sampler snapshot was collected (any thread, no lock: a finalizer): its spill file goes
+        now, its bookkeeping at the next call."""
+        if self.where.get(key) == "disk" and self.spill_dir is not None and self._moving != key:
+            with contextlib.suppress(OSError):
+                self._spill_path(key).unlink()
+        self._gone.append(key)
+
+    def _sweep(self) -> None:
+        with self._lock:
+            files = self._collect()
+        for f in files:
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return self._on("device")
+
     def admit(self, need: int, what: str) -> None:
         """Refuse (UserError, with the numbers) a run that alone does not fit the device's share."""
         if self.budget is not None and need > self.budget:
             raise UserError(
-                f"{what} needs {_gib(need)} on {self.device} (float32 weights, gradients and optimizer "
-                f"state), more than the {_gib(self.budget)} full runs may use there "
-                "(OPENRL_FULL_RUN_BUDGET_BYTES); train a LoRA (rank >= 1) or freeze the embeddings "
-                "(train_unembed=false)",
+                f"{what} needs {_gib(need)} on {self.device} (float32 weights, gradients, a set-aside "
+                f"gradient and optimizer state), more than the {_gib(self.budget)} full runs may use "
+                "there (OPENRL_FULL_RUN_BUDGET_BYTES, or what the memory accountant leaves for full "
+                "runs: GET /metrics, openrl_memory_bytes); train a LoRA (rank >= 1), freeze the "
+                "embeddings (train_unembed=false), or give the service more memory",
                 field="lora_config.rank",
             )
 
     def add(self, weights: FullWeights, state, need: int) -> None:
-        """Take charge of a run's live weights (on the device now: make room first)."""
-        key = id(weights)
+        """Take charge of a run's live weights (state: its TrainState), or of a sampler snapshot of a
+        full run (state None: held weakly), on the device now: make room first."""
+        self._make_room(need, keep=id(weights))
         with self._lock:
-            self._make_room(need, keep=key)
-            self._add(weights, state, need, key)
+            self._add(weights, state, need, "device")
+
+    def add_on_disk(self, weights: FullWeights, state, need: int, source: Path) -> None:
+        """Take charge of a run whose tensors are in ``source`` (a journal snapshot's run file, at a
+        recovery): it waits on disk, linked as its spill file, until its first op brings it in."""
+        key = id(weights)
+        self.spill_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        link_or_copy(source, self._spill_path(key))
+        with self._lock:
+            self._add(weights, state, need, "disk")
 
     def make_room(self, need: int) -> None:
         """Move least recently served runs out until ``need`` more bytes fit (before a new run's copy
         is made)."""
-        with self._lock:
-            self._make_room(need, keep=-1)
+        self._make_room(need, keep=-1)
 
-    def _add(self, weights: FullWeights, state, need: int, key: int) -> None:
+    def _add(self, weights: FullWeights, state, need: int, where: str) -> None:
+        self._collect()  # before an id a collected snapshot had is taken again
+        key = id(weights)
         weights.home, weights.train_state = self, state
-        self.runs[key] = weights
-        self.where[key] = "device"
+        if state is None:
+            self.runs[key] = weakref.ref(weights)
+            weakref.finalize(weights, self._collected, key)
+        else:
+            self.runs[key] = weights
+        self.where[key] = where
         self.need[key] = need
+        self._publish()
 
     def drop(self, weights: FullWeights) -> None:
-        with self._lock:
-            self._drop(weights)
-
-    def _drop(self, weights: FullWeights) -> None:
         key = id(weights)
-        if self.runs.pop(key, None) is None:
-            return
-        if self.where.pop(key, None) == "disk":
+        with self._lock:
+            if self.runs.pop(key, None) is None:
+                return
+            where = self.where.pop(key, None)
+            self.need.pop(key, None)
+            weights.home = None
+            self._publish()
+            moving = self._moving == key  # the mover removes its file when it is done
+        if where == "disk" and self.spill_dir is not None and not moving:
             with contextlib.suppress(OSError):
                 self._spill_path(key).unlink()
-        self.need.pop(key, None)
-        weights.home = None
+
+    def spill_file(self, weights: FullWeights) -> Path | None:
+        """The file holding the run's tensors while it waits on disk (else None)."""
+        key = id(weights)
+        with self._lock:
+            return self._spill_path(key) if self.where.get(key) == "disk" else None
+
+    def _publish(self) -> None:
+        """The status copy readers get (lock held, or in __init__)."""
+        self._status = {
+            "budget_bytes": self.budget,
+            "host_budget_bytes": self.host_budget,
+            "resident_bytes": sum(self.need[k] for k, t in self.where.items() if t == "device"),
+            "runs": {t: sum(1 for w in self.where.values() if w == t) for t in ("device", "host", "disk")},
+            "moves": dict(self.moves),
+            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "bytes": dict(self.moved_bytes),
+        }
 
     def status(self) -> dict:
-        with self._lock:  # read from the metrics thread while the worker moves runs
-            return {
-                "budget_bytes": self.budget,
-                "host_budget_bytes": self.host_budget,
-                "runs": {
-                    t: sum(1 for w in self.where.values() if w == t) for t in ("device", "host", "disk")
-                },
-                "moves": dict(self.moves),
-                "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
-            }
+        return self._status  # replaced whole on each change: never read half-updated
 
     # -- turns -----------------------------------------------------------------------------------
     def ensure(self, weights: FullWeights) -> None:
         """Bring ``weights`` (and its gradients and optimizer state) to the device, moving the least
         recently served runs out until it fits; it becomes the most recently served."""
-        with self._lock:
-            self._ensure(weights)
-
-    def _ensure(self, weights: FullWeights) -> None:
+        self._sweep()
         key = id(weights)
-        if key not in self.runs:
-            return
-        self.runs.move_to_end(key)
-        if self.where[key] == "device":
-            return
-        self._make_room(self.need[key], keep=key)
+        with self._lock:
+            if key not in self.runs:
+                return
+            self.runs.move_to_end(key)
+            if self.where[key] == "device":
+                return
+            need, source = self.need[key], self.where[key]
+        self._make_room(need, keep=key)
         t0 = time.perf_counter()
-        self._move(weights, self.device)
-        self.where[key] = "device"
-        self.moves["in"] += 1
-        self.seconds["in"] += time.perf_counter() - t0
+        self._move(weights, key, source, self.device)
+        with self._lock:
+            if key in self.runs:
+                self.where[key] = "device"
+            self._count("in", t0, need)
+
+    def _count(self, move: str, t0: float, nbytes: int) -> None:
+        self.moves[move] += 1
+        self.seconds[move] += time.perf_counter() - t0
+        self.moved_bytes[move] += nbytes
+        self._publish()
+
+    def _victim(self, keep: int) -> int | None:
+        """The run to move off the device next (lock held): the least recently served one whose
+        next op is not already queued, else the least recently served one."""
+        resident = [
+            k for k in self.runs if k != keep and self.where.get(k) == "device" and self._get(k) is not None
+        ]
+        idle = [k for k in resident if not self.busy(self._get(k))]
+        return (idle or resident or [None])[0]
 
     def _make_room(self, need: int, keep: int) -> None:
         if self.budget is None:
             return
-        for key in list(self.runs):
-            if self._on("device") + need <= self.budget:
-                break
-            if key == keep or self.where.get(key) != "device":
-                continue
+        self._sweep()
+        while True:
+            with self._lock:
+                if self._on("device") + need <= self.budget:
+                    return
+                key = self._victim(keep)
+                if key is None:
+                    return
             self._evict(key)
 
     def _evict(self, key: int) -> None:
         """Move a run off the device: to the host share when it fits there at all (the least recently
         served runs already on the host go on to disk to make room), else to disk."""
-        weights = self.runs[key]
-        t0 = time.perf_counter()
-        if self.host_budget and self.need[key] <= self.host_budget:
-            for other in list(self.runs):  # least recently served first
-                if self._on("host") + self.need[key] <= self.host_budget:
-                    break
-                if other != key and self.where[other] == "host":
-                    t1 = time.perf_counter()
-                    self._spill(self.runs[other], other)
-                    self.where[other] = "disk"
-                    self.moves["out_disk"] += 1
-                    self.seconds["out_disk"] += time.perf_counter() - t1
+        with self._lock:
+            weights, need = self._get(key), self.need[key]
+            if weights is None:
+                return
+            to_host = bool(self.host_budget) and need <= self.host_budget
+        if to_host:
+            while True:
+                with self._lock:
+                    if self._on("host") + need <= self.host_budget:
+                        break
+                    others = [
+                        k
+                        for k in self.runs
+                        if k != key and self.where[k] == "host" and self._get(k) is not None
+                    ]
+                    if not others:
+                        break
+                    other = others[0]
+                    w, n = self._get(other), self.need[other]
+                t1 = time.perf_counter()
+                self._spill(w, other)
+                with self._lock:
+                    self.where[other] = "disk" if other in self.runs else self.where.get(other)
+                    self._count("out_disk", t1, n)
             t0 = time.perf_counter()
-            self._move(weights, torch.device("cpu"))
-            self.where[key], tier = "host", "out_host"
+            self._move(weights, key, "device", torch.device("cpu"))
+            with self._lock:
+                if key in self.runs:
+                    self.where[key] = "host"
+                self._count("out_host", t0, need)
         else:
+            t0 = time.perf_counter()
             self._spill(weights, key)
-            self.where[key], tier = "disk", "out_disk"
-        self.moves[tier] += 1
-        self.seconds[tier] += time.perf_counter() - t0
-        log.info("full run weights %x moved to %s", key, self.where[key])
+            with self._lock:
+                if key in self.runs:
+                    self.where[key] = "disk"
+                self._count("out_disk", t0, need)
+        log.info("full run weights %x moved off %s", key, self.device)
 
     # -- moving tensors --------------------------------------------------------------------------
-    @staticmethod
-    def _tensors(weights: FullWeights) -> dict[str, torch.Tensor]:
-        """Everything that moves with a run: weights, gradients, optimizer state (by name)."""
-        out: dict[str, torch.Tensor] = {}
-        state = weights.train_state
-        opt = state.optimizer.state if state is not None else {}
-        for name, p in weights.weights.items():
-            out[f"w:{name}"] = p.data
-            if p.grad is not None:
-                out[f"g:{name}"] = p.grad
-            for k, v in (opt.get(p) or {}).items():
-                if isinstance(v, torch.Tensor):
-                    out[f"o:{name}:{k}"] = v
-        return out
+    def _move(self, weights: FullWeights, key: int, source: str, device: torch.device) -> None:
+        self._moving = key
+        try:
+            self._move_now(weights, key, source, device)
+        finally:
+            self._moving = None
 
-    def _place(self, weights: FullWeights, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        weights._cast = None  # a sampling copy in the model's dtype goes with the move
-        state = weights.train_state
-        opt = state.optimizer.state if state is not None else {}
-        for name, p in weights.weights.items():
-            p.data = tensors[f"w:{name}"].to(device)
-            g = tensors.get(f"g:{name}")
-            p.grad = None if g is None else g.to(device)
-            st = opt.get(p)
-            if st:
-                for k in list(st):
-                    v = tensors.get(f"o:{name}:{k}")
-                    if v is not None:
-                        st[k] = v if k == "step" and v.dim() == 0 and v.device.type == "cpu" else v.to(device)
-
-    def _move(self, weights: FullWeights, device: torch.device) -> None:
-        key = id(weights)
-        if self.where.get(key) == "disk":
+    def _move_now(self, weights: FullWeights, key: int, source: str, device: torch.device) -> None:
+        if source == "disk":
             path = self._spill_path(key)
-            tensors = load_file(str(path))
-            self._place(weights, tensors, device)
+            with read_tensors(path) as f:
+                place_tensors(weights, weights.train_state, f, device)
             with contextlib.suppress(OSError):
                 path.unlink()
             return
-        self._place(weights, dict(self._tensors(weights)), device)
+        place_tensors(weights, weights.train_state, run_tensors(weights, weights.train_state), device)
 
     def _spill_path(self, key: int) -> Path:
         if self.spill_dir is None:
@@ -392,18 +561,29 @@ class Residency:
         return self.spill_dir / f"{os.getpid()}-{key:x}.safetensors"
 
     def _spill(self, weights: FullWeights, key: int) -> None:
-        """Write the run's tensors to its spill file and free them (placeholders keep identities)."""
+        """Write the run's tensors to its spill file, one at a time, and free them (placeholders keep
+        identities). A full disk leaves the run where it was and no partial file."""
         self.spill_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self._tensors(weights).items()}
-        path = self._spill_path(key)
+        tensors = run_tensors(weights, weights.train_state)
+        half = len(tensors) // 2
+
+        def step(i: int) -> None:
+            progress.tick()
+            if i == half:
+                crashpoints.hit("spill_write")
+
+        self._moving = key
         try:
-            save_file(tensors, str(path))
-            os.chmod(path, 0o600)
-        except BaseException:  # a full disk: the run stays where it was, no partial file is left
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise
+            write_tensors(self._spill_path(key), tensors, progress=step)
+        finally:
+            self._moving = None
+        del tensors
         self._release(weights)
+        with self._lock:
+            dropped = key not in self.runs
+        if dropped:  # its session finished while it was written: nobody will read it
+            with contextlib.suppress(OSError):
+                self._spill_path(key).unlink()
 
     @staticmethod
     def _release(weights: FullWeights) -> None:
@@ -419,22 +599,6 @@ class Residency:
                 for k, v in list(st.items()):
                     if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0):
                         st[k] = torch.empty(0, dtype=v.dtype)
-
-    @contextlib.contextmanager
-    def readable(self, weights: FullWeights):
-        """The run's tensors readable in place for the block (a journal snapshot) without moving it
-        onto the device: a run on disk is read into host memory and freed again afterwards."""
-        key = id(weights)
-        with self._lock:
-            if self.where.get(key) != "disk":
-                yield
-                return
-            path = self._spill_path(key)
-            self._place(weights, load_file(str(path)), torch.device("cpu"))
-            try:
-                yield
-            finally:
-                self._release(weights)  # the file is unchanged: read, never rewritten
 
 
 def _gib(n: int) -> str:

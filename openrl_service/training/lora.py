@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openrl_service.errors import UserError
+from openrl_service.training.weights import RunWeights
 
 LORA_ALPHA = 32.0
 
@@ -59,27 +60,15 @@ class LoraSpec:
         return asdict(self)
 
 
-class Adapter:
-    """One set of LoRA weights: {module name: (A [r, in], B [out, r])}, plus its scale."""
-
-    full = False  # a FullWeights (training/full.py) is the other kind of run weights
+class Adapter(RunWeights):
+    """One set of LoRA weights: {module name: (A [r, in], B [out, r])}, plus its scale. One of the two
+    kinds of run weights (training/weights.py); ``FullWeights`` (training/full.py) is the other."""
 
     def __init__(self, spec: LoraSpec, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         self.spec = spec
         self.weights = weights
         self.scale = spec.scale
         self.writes = 0  # optimizer steps applied (touch()); see version
-
-    def touch(self) -> None:
-        """Record an update of the weights (the trainer calls it after each optimizer step)."""
-        self.writes += 1
-
-    @property
-    def version(self) -> int:
-        """Grows whenever the weights change: an optimizer step (``touch``) or any in-place write
-        (torch bumps a tensor's version counter on ``copy_``, ``add_``...). Samplers that cache an
-        adapter outside torch (vLLM's LoRA slots) key it by (adapter, version)."""
-        return self.writes + sum(t._version for t in self.parameters())
 
     def parameters(self) -> list[torch.Tensor]:
         return [t for pair in self.weights.values() for t in pair]
@@ -89,11 +78,41 @@ class Adapter:
             yield f"{name}.lora_A", a
             yield f"{name}.lora_B", b
 
+    @classmethod
+    def placeholders(cls, spec: LoraSpec, names: list[str], *, dtype=None, trainable: bool) -> Adapter:
+        """Empty tensors under ``names`` (``named_parameters`` order), to be filled from a run file."""
+        pairs: dict[str, list] = {}
+        for n in names:
+            module, _, which = n.rpartition(".")
+            slot = pairs.setdefault(module, [None, None])
+            slot[0 if which == "lora_A" else 1] = torch.empty(0, dtype=torch.float32).requires_grad_(
+                trainable
+            )
+        return cls(spec, {m: (a, b) for m, (a, b) in pairs.items()})
+
     def snapshot(self) -> Adapter:
         """An immutable copy (detached clones): sampling "step 7" keeps sampling step 7."""
         with torch.no_grad():
             frozen = {n: (a.detach().clone(), b.detach().clone()) for n, (a, b) in self.weights.items()}
         return Adapter(self.spec, frozen)
+
+    def detached(self) -> Adapter:
+        return Adapter(self.spec, {n: (a.detach(), b.detach()) for n, (a, b) in self.weights.items()})
+
+    @contextlib.contextmanager
+    def applied(self, router: AdapterRouter) -> Iterator[None]:
+        previous = router.active, router.groups, router.rows
+        router.active, router.groups, router.rows = self, None, 0
+        try:
+            yield
+        finally:
+            router.active, router.groups, router.rows = previous
+
+    def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
+        return self.spec.rank, []
+
+    def checkpoint_payload(self, base, base_model: str) -> tuple[dict[str, torch.Tensor], dict]:
+        return self.peft_state_dict(), peft_adapter_config(self.spec, base.targets, base_model)
 
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -101,9 +120,6 @@ class Adapter:
             out[f"base_model.model.{name}.lora_A.weight"] = a.detach().to("cpu", torch.float32).contiguous()
             out[f"base_model.model.{name}.lora_B.weight"] = b.detach().to("cpu", torch.float32).contiguous()
         return out
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parameters())
 
 
 @dataclass(frozen=True)
@@ -178,17 +194,14 @@ class AdapterRouter:
         return [n for n, g in self.param_groups.items() if g not in off]
 
     @contextlib.contextmanager
-    def use(self, adapter: Adapter | None):
-        previous = self.active, self.groups, self.rows
-        if adapter is not None and adapter.full:
-            self.active, self.groups, self.rows = None, None, 0
-            try:
-                with self._swapped(adapter):
-                    yield
-            finally:
-                self.active, self.groups, self.rows = previous
+    def use(self, adapter: RunWeights | None):
+        """The next forward passes compute with ``adapter`` (None: the base model alone)."""
+        if adapter is not None:
+            with adapter.applied(self):
+                yield
             return
-        self.active, self.groups, self.rows = adapter, None, 0
+        previous = self.active, self.groups, self.rows
+        self.active, self.groups, self.rows = None, None, 0
         try:
             yield
         finally:
@@ -228,7 +241,7 @@ class AdapterRouter:
             with self.use(adapters[0] if adapters else None):
                 yield
             return
-        if any(a is not None and a.full for a in adapters):
+        if any(a is not None and not a.shares_batch for a in adapters):
             raise ValueError("a full fine-tune's weights cannot share a batch with other weights")
         order: dict[int, tuple[Adapter, list[int]]] = {}
         for i, a in enumerate(adapters):

@@ -22,6 +22,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,9 +32,17 @@ from openrl_service.checks import number
 from openrl_service.errors import UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.training.dimuon import Dimuon, DimuonParams
-from openrl_service.training.full import FullWeights, Residency, footprint, new_full_weights
+from openrl_service.training.full import (
+    FullWeights,
+    Residency,
+    footprint,
+    master_dtype,
+    new_full_weights,
+    parameter_count,
+)
 from openrl_service.training.lora import Adapter, LoraSpec, new_adapter
 from openrl_service.training.losses import FLOAT_INPUTS, compute_loss, ratio_stats
+from openrl_service.training.weights import RunWeights, weights_class
 
 
 @dataclass
@@ -213,9 +222,8 @@ def make_optimizer(adapter: Adapter | FullWeights, kind: str | None = None) -> t
     """The run's optimizer (``kind``, else its spec's): AdamW or Dimuon over its tensors."""
     kind = kind or adapter.spec.optimizer
     if kind == "dimuon":
-        if adapter.full:
-            return Dimuon(adapter.parameters(), None, plain=[adapter.weights[n] for n in adapter.embeddings])
-        return Dimuon(adapter.parameters(), adapter.spec.rank)
+        rank, plain = adapter.dimuon_args()
+        return Dimuon(adapter.parameters(), rank, plain=plain)
     # foreach: one call per update stage over all the adapter's tensors instead of a Python loop over
     # them (torch's CPU default); the same arithmetic, bit for bit, ~25 % less time per step on CPU.
     return torch.optim.AdamW(
@@ -244,6 +252,15 @@ class Trainer:
             return 0
         return footprint(self.base, spec, optimizer_slots=1 if spec.optimizer == "dimuon" else 2)
 
+    def snapshot_need(self, spec: LoraSpec) -> int:
+        """Device bytes a sampler snapshot of a full run with ``spec`` holds (its weights only)."""
+        return parameter_count(self.base, spec) * master_dtype(self.base.dtype).itemsize if spec.full else 0
+
+    def make_room_for(self, spec: LoraSpec) -> None:
+        """Before a run's tensors are made: move full runs off the device until they fit."""
+        if spec.full:
+            self.residency.make_room(self.footprint(spec))
+
     def admit(self, spec: LoraSpec) -> None:
         """Refuse a full run that alone cannot fit the device's share for full runs (UserError)."""
         if spec.full:
@@ -256,19 +273,33 @@ class Trainer:
         adapter = new_adapter(spec, self.base.targets, seed=seed, device=self.base.device)
         return self.state_for(adapter)
 
-    def state_for(self, adapter: Adapter | FullWeights) -> TrainState:
-        if adapter.full:  # which of its tensors are embeddings (Dimuon treats them apart)
-            groups = self.base.router.param_groups
-            adapter.embeddings = [n for n in adapter.weights if groups.get(n) == "unembed"]
+    def state_for(self, adapter: RunWeights, *, waiting_in: Path | None = None) -> TrainState:
+        """A run's training state around ``adapter`` (on the device; or, ``waiting_in``, a run file
+        whose tensors a full run takes when its first op needs them)."""
+        adapter.prepare(self.base)
         state = TrainState(
             spec=adapter.spec,
             adapter=adapter,
             optimizer=make_optimizer(adapter),
             param_names=[n for n, _ in adapter.named_parameters()],
         )
-        if adapter.full:
-            self.residency.add(adapter, state, self.footprint(adapter.spec))
+        adapter.adopt(self, state, waiting_in)
         return state
+
+    def restore_state(self, spec: LoraSpec, names: list[str], path: Path) -> TrainState:
+        """A run from its journal-snapshot file (engine/run_files.py): weights, gradients, optimizer."""
+        weights = weights_class(spec).placeholders(
+            spec, names, dtype=master_dtype(self.base.dtype), trainable=True
+        )
+        return self.state_for(weights, waiting_in=path)
+
+    def restore_weights(self, spec: LoraSpec, names: list[str], path: Path) -> RunWeights:
+        """A sampler snapshot's weights from its journal-snapshot file."""
+        weights = weights_class(spec).placeholders(
+            spec, names, dtype=master_dtype(self.base.dtype), trainable=False
+        )
+        weights.adopt(self, None, path)
+        return weights
 
     # -- forward / backward -----------------------------------------------------------------
     def _microbatches(self, lengths: list[int]) -> list[list[int]]:
@@ -384,7 +415,7 @@ class Trainer:
         adapters = [
             None
             if it.state is None
-            else (_detached(it.state.adapter) if it.forward_only and any_grad else it.state.adapter)
+            else (it.state.adapter.detached() if it.forward_only and any_grad else it.state.adapter)
             for it in items
         ]
         outputs: list[list[np.ndarray | None]] = [[None] * len(it.data) for it in items]
@@ -456,8 +487,7 @@ class Trainer:
                 f"{field}: this run was created with the {state.spec.optimizer} optimizer; send {want}",
                 field=field,
             )
-        if state.adapter.full:
-            state.adapter.ensure_resident()
+        state.adapter.ensure_resident()
         params = state.adapter.parameters()
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
@@ -544,12 +574,6 @@ class Trainer:
             state.steps = int(tensors["__steps__"].item())
 
 
-def _detached(adapter: Adapter | FullWeights) -> Adapter | FullWeights:
-    if adapter.full:
-        return FullWeights(adapter.spec, {n: t.detach() for n, t in adapter.weights.items()})
-    return Adapter(adapter.spec, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()})
-
-
 @contextlib.contextmanager
 def accumulating_grads(states: list[TrainState]) -> Iterator[None]:
     """One training call's gradient, added to what each run had accumulated, or nothing at all.
@@ -590,12 +614,8 @@ def _back_on_device(states) -> set[int]:
     finished) gets nothing back; its parameters' ids are returned."""
     gone: set[int] = set()
     for st in states:
-        if not st.adapter.full:
-            continue
-        if st.adapter.home is None:
+        if not st.adapter.back_on_device():
             gone.update(id(p) for p in st.adapter.parameters())
-        else:
-            st.adapter.ensure_resident()
     return gone
 
 

@@ -1,0 +1,116 @@
+"""What a run trains, behind one interface: :class:`RunWeights`.
+
+Two classes implement it:
+
+- ``Adapter`` (training/lora.py): a LoRA run's A/B pairs. Small, always on the device, and several
+  share one batched forward pass (rows routed per adapter).
+- ``FullWeights`` (training/full.py): a full fine-tune's own copy of the model's weights. Gigabytes:
+  it takes turns on the device (its ``home`` Residency moves it out and back), and a forward pass
+  swaps its tensors into the model's slots, so it never shares a pass.
+
+The trainer, the engine, the journal's snapshots, checkpoints and the samplers call the methods
+below; what differs between the kinds lives in the two classes, not in ``if weights.full`` branches
+across the modules. ``LoraSpec.full`` (rank 0) still says which kind a request asks for, where a run
+is created, counted against a quota, or its files named; :func:`weights_class` maps it to the class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class RunWeights:
+    """The interface (methods every run's weights have; the two classes override them)."""
+
+    full = False  # the kind, for logs and documents; behaviour goes through the methods below
+    shares_batch = True  # may be one of several weights in a batched forward pass (routed per row)
+    home: Any = None  # who moves its tensors on and off the device (full runs only)
+    train_state: Any = None
+    CHECKPOINT_FILE = "adapter_model.safetensors"  # its tensors' file in a checkpoint folder
+
+    spec: Any
+    weights: dict
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def parameters(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+    def touch(self) -> None:
+        """Record an update of the weights (the trainer calls it after each optimizer step)."""
+        self.writes += 1
+
+    @property
+    def version(self) -> int:
+        """Grows whenever the weights change: an optimizer step (``touch``) or any in-place write."""
+        return self.writes + sum(t._version for t in self.parameters())
+
+    def snapshot(self) -> RunWeights:
+        """An immutable copy: sampling "step 7" keeps sampling step 7."""
+        raise NotImplementedError
+
+    def detached(self) -> RunWeights:
+        """The same tensors without autograd history (no copy)."""
+        raise NotImplementedError
+
+    # -- the device ------------------------------------------------------------------------------
+    def ensure_resident(self) -> None:
+        """Its tensors on the device before an op reads them (LoRA: always there)."""
+
+    def back_on_device(self) -> bool:
+        """Between a sliced call's slices: bring it back; False when it has left for good (its
+        session finished) and gets nothing back."""
+        return True
+
+    def prepare(self, base) -> None:
+        """Before its optimizer is made, learn what of ``base`` it needs (full: its embeddings)."""
+
+    def adopt(self, trainer, state, waiting_in=None) -> None:
+        """Its trainer takes it in (``state``: its TrainState, None for a sampler snapshot); with
+        ``waiting_in`` (a run file), its tensors are read from there (LoRA: now; full: when its
+        first op needs them, the file linked as its spill file)."""
+        if waiting_in is not None:
+            from openrl_service.storage.tensorfile import read_tensors
+            from openrl_service.training.full import place_tensors
+
+            with read_tensors(waiting_in) as f:
+                place_tensors(self, state, f, trainer.base.device)
+
+    def leave(self) -> None:
+        """Its session finished, or it was never adopted: give up its device share and spill file."""
+
+    @contextlib.contextmanager
+    def applied(self, router) -> Iterator[None]:
+        """The model computes with these weights for the block (the router's ``use``)."""
+        raise NotImplementedError
+        yield
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
+        """(LoRA rank for Dimuon's rank correction or None, tensors it does not orthogonalise)."""
+        raise NotImplementedError
+
+    # -- files -----------------------------------------------------------------------------------
+    def checkpoint_payload(self, base, base_model: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, config) of a checkpoint of these weights (PEFT pair, or a whole model)."""
+        raise NotImplementedError
+
+
+def weights_class(spec) -> type[RunWeights]:
+    """The class of the weights a run with ``spec`` trains."""
+    if spec.full:
+        from openrl_service.training.full import FullWeights
+
+        return FullWeights
+    from openrl_service.training.lora import Adapter
+
+    return Adapter
