@@ -112,7 +112,7 @@ class _Lazy:
         return list(self._f.keys())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._f.keys()
+        return name in self._f.keys()  # noqa: SIM118 - safe_open has no __contains__
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._f.get_tensor(name)
