@@ -45,7 +45,8 @@ def rl_datums(prompt, seqs):
 def in_process(tokens: int, steps: int) -> list[float]:
     from openrl_service.config import Settings
     from openrl_service.engine.service import TrainingService
-    from openrl_service.training.trainer import AdamParams, DatumArrays
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays
 
     with tempfile.TemporaryDirectory() as data:
         svc = TrainingService(Settings(data_dir=Path(data)))

@@ -27,7 +27,8 @@ def main() -> None:
 
     from openrl_service.models.loading import load_base_model
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, Trainer
 
     with tempfile.TemporaryDirectory() as data_dir:
         base = load_base_model("tiny", data_dir=Path(data_dir))

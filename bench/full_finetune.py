@@ -61,7 +61,8 @@ def step_costs(model: str, tokens: int, steps: int) -> None:
     from openrl_service.training.dimuon import DimuonParams
     from openrl_service.training.full import Residency
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, Trainer
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import Trainer
 
     data_dir = Path(tempfile.mkdtemp(prefix="openrl-full-bench-"))
     base = load_base_model(model, data_dir=data_dir)

@@ -45,7 +45,8 @@ class FusedBench:
         from openrl_service.sampling.torch_sampler import TorchSampler
         from openrl_service.training.lora import LoraSpec
         from openrl_service.training.losses import check_loss
-        from openrl_service.training.trainer import AdamParams, Trainer
+        from openrl_service.training.optim_params import AdamParams
+        from openrl_service.training.trainer import Trainer
 
         with tempfile.TemporaryDirectory() as data_dir:
             self.base = load_base_model(model, data_dir=Path(data_dir), device=device)

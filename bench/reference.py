@@ -131,7 +131,8 @@ class Direct:
         self.state = self.trainer.new_state(LoraSpec(rank=RANK), seed=0)
 
     def sft_step(self, ids: np.ndarray, target: np.ndarray) -> None:
-        from openrl_service.training.trainer import AdamParams, DatumArrays
+        from openrl_service.training.optim_params import AdamParams
+        from openrl_service.training.trainer import DatumArrays
 
         data = [DatumArrays(ids[i], {"target_tokens": target[i]}) for i in range(len(ids))]
         self.trainer.forward_backward(self.state, data, "cross_entropy", {}, forward_only=False)
@@ -175,7 +176,8 @@ class Engine:
         self.seq = 1
 
     def sft_step(self, ids: np.ndarray, target: np.ndarray) -> None:
-        from openrl_service.training.trainer import AdamParams, DatumArrays
+        from openrl_service.training.optim_params import AdamParams
+        from openrl_service.training.trainer import DatumArrays
 
         data = [DatumArrays(ids[i], {"target_tokens": target[i]}) for i in range(len(ids))]
         fb = self.svc.forward_backward("bench", self.run_id, self.seq, data, "cross_entropy", {}, False, None)

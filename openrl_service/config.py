@@ -105,6 +105,9 @@ class Settings:
     # Engine timing.
     long_poll_s: float = 25.0  # OPENRL_LONG_POLL_S: how long retrieve_future holds before try_again
     future_ttl_s: float = 3600.0  # OPENRL_FUTURE_TTL_S: completed results stay fetchable this long
+    # OPENRL_MAX_RESULT_BYTES: ...and hold this much memory at most, all together (the oldest, those
+    # already fetched first, go first; a client asking for one gets 410 naming both limits)
+    max_result_bytes: int = 1 << 30
     seq_gap_timeout_s: float = 120.0  # OPENRL_SEQ_GAP_TIMEOUT_S: a missing seq_id fails waiters after this
     # OPENRL_MICROBATCH_TOKENS: padded tokens per forward/backward micro-batch; also the slice of a
     # big call between which other runs' ops are served
@@ -136,6 +139,10 @@ class Settings:
     # OPENRL_SNAPSHOT_INTERVAL_S / --snapshot-interval-s: how often (when anything changed) the state
     # is snapshotted and the journal compacted; it bounds the replay a restart does
     snapshot_interval_s: float = 30.0
+    # OPENRL_HEALTH_STALL_S: /healthz fails (503) when work is waiting and the device worker has made
+    # no progress for this long (openrl_service/progress.py: ops, layers, spill and snapshot tensors
+    # tick); 0 turns the check off. The k8s liveness probe restarts a pod it fails for.
+    health_stall_s: float = 300.0
     # OPENRL_RECOVERY_SKIP_FAILED / --recovery-skip-failed: start even when recovery meets journal
     # records this release cannot replay, dropping them (listed in journal/unreplayed-*.json); off,
     # such a start is refused with the records named and the choices

@@ -68,6 +68,11 @@ class PayloadTooLarge(UserError):
     status_code = 413
 
 
+class OutOfMemory(PayloadTooLarge):
+    """An op ran out of device memory (``torch.OutOfMemoryError``): that op failed, nothing of it was
+    applied, and what it took is freed; the service and other runs carry on (engine/scheduler.py)."""
+
+
 class UnsupportedMediaType(UserError):
     status_code = 415
 

@@ -149,14 +149,32 @@ def _full_run_families(svc: TrainingService):
     seconds = CounterMetricFamily(
         "openrl_full_run_move_seconds", "Seconds spent moving full fine-tunes", labels=["model", "move"]
     )
+    moved = CounterMetricFamily(
+        "openrl_full_run_move_bytes",
+        "Bytes of full fine-tunes moved off or onto the device",
+        labels=["model", "move"],
+    )
+    resident = GaugeMetricFamily(
+        "openrl_full_run_resident_bytes", "Bytes full fine-tunes hold on the device now", labels=["model"]
+    )
+    plan = GaugeMetricFamily(
+        "openrl_memory_bytes",
+        "The memory accountant's plan per model: the room, what each part reserves, the full runs' share",
+        labels=["model", "part"],
+    )
     for name, model in list(getattr(svc, "models", {}).items()):
-        status = model.trainer.residency.status()
+        status = model.trainer.residency.status()  # a copy: never waits for a move
         for tier, n in status["runs"].items():
             where.add_metric([name, tier], n)
         for move, n in status["moves"].items():
             moves.add_metric([name, move], n)
             seconds.add_metric([name, move], status["seconds"][move])
-    yield from (where, moves, seconds)
+            moved.add_metric([name, move], status["bytes"][move])
+        resident.add_metric([name], status["resident_bytes"])
+        if model.trainer.memory_plan is not None:
+            for part, n in model.trainer.memory_plan.metrics().items():
+                plan.add_metric([name, part], n)
+    yield from (where, moves, seconds, moved, resident, plan)
 
 
 def _sampler_families(stats: dict):

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from google.protobuf.message import DecodeError
 from starlette.concurrency import run_in_threadpool
 
+from openrl_service import progress
 from openrl_service.api import links as L
 from openrl_service.api import proto
 from openrl_service.api import schemas as S
@@ -42,7 +43,7 @@ from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.engine.stability import spans_of
 from openrl_service.errors import NotFound, UserError
-from openrl_service.training.trainer import optim_params, optimizer_kind
+from openrl_service.training.optim_params import optim_params, optimizer_kind
 
 # api/native.py still imports these from here; the merge points it at api.http and drops this line.
 __all__ = ["build_router", "health"]
@@ -430,5 +431,21 @@ def coming_up(request: Request) -> bool:
 
 
 def health(svc: TrainingService) -> Response:
-    ok = svc.engine.alive or not svc.engine.ready.is_set() and svc.engine.setup_error is None
-    return json_response({"status": "ok" if ok else "worker thread is dead"}, status=200 if ok else 503)
+    """Liveness, from copies (no lock the worker holds): the worker thread exists and, when work is
+    waiting, has made progress within OPENRL_HEALTH_STALL_S."""
+    engine = svc.engine
+    ok = engine.alive or not engine.ready.is_set() and engine.setup_error is None
+    if not ok:
+        return json_response({"status": "worker thread is dead"}, status=503)
+    limit = svc.settings.health_stall_s
+    idle = progress.idle_for()
+    if limit > 0 and idle > limit and engine.has_work():
+        return json_response(
+            {
+                "status": f"the device worker has made no progress for {idle:.0f} s while work waits "
+                f"(OPENRL_HEALTH_STALL_S={limit:g})",
+                "running": engine.current.kind if engine.current is not None else None,
+            },
+            status=503,
+        )
+    return json_response({"status": "ok", "idle_s": round(idle, 3)}, status=200)

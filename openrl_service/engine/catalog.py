@@ -30,7 +30,7 @@ from openrl_service.storage.checkpoints import (
     check_name,
     parse_tinker_path,
 )
-from openrl_service.training.trainer import optimizer_config
+from openrl_service.training.optim_params import optimizer_config
 
 URL_TTL_S = 3600
 

@@ -38,6 +38,7 @@ class FutureRecord:
     # a draining service waits for the fetch (see openrl_service.lifecycle).
     handed_out: bool = False
     fetched: bool = False
+    size: int = 0  # the result's estimated bytes (results are held to OPENRL_MAX_RESULT_BYTES)
     _event: asyncio.Event | None = None
 
     def reply(self) -> dict:
@@ -47,8 +48,10 @@ class FutureRecord:
 
 
 class FutureStore:
-    def __init__(self, *, ttl_s: float, expired_memory: int = 200_000):
+    def __init__(self, *, ttl_s: float, max_bytes: int = 1 << 30, expired_memory: int = 200_000):
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes  # completed results together; over it the oldest go first
+        self.held_bytes = 0
         self._records: dict[str, FutureRecord] = {}
         self._expired: OrderedDict[str, str] = OrderedDict()  # expired request id -> its tenant
         self._expired_memory = expired_memory
@@ -78,6 +81,9 @@ class FutureStore:
             rec.result, rec.error = result, error
             rec.completed_at = time.time()
             rec.done = True
+            if self._records.get(rec.request_id) is rec:
+                rec.size = result_bytes(result)
+                self.held_bytes += rec.size
             self._done.notify_all()
         if self.on_complete is not None:
             self.on_complete(rec)
@@ -96,6 +102,7 @@ class FutureStore:
         with self._lock:
             if self._records.get(rec.request_id) is rec:
                 del self._records[rec.request_id]
+                self.held_bytes -= rec.size
 
     def known(self, request_id: str) -> bool:
         with self._lock:
@@ -151,6 +158,8 @@ class FutureStore:
                     handed_out=c["handed_out"],
                     fetched=c["fetched"],
                 )
+                rec.size = result_bytes(rec.result)
+                self.held_bytes += rec.size - (old.size if (old := self._records.get(rec.request_id)) else 0)
                 self._records[rec.request_id] = rec
                 if rec.slot is not None:
                     slots.setdefault(rec.slot[0], {})[rec.slot[1]] = rec
@@ -168,7 +177,8 @@ class FutureStore:
             if expired and rec is None:
                 raise Gone(
                     f"request {request_id} finished too long ago; results are kept {self.ttl_s:.0f} s "
-                    "(OPENRL_FUTURE_TTL_S)",
+                    f"(OPENRL_FUTURE_TTL_S), and {self.max_bytes / 2**20:.0f} MiB of them at most "
+                    "(OPENRL_MAX_RESULT_BYTES: the oldest go first)",
                     field="request_id",
                 )
             raise NotFound(f"unknown request_id {request_id!r}", field="request_id")
@@ -202,8 +212,9 @@ class FutureStore:
             return self._done.wait_for(lambda: rec.done, timeout_s)
 
     def sweep(self, now: float | None = None) -> list[FutureRecord]:
-        """Forget completed results older than the TTL (returned); remember their ids (and tenants) to
-        answer their owner 410."""
+        """Forget completed results older than the TTL, then the oldest ones (fetched first) while
+        the rest hold more than ``max_bytes`` (returned); remember their ids (and tenants) to answer
+        their owner 410."""
         now = time.time() if now is None else now
         with self._lock:
             old = [
@@ -211,8 +222,21 @@ class FutureStore:
                 for r in self._records.values()
                 if r.done and r.completed_at and now - r.completed_at > self.ttl_s
             ]
+            gone = {id(r) for r in old}
+            left = self.held_bytes - sum(r.size for r in old)
+            if left > self.max_bytes:
+                done = sorted(
+                    (r for r in self._records.values() if r.done and id(r) not in gone),
+                    key=lambda r: (not r.fetched, r.completed_at or 0.0),
+                )
+                for r in done:
+                    if left <= self.max_bytes:
+                        break
+                    old.append(r)
+                    left -= r.size
             for r in old:
                 del self._records[r.request_id]
+                self.held_bytes -= r.size
                 self._expired[r.request_id] = r.tenant
             while len(self._expired) > self._expired_memory:
                 self._expired.popitem(last=False)
@@ -233,3 +257,27 @@ class FutureStore:
     def pending_count(self) -> int:
         with self._lock:
             return sum(1 for r in self._records.values() if not r.done)
+
+
+def result_bytes(value: Any, depth: int = 0) -> int:
+    """A result's size in memory, estimated: arrays by their bytes, text by its length, containers by
+    what they hold (a list of numbers at 8 bytes each, without walking it past its first items)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return 8
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if depth > 8:
+        return 64
+    if isinstance(value, dict):
+        return 64 + sum(result_bytes(k, depth + 1) + result_bytes(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        if len(value) > 16 and all(isinstance(x, (int, float)) for x in value[:16]):
+            return 56 + 8 * len(value)
+        return 56 + sum(result_bytes(x, depth + 1) for x in value)
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return 64 + result_bytes(fields, depth + 1)
+    return 64

@@ -144,10 +144,14 @@ class Inference:
             if hit is not None:
                 self._adapters.move_to_end((tenant, target.ref.path, target.digest or ""))
                 return hit
+        trainer = target.model.trainer
+        trainer.make_room_for_snapshot(spec_from_manifest(self.svc.store.manifest(tenant, target.ref)))
         manifest, tensors, _ = self.svc.store.load(tenant, target.ref)
-        adapter = weights_from_checkpoint(
-            target.model.base, spec_from_manifest(manifest), tensors, trainable=False
+        spec = spec_from_manifest(manifest)
+        adapter = trainer.take_in(
+            weights_from_checkpoint(target.model.base, spec, tensors, trainable=False, consume=True)
         )
+        del tensors
         # keyed by what was loaded: a checkpoint overwritten since resolve() is cached as its new self
         key = (tenant, target.ref.path, adapter_digest(manifest))
         with self._lock:
@@ -167,7 +171,7 @@ class Inference:
         # by bytes too: a full fine-tune's cached weights are a copy of the model
         while (
             len(self._adapters) > 1
-            and sum(a.nbytes() for a in self._adapters.values()) > s.max_sampler_snapshot_bytes
+            and sum(a.nbytes() for a in self._adapters.values()) > self.svc.snapshot_bytes_cap
         ):
             self._adapters.popitem(last=False)
 

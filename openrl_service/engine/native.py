@@ -76,7 +76,8 @@ from openrl_service.lifecycle import ShuttingDown
 from openrl_service.sampling.base import SampleJob
 from openrl_service.storage.checkpoints import check_name
 from openrl_service.telemetry import NvmlReader
-from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
+from openrl_service.training.optim_params import AdamParams
+from openrl_service.training.trainer import DatumArrays, ForwardResult
 
 log = logging.getLogger(__name__)
 

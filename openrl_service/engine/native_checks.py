@@ -9,7 +9,7 @@ from typing import Any
 
 from openrl_service.errors import UserError
 from openrl_service.training.losses import check_loss
-from openrl_service.training.trainer import AdamParams, adam_params
+from openrl_service.training.optim_params import AdamParams, adam_params
 
 
 def flag(body: dict, name: str, default: bool = False) -> bool:

@@ -6,15 +6,21 @@ the telemetry record of every executed op (scheduler.py schedules them).
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from openrl_service.engine.futures import FutureRecord
-from openrl_service.errors import ApiError
+from openrl_service.errors import ApiError, OutOfMemory
 from openrl_service.telemetry import OpRecorder
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(ApiError):
@@ -163,3 +169,23 @@ def tokens_of(op: Op, result: Any) -> int:
         return int(op.tokens(result))
     except Exception:  # noqa: BLE001 - telemetry must never fail an op
         return 0
+
+
+def out_of_memory(op: Op, e: BaseException) -> OutOfMemory:
+    """``op`` ran out of memory: it fails alone (a training call's gradient and counts are put back
+    as they were, trainer.accumulating_grads), what it allocated is freed, and the worker goes on
+    with the next op."""
+    device = "GPU memory" if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available() else "memory"
+    del e
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log.warning("op %s on %s ran out of %s; it failed alone, the service goes on", op.kind, op.lane, device)
+    return OutOfMemory(
+        f"{op.kind} ran out of {device} and was not applied; nothing of it was kept. Send less at "
+        "once (fewer or shorter datums per forward_backward, fewer samples or max_tokens per "
+        "sample call), or give the service more memory or a smaller full-run share "
+        "(OPENRL_MICROBATCH_TOKENS, OPENRL_SAMPLE_BATCH_BYTES, OPENRL_FULL_RUN_BUDGET_BYTES; "
+        "GET /metrics, openrl_memory_bytes, shows the memory plan)",
+        field="memory",
+    )

@@ -157,7 +157,8 @@ def encode_value(v: Any) -> Any:
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.dimuon import DimuonParams
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, ForwardResult
 
     if v is None or isinstance(v, (str, bool, int, float, np.ndarray, np.generic, bytes)):
         return v
@@ -236,7 +237,8 @@ def decode_value(v: Any, tensors: Callable[[str], np.ndarray] | None = None) -> 
     from openrl_service.sampling.base import SampledSequence, SampleJob, SampleOutput, SamplingParams
     from openrl_service.training.dimuon import DimuonParams
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays, ForwardResult
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, ForwardResult
 
     if isinstance(v, dict):
         return {k: decode_value(x, tensors) for k, x in v.items()}

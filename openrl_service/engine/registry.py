@@ -33,7 +33,7 @@ from openrl_service.errors import NotFound, QuotaExceeded, UserError
 from openrl_service.models.loading import BaseModel
 from openrl_service.storage.checkpoints import CheckpointStore, parse_tinker_path
 from openrl_service.training.lora import LoraSpec
-from openrl_service.training.trainer import optimizer_config
+from openrl_service.training.optim_params import optimizer_config
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ class Registry:
     tenant_forgetters: list[Callable[[str], None]]
 
     def _init_registry(self) -> None:
+        # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES, or less: what the memory plan reserves (service._plan_memory)
+        self.snapshot_bytes_cap = self.settings.max_sampler_snapshot_bytes
         self.sessions = {}
         self.runs = {}
         self.samplers = {}
@@ -422,7 +424,7 @@ class Registry:
         while True:
             every = [x for t in per_tenant for x in held(t)]
             over_count = len(every) > s.max_sampler_snapshots
-            if not over_count and nbytes(every) <= s.max_sampler_snapshot_bytes:
+            if not over_count and nbytes(every) <= self.snapshot_bytes_cap:
                 break
             weigh = len if over_count else nbytes
             heaviest = max(

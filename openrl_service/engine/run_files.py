@@ -26,7 +26,7 @@ import torch
 
 from openrl_service import crashpoints, progress
 from openrl_service.storage.tensorfile import link_or_copy, read_tensors, write_tensors
-from openrl_service.training.full import place_tensors, run_tensors
+from openrl_service.training.weights import place_tensors, run_tensors
 
 RUN_FILES = ("run-*.tensors", "sampler-*.tensors")
 

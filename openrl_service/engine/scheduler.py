@@ -51,8 +51,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from openrl_service import progress
 from openrl_service.engine.futures import FutureRecord, FutureStore
-from openrl_service.engine.ops import Fusable, Op, OpLog, QueueFull, WorkerStopped, tokens_of
+from openrl_service.engine.ops import Fusable, Op, OpLog, QueueFull, WorkerStopped, out_of_memory, tokens_of
 from openrl_service.errors import ApiError, InternalError, UserError
 from openrl_service.telemetry import OpRecorder
 
@@ -140,6 +143,10 @@ class Engine:
             self._exclusive = []
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def has_work(self) -> bool:
+        """An op running or queued, or exclusive work waiting (read without the lock: for /healthz)."""
+        return self.current is not None or self._queued > 0 or bool(self._exclusive)
 
     def runnable(self) -> int:
         """Ops that are running or ready to run (not those waiting for an earlier seq_id)."""
@@ -233,6 +240,7 @@ class Engine:
         self._cv.release()
         try:
             for fn, fut in work:
+                progress.tick()
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -288,6 +296,8 @@ class Engine:
         it there; if it raises, nothing was queued)."""
         tenant = op.future.tenant
         with self._cv:
+            if self.current is None and self._queued == 0 and not self._exclusive:
+                progress.tick()  # an idle worker's clock starts with the work (not at its last op)
             if idem_key and (tenant, idem_key) in self._idem:
                 return self._idem[(tenant, idem_key)], True
             lane = self._lanes.get(op.lane)
@@ -530,7 +540,9 @@ class Engine:
                     self.current = op
                     self._running = [op, *(op.companions or ())]
                     self._in_flight = {o.lane for o in self._running}
+                progress.tick()
                 self._execute(op)
+                progress.tick()
             except Exception:  # noqa: BLE001 - the worker must outlive any one bad op or bookkeeping bug
                 log.exception("device worker: unexpected error; continuing")
                 if op is not None:
@@ -569,6 +581,8 @@ class Engine:
                         result = stop.value
             except ApiError as e:
                 error = e
+            except (torch.OutOfMemoryError, MemoryError) as e:
+                error = out_of_memory(op, e)
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 error = self._internal(op, e)
         end = time.time()

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from openrl_service import crashpoints
+from openrl_service import crashpoints, memory
 from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
@@ -68,8 +68,8 @@ from openrl_service.training.full import (
 )
 from openrl_service.training.lora import Adapter, LoraSpec
 from openrl_service.training.losses import check_loss
+from openrl_service.training.optim_params import AdamParams, optimizer_kind
 from openrl_service.training.trainer import (
-    AdamParams,
     DatumArrays,
     ForwardResult,
     FusedItem,
@@ -78,7 +78,6 @@ from openrl_service.training.trainer import (
     accumulating_grads,
     make_optimizer,
     merge_stats,
-    optimizer_kind,
 )
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class TrainingService(Registry):
         migrate_tenant_folders(settings.data_dir)  # before anything reads a tenant's folder
         self.store = CheckpointStore(settings.data_dir, settings.limits)
         self.checks = Checks(settings, self.store, self.require_ready)
-        self.futures = FutureStore(ttl_s=settings.future_ttl_s)
+        self.futures = FutureStore(ttl_s=settings.future_ttl_s, max_bytes=settings.max_result_bytes)
         self.recorder = OpRecorder()
         self.engine = Engine(
             futures=self.futures,
@@ -165,34 +164,59 @@ class TrainingService(Registry):
                 )
             trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
             sampler = self._make_sampler(base)
-            # after the sampler took its share (vLLM's KV cache); a vLLM sampler schedules its own
-            # memory, so only what the torch sampler serves is held to it at a request's checks
-            base.sample_batch_bytes = s.limits.sample_batch_bytes or default_batch_bytes(
-                base.device.type, free_bytes(base.device)
-            )
             base.sampled_by_torch = sampler.backend == "torch"
             models[base.name] = ServedModel(base, trainer, sampler)
             self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
             self.engine.fusers[f"sample:{base.name}"] = functools.partial(self._fused_sample, base.name)
+        self._plan_memory(models)
         self.models = models
 
-    def _residency(self, base: BaseModel) -> Residency:
-        """Full runs' turns on ``base``'s device: OPENRL_FULL_RUN_BUDGET_BYTES there (default: 80 % of
-        what is free once the models are loaded), OPENRL_FULL_HOST_BUDGET_BYTES of host memory for
-        runs moved off a GPU (default: half the available RAM; none when the device is the CPU)."""
+    def _plan_memory(self, models: dict[str, ServedModel]) -> None:
+        """The memory accountant (openrl_service/memory.py), once every model and sampler is up (vLLM's
+        KV cache taken): each device's room, shared by the models on it, less what each one reserves;
+        the rest is its full runs' share."""
         s = self.settings
-        budget = s.full_run_budget_bytes
-        if budget is None:
-            free = free_bytes(base.device)
-            budget = int(free * 0.8) if free is not None else None
-        host = s.full_host_budget_bytes
-        if host is None:
-            free = free_bytes(torch.device("cpu"))
-            host = int(free * 0.5) if free is not None else 0
+        on: dict[str, list[ServedModel]] = {}
+        for m in models.values():
+            on.setdefault(str(m.base.device), []).append(m)
+        host_free, host_source = memory.host_room(free_bytes(torch.device("cpu")))
+        snapshot_caps = []
+        for device, group in on.items():
+            dev = group[0].base.device
+            room, source = (host_free, host_source) if dev.type == "cpu" else (free_bytes(dev), "free")
+            share = None if room is None else room // len(group)
+            for m in group:
+                base = m.base
+                # a vLLM sampler schedules its own memory: only what the torch sampler serves is
+                # held to this at a request's checks
+                base.sample_batch_bytes = s.limits.sample_batch_bytes or default_batch_bytes(dev.type, share)
+                host = s.full_host_budget_bytes
+                if host is None:
+                    host = host_free // 2 if host_free is not None and dev.type != "cpu" else 0
+                p = memory.plan(
+                    device,
+                    share,
+                    source + (f", shared by {len(group)} models" if len(group) > 1 else ""),
+                    sampling=base.sample_batch_bytes,
+                    sampler_snapshots=s.max_sampler_snapshot_bytes // len(models),
+                    largest_tensor=max(t.numel() * 4 for t in base.router.base_weights.values()),
+                    full_runs=s.full_run_budget_bytes,
+                    host_share=host,
+                )
+                m.trainer.plan_memory(p)
+                snapshot_caps.append(p.parts.get("sampler_snapshots", s.max_sampler_snapshot_bytes))
+                log.info("memory plan for %s on %s", base.name, p.describe())
+        self.snapshot_bytes_cap = min(s.max_sampler_snapshot_bytes, sum(snapshot_caps))
+
+    def _residency(self, base: BaseModel) -> Residency:
+        """Full runs' turns on ``base``'s device; their share is set by the memory plan (_plan_memory)
+        once the samplers are up. Spill files a killed process left are removed: the journal holds
+        their state."""
+        s = self.settings
         spill = s.data_dir / "spill"
         for stale in spill.glob("*.safetensors"):  # a killed process's: the journal holds the state
             stale.unlink(missing_ok=True)
-        residency = Residency(base.device, budget_bytes=budget, host_bytes=host, spill_dir=spill)
+        residency = Residency(base.device, budget_bytes=None, host_bytes=0, spill_dir=spill)
         residency.busy = lambda w: self.engine.lane_depth(getattr(w, "lane", "")) > 0
         return residency
 
@@ -339,8 +363,8 @@ class TrainingService(Registry):
         def work():
             model.trainer.make_room_for(spec)  # before the checkpoint's tensors are read
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
-            adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True)
-            del tensors  # its weights are copied: the file's tensors go before the optimizer's load
+            adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True, consume=True)
+            del tensors  # taken by the weights: one copy of a full run's weights, not two
             state = model.trainer.state_for(adapter)
             try:
                 if opt is not None:
@@ -723,10 +747,11 @@ class TrainingService(Registry):
             self.checks.check_adapter_file(run.tenant, ref, run.spec, base=base)  # same layers, same shapes
 
             def work():
-                manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
                 st = self._state(run)
-                loaded = weights_from_checkpoint(base, run.spec, tensors, trainable=False)
-                st.adapter.ensure_resident()
+                st.adapter.ensure_resident()  # before the checkpoint's tensors are read
+                manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
+                loaded = weights_from_checkpoint(base, run.spec, tensors, trainable=False, consume=True)
+                del tensors
                 with torch.no_grad():
                     theirs = dict(loaded.named_parameters())
                     for n, mine in st.adapter.named_parameters():
@@ -997,10 +1022,15 @@ class TrainingService(Registry):
         adapter = entry.adapter
         if adapter is None and entry.model_path is not None:
             ref = parse_tinker_path(entry.model_path)
+            trainer = self.model_of(entry).trainer
+            trainer.make_room_for_snapshot(spec_from_manifest(self.store.manifest(entry.tenant, ref)))
             manifest, tensors, _ = self.store.load(entry.tenant, ref)
-            adapter = weights_from_checkpoint(
-                self.model_of(entry).base, spec_from_manifest(manifest), tensors, trainable=False
+            adapter = trainer.take_in(
+                weights_from_checkpoint(
+                    trainer.base, spec_from_manifest(manifest), tensors, trainable=False, consume=True
+                )
             )
+            del tensors
             with self._lock:
                 entry.adapter = adapter
                 self._enforce_snapshot_budget(keep=entry)

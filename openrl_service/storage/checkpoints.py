@@ -41,13 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save_file
 
 from openrl_common.files import fsync_dir, write_atomic
 from openrl_service import crashpoints
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import NotFound, QuotaExceeded, UserError
+from openrl_service.storage.tensorfile import read_tensors, write_tensors
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -229,10 +228,10 @@ class CheckpointStore:
             tenant, ref, overwrite=overwrite, hint="; pass overwrite=True to replace it"
         ) as tmp:
             weights_name, config_name = weight_files(manifest)
-            save_file(adapter, str(tmp / weights_name))
+            write_tensors(tmp / weights_name, adapter, mode=0o644)
             (tmp / config_name).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
             if optimizer is not None:
-                save_file(optimizer, str(tmp / "optimizer.safetensors"))
+                write_tensors(tmp / "optimizer.safetensors", optimizer, mode=0o644)
             files = {p.name: _digest(p) for p in sorted(tmp.iterdir())}
             full = {
                 "format_version": MANIFEST_VERSION,
@@ -564,7 +563,7 @@ class CheckpointStore:
             digests = manifest.get("files") or {}
             weights_name, config_name = weight_files(manifest)
             _verified(folder, config_name, digests, ref)
-            adapter = safetensors_load(_verified(folder, weights_name, digests, ref))
+            adapter = _tensors(folder, weights_name, digests, ref)
             optimizer = None
             if with_optimizer:
                 if "optimizer.safetensors" not in digests:
@@ -573,7 +572,7 @@ class CheckpointStore:
                         "load it without the optimizer",
                         field="path",
                     )
-                optimizer = safetensors_load(_verified(folder, "optimizer.safetensors", digests, ref))
+                optimizer = _tensors(folder, "optimizer.safetensors", digests, ref)
         return manifest, adapter, optimizer
 
     def folder(self, tenant: str, ref: CheckpointRef) -> Path:
@@ -599,11 +598,13 @@ class _Folder:
             return None
 
     def read(self, name: str) -> bytes:
-        if self.fd is None:
-            return (self.path / name).read_bytes()
-        fd = os.open(name, os.O_RDONLY, dir_fd=self.fd)
-        with os.fdopen(fd, "rb") as f:
+        with self.open_file(name) as f:
             return f.read()
+
+    def open_file(self, name: str):
+        if self.fd is None:
+            return open(self.path / name, "rb")
+        return os.fdopen(os.open(name, os.O_RDONLY, dir_fd=self.fd), "rb")
 
     def __enter__(self) -> _Folder:
         return self
@@ -625,6 +626,32 @@ def _verified(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> 
             field="path",
         )
     return data
+
+
+def _tensors(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    """A tensor file's tensors, its SHA-256 checked first, both streamed: the bytes are hashed in
+    blocks and the tensors read one at a time from the same open file (never the file's bytes and its
+    tensors in memory at once: a full fine-tune's checkpoint is the size of the model)."""
+    with folder.open_file(name) as f:
+        want = digests.get(name)
+        if want is not None:
+            h = hashlib.sha256()
+            for block in iter(lambda: f.read(4 << 20), b""):
+                h.update(block)
+            if h.hexdigest() != want:
+                raise UserError(
+                    f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
+                    "(the file changed on disk after it was saved); save the checkpoint again",
+                    field="path",
+                )
+        source = f"/proc/self/fd/{f.fileno()}" if Path("/proc/self/fd").is_dir() else folder.path / name
+        try:
+            with read_tensors(source) as lazy:
+                return {k: lazy[k] for k in lazy}
+        except Exception as e:  # noqa: BLE001 - not a tensor file (a file changed behind our back)
+            raise UserError(
+                f"checkpoint {ref.path}: {name} is not a readable tensor file ({e})", field="path"
+            ) from e
 
 
 def _exchange(a: Path, b: Path) -> None:

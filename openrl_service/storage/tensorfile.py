@@ -111,6 +111,9 @@ class _Lazy:
     def keys(self) -> list[str]:
         return list(self._f.keys())
 
+    def __iter__(self):
+        return iter(self.keys())
+
     def __contains__(self, name: str) -> bool:
         return name in self._f.keys()  # noqa: SIM118 - safe_open has no __contains__
 

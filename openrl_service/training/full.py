@@ -39,8 +39,8 @@ import torch
 from openrl_service import crashpoints, progress
 from openrl_service.errors import UserError
 from openrl_service.storage.tensorfile import link_or_copy, read_tensors, write_tensors
-from openrl_service.training.lora import adapter_from_peft
-from openrl_service.training.weights import RunWeights
+from openrl_service.training.lora import Adapter, adapter_from_peft
+from openrl_service.training.weights import RunWeights, place_tensors, run_tensors
 
 log = logging.getLogger("openrl.full")
 
@@ -205,21 +205,30 @@ def check_full_tensors(base, spec, shapes: dict[str, list[int]], *, field: str, 
         )
 
 
-def full_from_tensors(base, spec, tensors: dict[str, torch.Tensor], *, trainable: bool) -> FullWeights:
+def full_from_tensors(
+    base, spec, tensors: dict[str, torch.Tensor], *, trainable: bool, consume: bool = False
+) -> FullWeights:
+    """The run weights in ``tensors`` (copied; with ``consume``, the caller's dict is emptied as the
+    weights are made and a tensor already of the right device and dtype is taken, not copied: one
+    copy of the model at a time)."""
     own = base_tensors(base)
     names = base.router.full_names(spec)
+    weights = {}
     with torch.no_grad():
-        weights = {
-            n: tensors[n].to(base.device, master_dtype(own[n].dtype)).clone().requires_grad_(trainable)
-            for n in names
-        }
+        for n in names:
+            t = tensors.pop(n) if consume else tensors[n]
+            w = t.to(base.device, master_dtype(own[n].dtype))
+            weights[n] = (w if consume and w is t else w.clone()).requires_grad_(trainable)
+            del t, w
     return FullWeights(spec, weights)
 
 
-def weights_from_checkpoint(base, spec, tensors: dict[str, torch.Tensor], *, trainable: bool):
+def weights_from_checkpoint(
+    base, spec, tensors: dict[str, torch.Tensor], *, trainable: bool, consume: bool = False
+):
     """A checkpoint's tensors as run weights: a full fine-tune's or a LoRA adapter."""
     if spec.full:
-        return full_from_tensors(base, spec, tensors, trainable=trainable)
+        return full_from_tensors(base, spec, tensors, trainable=trainable, consume=consume)
     return adapter_from_peft(spec, tensors, device=base.device, trainable=trainable)
 
 
@@ -238,45 +247,6 @@ def footprint(base, spec, optimizer_slots: int = 2) -> int:
     if item < 4:
         per += 2 * item
     return parameter_count(base, spec) * per
-
-
-def run_tensors(weights, state) -> dict[str, torch.Tensor]:
-    """Everything that makes a run's training state, by name: ``w:<p>`` its weights, ``g:<p>`` their
-    gradients, ``o:<p>:<slot>`` the optimizer's state of each (the format of spill files and of the
-    journal snapshots' run files, so that a run waiting on disk is snapshotted by linking its file)."""
-    out: dict[str, torch.Tensor] = {}
-    opt = state.optimizer.state if state is not None else {}
-    for name, p in weights.named_parameters():
-        out[f"w:{name}"] = p.data
-        if p.grad is not None:
-            out[f"g:{name}"] = p.grad
-        for k, v in (opt.get(p) or {}).items():
-            if isinstance(v, torch.Tensor):
-                out[f"o:{name}:{k}"] = v
-    return out
-
-
-def place_tensors(weights, state, tensors, device: torch.device) -> None:
-    """Put a run's tensors (``tensors[key]`` for the keys of :func:`run_tensors`; a dict or a lazily
-    read file) back in place on ``device``, one at a time: the inverse of :func:`run_tensors`."""
-    weights._cast = None  # a sampling copy in the model's dtype goes with a move
-    keys = set(tensors.keys())
-    opt = state.optimizer.state if state is not None else None
-    for name, p in weights.named_parameters():
-        progress.tick()
-        p.data = tensors[f"w:{name}"].to(device)
-        g = f"g:{name}"
-        p.grad = tensors[g].to(device) if g in keys else None
-        if opt is None:
-            continue
-        prefix = f"o:{name}:"
-        slots = [k for k in keys if k.startswith(prefix)]
-        if not slots:
-            continue
-        st = opt[p]
-        for key in slots:
-            k, v = key[len(prefix) :], tensors[key]
-            st[k] = v if k == "step" and v.dim() == 0 else v.to(device)
 
 
 class Residency:
@@ -603,3 +573,8 @@ class Residency:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def weights_class(spec) -> type[RunWeights]:
+    """The class of the weights a run with ``spec`` trains: FullWeights for rank 0, else Adapter."""
+    return FullWeights if spec.full else Adapter

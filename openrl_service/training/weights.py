@@ -11,7 +11,9 @@ Two classes implement it:
 The trainer, the engine, the journal's snapshots, checkpoints and the samplers call the methods
 below; what differs between the kinds lives in the two classes, not in ``if weights.full`` branches
 across the modules. ``LoraSpec.full`` (rank 0) still says which kind a request asks for, where a run
-is created, counted against a quota, or its files named; :func:`weights_class` maps it to the class.
+is created, counted against a quota, or its files named; ``weights_class`` (training/full.py) maps it
+to the class. :func:`run_tensors` / :func:`place_tensors` are a run's whole training state by name,
+the same for both kinds (spill files and the journal's run files).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from openrl_service import progress
+from openrl_service.storage.tensorfile import read_tensors
 
 
 class RunWeights:
@@ -79,9 +84,6 @@ class RunWeights:
         ``waiting_in`` (a run file), its tensors are read from there (LoRA: now; full: when its
         first op needs them, the file linked as its spill file)."""
         if waiting_in is not None:
-            from openrl_service.storage.tensorfile import read_tensors
-            from openrl_service.training.full import place_tensors
-
             with read_tensors(waiting_in) as f:
                 place_tensors(self, state, f, trainer.base.device)
 
@@ -105,12 +107,40 @@ class RunWeights:
         raise NotImplementedError
 
 
-def weights_class(spec) -> type[RunWeights]:
-    """The class of the weights a run with ``spec`` trains."""
-    if spec.full:
-        from openrl_service.training.full import FullWeights
+def run_tensors(weights, state) -> dict[str, torch.Tensor]:
+    """Everything that makes a run's training state, by name: ``w:<p>`` its weights, ``g:<p>`` their
+    gradients, ``o:<p>:<slot>`` the optimizer's state of each (the format of spill files and of the
+    journal snapshots' run files, so that a run waiting on disk is snapshotted by linking its file)."""
+    out: dict[str, torch.Tensor] = {}
+    opt = state.optimizer.state if state is not None else {}
+    for name, p in weights.named_parameters():
+        out[f"w:{name}"] = p.data
+        if p.grad is not None:
+            out[f"g:{name}"] = p.grad
+        for k, v in (opt.get(p) or {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"o:{name}:{k}"] = v
+    return out
 
-        return FullWeights
-    from openrl_service.training.lora import Adapter
 
-    return Adapter
+def place_tensors(weights, state, tensors, device: torch.device) -> None:
+    """Put a run's tensors (``tensors[key]`` for the keys of :func:`run_tensors`; a dict or a lazily
+    read file) back in place on ``device``, one at a time: the inverse of :func:`run_tensors`."""
+    weights._cast = None  # a sampling copy in the model's dtype goes with a move
+    keys = set(tensors.keys())
+    opt = state.optimizer.state if state is not None else None
+    for name, p in weights.named_parameters():
+        progress.tick()
+        p.data = tensors[f"w:{name}"].to(device)
+        g = f"g:{name}"
+        p.grad = tensors[g].to(device) if g in keys else None
+        if opt is None:
+            continue
+        prefix = f"o:{name}:"
+        slots = [k for k in keys if k.startswith(prefix)]
+        if not slots:
+            continue
+        st = opt[p]
+        for key in slots:
+            k, v = key[len(prefix) :], tensors[key]
+            st[k] = v if k == "step" and v.dim() == 0 else v.to(device)

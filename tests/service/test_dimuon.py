@@ -12,7 +12,7 @@ from tinker import types
 
 from openrl_service.errors import UserError
 from openrl_service.training.dimuon import Dimuon, DimuonParams, direction
-from openrl_service.training.trainer import dimuon_params, optim_params, optimizer_kind
+from openrl_service.training.optim_params import dimuon_params, optim_params, optimizer_kind
 from tests.conftest import ALICE_KEY
 from tests.service.test_full_finetune import TEXT, assert_same, datum, folder, solo, step  # noqa: F401
 

@@ -312,7 +312,8 @@ def test_runs_move_to_host_memory_first_then_to_disk_and_come_back_exactly(tmp_p
     from openrl_service.models.loading import load_base_model
     from openrl_service.training.full import Residency
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, Trainer
 
     base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
     seq = np.array(TEXT[0], dtype=np.int64)
@@ -355,7 +356,8 @@ def test_a_run_moved_off_between_a_calls_slices_gets_its_gradient_back_exactly(t
     from openrl_service.models.loading import load_base_model
     from openrl_service.training.full import Residency
     from openrl_service.training.lora import LoraSpec
-    from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer, accumulating_grads
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, Trainer, accumulating_grads
 
     base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
     seqs = [np.array(t, dtype=np.int64) for t in TEXT]

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from openrl_jupyter.client import Client
-from openrl_service.training.trainer import AdamParams
+from openrl_service.training.optim_params import AdamParams
 from tests._support.numerics import (
     GRADS_ATOL_OF_MAX,
     LOGPROBS_ATOL,

@@ -20,7 +20,8 @@ from openrl_service.sampling.base import SampleJob, SamplingParams
 from openrl_service.sampling.torch_sampler import TorchSampler
 from openrl_service.training.lora import LoraSpec
 from openrl_service.training.losses import check_loss
-from openrl_service.training.trainer import AdamParams, DatumArrays, Trainer
+from openrl_service.training.optim_params import AdamParams
+from openrl_service.training.trainer import DatumArrays, Trainer
 from tests._support.numerics import (
     GRADS_ATOL_OF_MAX,
     LOGPROBS_ATOL,

@@ -18,7 +18,8 @@ from openrl_service.errors import UserError
 from openrl_service.sampling.base import SampleJob, SamplingParams
 from openrl_service.storage.journal import HEADER, Journal, frame, loads
 from openrl_service.training.lora import LoraSpec
-from openrl_service.training.trainer import AdamParams, DatumArrays
+from openrl_service.training.optim_params import AdamParams
+from openrl_service.training.trainer import DatumArrays
 from tests._support.raw import RawTinker, sft_datum
 from tests.conftest import start_server
 

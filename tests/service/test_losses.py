@@ -11,7 +11,7 @@ import tinker
 import torch
 from tinker import types
 
-from openrl_service.training.trainer import AdamParams
+from openrl_service.training.optim_params import AdamParams
 from tests._support.numerics import GRADS_ATOL_OF_MAX, adamw_in_float64, assert_weights_match
 from tests.conftest import TINY
 

@@ -206,7 +206,9 @@ def train(workdir: Path, tiny_model_dir: Path, crashes: list[tuple[str, int]]) -
 def test_kill_9_at_five_points_loses_nothing_and_the_adapters_match_an_uninterrupted_run(
     tmp_path, tiny_model_dir
 ):
-    assert [p for p, _ in CRASHES] == sorted(crashpoints.POINTS, key=[p for p, _ in CRASHES].index)
+    # spill_write and snapshot_write: tests/service/test_memory_turns.py (they need full runs taking turns)
+    points = [p for p in crashpoints.POINTS if p not in ("spill_write", "snapshot_write")]
+    assert [p for p, _ in CRASHES] == sorted(points, key=[p for p, _ in CRASHES].index)
     crashed, fired = train(tmp_path / "crashed", tiny_model_dir, CRASHES)
     assert fired == [p for p, _ in CRASHES]  # every hook fired, in turn: no point was skipped
     reference, _ = train(tmp_path / "reference", tiny_model_dir, [])
