@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from types import FrameType
 
@@ -26,6 +28,18 @@ from openrl_service.storage.layout import LayoutError
 from openrl_service.storage.lock import DataDirInUse, DataDirLock
 
 EXIT_DATA_DIR_IN_USE = 3  # another process holds --data-dir
+
+
+def _temporary_files_under(data_dir: Path) -> None:
+    """Every temporary file of this process (ours and the libraries': tempfile, TMPDIR) goes to
+    ``<data>/tmp``, never /tmp: in a pod /tmp is often a memory-backed volume that counts against the
+    container's memory limit. What a killed predecessor left there is removed first (the data dir's
+    lock is held: no other service uses it)."""
+    tmp = data_dir / "tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = str(tmp)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -164,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings.instance_secret = os.environ.pop(SECRET_ENV, None) or settings.instance_secret
     write_atomic(settings.data_dir / SECRET_NAME, settings.instance_secret + "\n")  # 0600
     lock.announce(url)
+    _temporary_files_under(settings.data_dir)
     if args.report_fd is not None:
         _report(args.report_fd, url)
     if settings.auth_enabled and settings.hub_api_url:

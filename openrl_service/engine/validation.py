@@ -25,8 +25,8 @@ from openrl_service.models.loading import BaseModel
 from openrl_service.sampling.base import SamplingParams
 from openrl_service.sampling.budget import cost_of
 from openrl_service.storage.checkpoints import CheckpointRef, CheckpointStore
-from openrl_service.training.full import check_full_tensors
-from openrl_service.training.lora import LoraSpec, check_peft_shapes
+from openrl_service.training.full import weights_class
+from openrl_service.training.lora import LoraSpec
 from openrl_service.training.losses import LOSSES
 from openrl_service.training.trainer import DatumArrays
 
@@ -321,7 +321,8 @@ class Checks:
         the served model (a foreign PEFT folder, another rank, other layers): a 400 naming the tensor
         and the expected vs found shape. Reads only the safetensors header."""
         base = base or self.require_ready()
-        name = "model.safetensors" if spec.full else "adapter_model.safetensors"
+        kind = weights_class(spec)
+        name = kind.CHECKPOINT_FILE
         file = self.store.folder(tenant, ref) / name
         try:
             with safe_open(str(file), "pt") as f:
@@ -331,10 +332,7 @@ class Checks:
                 f"{field_name}: {ref.path} has no readable {name} ({type(e).__name__})",
                 field=field_name,
             ) from None
-        if spec.full:
-            check_full_tensors(base, spec, shapes, field=field_name, model=base.name)
-            return
-        check_peft_shapes(spec, base.targets, shapes, model=base.name, field=field_name)
+        kind.check_file(base, spec, shapes, field=field_name, model=base.name)
 
 
 def _mib(n: int) -> str:

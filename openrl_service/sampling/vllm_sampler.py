@@ -348,7 +348,7 @@ class VLLMSampler:
         """Why vLLM cannot sample ``job`` exactly as the torch sampler would, or None."""
         caps = self.caps
         a = job.adapter
-        if a is not None and a.full:
+        if a is not None and not a.vllm_serves:
             # vLLM holds one set of base weights and serves LoRA adapters on it: a full fine-tune's
             # own weights are sampled by torch (loading them into vLLM would replace the base for
             # every other run); the notice says so

@@ -53,6 +53,7 @@ class FullWeights(RunWeights):
 
     full = True
     shares_batch = False  # its tensors replace the model's own for a pass: one run per pass
+    vllm_serves = False  # vLLM holds one set of base weights: loading these would replace them
     scale = 1.0
     CHECKPOINT_FILE = "model.safetensors"
 
@@ -64,6 +65,10 @@ class FullWeights(RunWeights):
         self.train_state = None  # ...and the TrainState whose gradients and optimizer move with them
         self._cast: tuple[int, torch.dtype, dict[str, torch.Tensor]] | None = None
         self.embeddings: list[str] = []  # the vocabulary-sized ones (set by the Trainer)
+
+    @staticmethod
+    def check_file(base, spec, shapes: dict[str, list[int]], *, field: str, model: str) -> None:
+        check_full_tensors(base, spec, shapes, field=field, model=model)
 
     @classmethod
     def placeholders(cls, spec, names: list[str], *, dtype: torch.dtype, trainable: bool) -> FullWeights:

@@ -78,6 +78,10 @@ class Adapter(RunWeights):
             yield f"{name}.lora_A", a
             yield f"{name}.lora_B", b
 
+    @staticmethod
+    def check_file(base, spec, shapes: dict[str, list[int]], *, field: str, model: str) -> None:
+        check_peft_shapes(spec, base.targets, shapes, model=model, field=field)
+
     @classmethod
     def placeholders(cls, spec: LoraSpec, names: list[str], *, dtype=None, trainable: bool) -> Adapter:
         """Empty tensors under ``names`` (``named_parameters`` order), to be filled from a run file."""

@@ -33,6 +33,7 @@ class RunWeights:
 
     full = False  # the kind, for logs and documents; behaviour goes through the methods below
     shares_batch = True  # may be one of several weights in a batched forward pass (routed per row)
+    vllm_serves = True  # vLLM can sample it (a LoRA slot on its base weights)
     home: Any = None  # who moves its tensors on and off the device (full runs only)
     train_state: Any = None
     CHECKPOINT_FILE = "adapter_model.safetensors"  # its tensors' file in a checkpoint folder

@@ -212,12 +212,15 @@ def test_a_snapshot_rewrites_only_the_runs_that_changed(tmp_path, tiny_model_dir
 
         first = snapshot()
         assert len(first) == 2
+        journal = live.data_dir / "journal"
+        assert all((journal / name).stat().st_mode & 0o777 == 0o600 for name in first)
         step(busy, 1)
         second = snapshot()
         assert len(second) == 2 and len(first & second) == 1  # the idle run's file is kept as it was
         written = durability.files.written
         third = snapshot()
         assert third == second and durability.files.written == written  # nothing changed, nothing written
+        assert not (journal / next(iter(first - second))).exists()  # a file no snapshot names is gone
     finally:
         live.stop()
 
@@ -284,8 +287,11 @@ def test_kill_9_in_the_middle_of_a_spill_or_a_snapshot_recovers_exactly(point, t
         clients.start()
         assert finish(served, 120) == -9, served.stderr[-3000:]
         assert marker.read_text() == point
+        (data / "tmp" / "left-by-the-killed-one").write_text("x")
         served = start(data, tiny_model_dir, env=env, port=port)
         wait_ready(served)
+        # serve's temporary files go under the data dir (never a memory-backed /tmp), emptied at start
+        assert (data / "tmp").stat().st_mode & 0o777 == 0o700 and not list((data / "tmp").iterdir())
         clients.join(240)
         assert not clients.is_alive()
         assert got["a"] == want_a and got["b"] == want_b
