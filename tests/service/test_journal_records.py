@@ -162,9 +162,9 @@ def test_told_to_skip_it_the_service_starts_with_everything_else(tmp_path, tiny_
 
 
 def test_a_snapshot_is_plain_data_with_its_tensors_in_a_file_beside_it(tmp_path, tiny_model_dir):
-    """No class of the service is pickled in a snapshot, and the adapters, gradients and Adam moments
-    are a safetensors file it refers to (full fine-tuning will make them gigabytes): a restart from it
-    has the run bit for bit."""
+    """No class of the service is pickled in a snapshot, and each run's adapter, gradients and Adam
+    moments are a safetensors file of its own that it names (full fine-tuning makes them gigabytes):
+    a restart from it has the run bit for bit."""
     import asyncio
 
     from safetensors import safe_open
@@ -184,11 +184,14 @@ def test_a_snapshot_is_plain_data_with_its_tensors_in_a_file_beside_it(tmp_path,
         journal = tmp_path / "data" / "journal"
         (snap,) = journal.glob("snap-*.bin")
         assert b"openrl_service" not in snap.read_bytes()
-        with safe_open(str(snap.with_suffix(".tensors")), framework="numpy") as f:
+        (file,) = journal.glob("run-*.tensors")
+        assert file.name.encode() in snap.read_bytes()
+        with safe_open(str(file), framework="numpy") as f:
             keys = list(f.keys())
         run = svc.runs[model_id]
         per_run = 2 * len(run.state.adapter.weights)  # A and B of each module
-        assert len(keys) >= 4 * per_run  # weights, gradients, two Adam moments
+        kinds = {k.split(":", 1)[0] for k in keys}
+        assert kinds == {"w", "g", "o"} and len(keys) >= 4 * per_run  # weights, gradients, Adam moments
     finally:
         live.stop()
     again = start_server(tmp_path / "data", tiny_model_dir)
