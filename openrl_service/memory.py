@@ -32,6 +32,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from openrl_service.sampling.budget import Dims
+
 log = logging.getLogger("openrl.memory")
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -109,15 +111,9 @@ def train_token_bytes(config, dtype_bytes: int) -> int:
     """Estimated activation bytes one trained token holds until its backward pass: each layer's
     saved residual stream, q/k/v, attention output and MLP activations, plus its logits, their
     log-softmax and gradient (float32), and half again for the backward's temporaries."""
-    text = getattr(config, "text_config", None) or config
-    hidden = int(text.hidden_size)
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    layers = int(text.num_hidden_layers)
-    per_layer = dtype_bytes * (6 * hidden + (heads + 2 * kv_heads) * head_dim + 4 * inter)
-    return int(1.5 * (layers * per_layer + 12 * int(text.vocab_size)))
+    d = Dims.of(config)
+    per_layer = dtype_bytes * (6 * d.hidden + (d.heads + 2 * d.kv_heads) * d.head_dim + 4 * d.inter)
+    return int(1.5 * (d.layers * per_layer + 12 * d.vocab))
 
 
 @dataclass

@@ -34,6 +34,34 @@ MAX_DEFAULT_CPU_BYTES = 8 << 30
 
 
 @dataclass(frozen=True)
+class Dims:
+    """A model's sizes, from its Hugging Face config (a multimodal one's text config)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    layers: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> Dims:
+        text = getattr(config, "text_config", None) or config
+        hidden = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        return cls(
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            inter=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+            layers=int(text.num_hidden_layers),
+            vocab=int(text.vocab_size),
+        )
+
+
+@dataclass(frozen=True)
 class BatchCost:
     """A model's memory per token while sampling (see the module docstring)."""
 
@@ -46,20 +74,14 @@ class BatchCost:
 
     @classmethod
     def of(cls, config, dtype_bytes: int) -> BatchCost:
-        text = getattr(config, "text_config", None) or config
-        hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-        inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-        layers = int(text.num_hidden_layers)
+        d = Dims.of(config)
         b = dtype_bytes
         return cls(
-            prefill=b * (4 * hidden + 2 * (heads + 2 * kv_heads) * head_dim + 3 * inter),
-            attention=b * heads,
-            kv=2 * layers * kv_heads * head_dim * b,
-            layers=layers,
-            vocab=int(text.vocab_size),
+            prefill=b * (4 * d.hidden + 2 * (d.heads + 2 * d.kv_heads) * d.head_dim + 3 * d.inter),
+            attention=b * d.heads,
+            kv=2 * d.layers * d.kv_heads * d.head_dim * b,
+            layers=d.layers,
+            vocab=d.vocab,
             eager=getattr(config, "_attn_implementation", "eager") == "eager",
         )
 

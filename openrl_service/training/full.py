@@ -112,13 +112,8 @@ class FullWeights(RunWeights):
 
     @contextlib.contextmanager
     def applied(self, router) -> Iterator[None]:
-        previous = router.active, router.groups, router.rows
-        router.active, router.groups, router.rows = None, None, 0
-        try:
-            with router._swapped(self):
-                yield
-        finally:
-            router.active, router.groups, router.rows = previous
+        with router.routing(None), router._swapped(self):
+            yield
 
     def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
         return None, [self.weights[n] for n in self.embeddings]

@@ -103,14 +103,8 @@ class Adapter(RunWeights):
     def detached(self) -> Adapter:
         return Adapter(self.spec, {n: (a.detach(), b.detach()) for n, (a, b) in self.weights.items()})
 
-    @contextlib.contextmanager
-    def applied(self, router: AdapterRouter) -> Iterator[None]:
-        previous = router.active, router.groups, router.rows
-        router.active, router.groups, router.rows = self, None, 0
-        try:
-            yield
-        finally:
-            router.active, router.groups, router.rows = previous
+    def applied(self, router: AdapterRouter):
+        return router.routing(self)
 
     def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
         return self.spec.rank, []
@@ -200,12 +194,14 @@ class AdapterRouter:
     @contextlib.contextmanager
     def use(self, adapter: RunWeights | None):
         """The next forward passes compute with ``adapter`` (None: the base model alone)."""
-        if adapter is not None:
-            with adapter.applied(self):
-                yield
-            return
+        with adapter.applied(self) if adapter is not None else self.routing(None):
+            yield
+
+    @contextlib.contextmanager
+    def routing(self, adapter: Adapter | None):
+        """One LoRA adapter (or none) for every row of the next passes."""
         previous = self.active, self.groups, self.rows
-        self.active, self.groups, self.rows = None, None, 0
+        self.active, self.groups, self.rows = adapter, None, 0
         try:
             yield
         finally:
