@@ -28,6 +28,8 @@ the host share of runs moved off a GPU). The plan is logged at start and publish
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +174,22 @@ def plan(
     if full_runs is not None:
         p.full_runs, p.full_runs_source = full_runs, "OPENRL_FULL_RUN_BUDGET_BYTES"
     return p
+
+
+def give_back() -> None:
+    """Return the C heap's freed memory to the OS (glibc ``malloc_trim``): after a run's gigabytes
+    leave, the allocator would otherwise keep them, and a container's limit counts them."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        return None
 
 
 def _fmt(n: int) -> str:

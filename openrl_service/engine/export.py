@@ -238,10 +238,27 @@ class Exports:
     def _full(self, tenant: str, ref, model: ServedModel, out: Path) -> None:
         """A full fine-tune's checkpoint (already the whole model) in the base's dtype, with the
         served model's config, generation config and tokenizer."""
-        _, tensors, _ = self.svc.store.load(tenant, ref)
         dtype = model.base.dtype
-        weights = {n: t.to(dtype) for n, t in tensors.items()}  # no copy where the dtype is the same
-        write_tensors(out / "model.safetensors", weights, metadata={"format": "pt"}, mode=0o644)
+        src = self.svc.store.folder(tenant, ref) / "model.safetensors"
+        from safetensors import safe_open
+
+        with safe_open(str(src), framework="pt") as f:
+            stored = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        if stored == {SAFETENSORS_DTYPES.get(dtype)}:
+            # already the base's dtype (a float32 model): the file as it is, copied by the OS in
+            # blocks (never the model in this process's memory), and checked against the manifest
+            shutil.copyfile(src, out / "model.safetensors")
+            want = (self.svc.store.manifest(tenant, ref).get("files") or {}).get("model.safetensors")
+            if want is not None and _sha256(out / "model.safetensors") != want:
+                raise UserError(
+                    f"tinker_path: {ref.path} is corrupt: model.safetensors does not match the SHA-256 in "
+                    "its manifest; save the checkpoint again",
+                    field="tinker_path",
+                )
+        else:
+            _, tensors, _ = self.svc.store.load(tenant, ref)
+            weights = {n: t.to(dtype) for n, t in tensors.items()}
+            write_tensors(out / "model.safetensors", weights, metadata={"format": "pt"}, mode=0o644)
         model.base.model.config.save_pretrained(out)
         gen = getattr(model.base.model, "generation_config", None)
         if gen is not None:
@@ -280,6 +297,17 @@ class Exports:
         except NotFound:
             return False
         return True
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(4 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _card(info: dict) -> str:

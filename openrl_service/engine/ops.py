@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from openrl_service import memory
 from openrl_service.engine.futures import FutureRecord
 from openrl_service.errors import ApiError, OutOfMemory
 from openrl_service.telemetry import OpRecorder
@@ -178,6 +179,7 @@ def out_of_memory(op: Op, e: BaseException) -> OutOfMemory:
     device = "GPU memory" if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available() else "memory"
     del e
     gc.collect()
+    memory.give_back()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     log.warning("op %s on %s ran out of %s; it failed alone, the service goes on", op.kind, op.lane, device)

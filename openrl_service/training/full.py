@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from openrl_service import crashpoints, progress
+from openrl_service import crashpoints, memory, progress
 from openrl_service.errors import UserError
 from openrl_service.storage.tensorfile import link_or_copy, read_tensors, write_tensors
 from openrl_service.training.lora import Adapter, adapter_from_peft
@@ -549,6 +549,7 @@ class Residency:
             self._moving = None
         del tensors
         self._release(weights)
+        memory.give_back()
         with self._lock:
             dropped = key not in self.runs
         if dropped:  # its session finished while it was written: nobody will read it
