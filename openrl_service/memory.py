@@ -77,12 +77,16 @@ def container_limit(root: Path = CGROUP) -> int | None:
 
 
 def container_used(root: Path = CGROUP) -> int | None:
-    """The container's memory in use that the kernel cannot reclaim: anonymous memory (v2 ``anon``,
-    v1 ``total_rss``), not the page cache, which it drops before it kills anyone."""
-    v2 = _stat(root / "memory.stat", "anon")
+    """The container's working set, as the kubelet counts it: its memory in use less the inactive
+    page cache (the kernel drops that before it kills anyone). Mapped files in use stay in: a model's
+    weights read by mmap and the libraries' code are memory the limit counts, not anonymous."""
+    v2 = _read_int(root / "memory.current")
     if v2 is not None:
-        return v2
-    return _stat(root / "memory" / "memory.stat", "total_rss")
+        return max(0, v2 - (_stat(root / "memory.stat", "inactive_file") or 0))
+    v1 = _read_int(root / "memory" / "memory.usage_in_bytes")
+    if v1 is not None:
+        return max(0, v1 - (_stat(root / "memory" / "memory.stat", "total_inactive_file") or 0))
+    return None
 
 
 def peak_used(root: Path = CGROUP) -> int | None:

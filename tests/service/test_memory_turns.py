@@ -30,16 +30,19 @@ LORA = {"base_model": "openrl/tiny", "rank": 4, "seed": 1}
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_the_room_is_the_container_limit_less_its_use_when_that_is_lower(tmp_path, version):
     """cgroup files as a pod's container sees them (v1 on this host, v2 on GKE): the limit less the
-    anonymous memory in use, not the node's available memory; no limit file, the OS's figure."""
+    working set (in use less the inactive page cache, as the kubelet counts it), not the node's
+    available memory; no limit file, the OS's figure."""
     root = tmp_path / "cgroup"
     if version == "v1":
         (root / "memory").mkdir(parents=True)
         (root / "memory" / "memory.limit_in_bytes").write_text(f"{6 << 30}\n")
-        (root / "memory" / "memory.stat").write_text(f"cache 999\ntotal_rss {1 << 30}\n")
+        (root / "memory" / "memory.usage_in_bytes").write_text(f"{(1 << 30) + 4096}\n")
+        (root / "memory" / "memory.stat").write_text("cache 999\ntotal_inactive_file 4096\n")
     else:
         root.mkdir()
         (root / "memory.max").write_text(f"{6 << 30}\n")
-        (root / "memory.stat").write_text(f"anon {1 << 30}\nfile 12345\n")
+        (root / "memory.current").write_text(f"{(1 << 30) + 4096}\n")
+        (root / "memory.stat").write_text("anon 12345\ninactive_file 4096\n")
     room, source = memory.host_room(64 << 30, root)
     assert room == 5 << 30 and "container limit 6.00 GiB" in source
     assert memory.host_room(2 << 30, root) == (2 << 30, "available memory")  # the lower one wins
