@@ -56,3 +56,6 @@ def hit(point: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.kill(os.getpid(), signal.SIGKILL)
+    # PID 1 (the service in a container) cannot be killed by its own signal: end it just as abruptly
+    # (no handler, no flush, no atexit), with the exit status of a SIGKILL
+    os._exit(137)

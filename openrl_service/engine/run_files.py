@@ -83,7 +83,7 @@ class RunFiles:
         known = self._samplers.get(sampler_id)
         if known is not None and known[0] == id(adapter) and self.path(known[1]).exists():
             self.reused += 1
-            return {"file": known[1]}
+            return {"file": known[1], "names": [n for n, _ in adapter.named_parameters()]}
         name = f"sampler-{_safe(sampler_id)}-{uuid.uuid4().hex[:12]}.tensors"
         self._write(name, adapter, None)
         self._samplers[sampler_id] = (id(adapter), name)

@@ -214,8 +214,9 @@ class TrainingService(Registry):
         their state."""
         s = self.settings
         spill = s.data_dir / "spill"
-        for stale in spill.glob("*.safetensors"):  # a killed process's: the journal holds the state
-            stale.unlink(missing_ok=True)
+        for pattern in ("*.safetensors", "*.safetensors.tmp"):  # a killed process's, whole or half
+            for stale in spill.glob(pattern):  # written: the journal holds their state
+                stale.unlink(missing_ok=True)
         residency = Residency(base.device, budget_bytes=None, host_bytes=0, spill_dir=spill)
         residency.busy = lambda w: self.engine.lane_depth(getattr(w, "lane", "")) > 0
         return residency

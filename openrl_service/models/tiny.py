@@ -129,6 +129,15 @@ def tiny_variant(spec: str) -> str | None:
     return None
 
 
+def variant_parameters(name: str) -> int:
+    """How many parameters the built-in model ``name`` has, from its shape (embeddings tied)."""
+    shape = TINY_SHAPES[name]
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q and o, k and v, the MLP's three, two norms
+    return VOCAB_SIZE * h + shape["num_hidden_layers"] * layer + h  # + the final norm
+
+
 def tiny_folder_name(name: str) -> str:
     """Where under ``<data_dir>/models`` a tiny variant is built: openrl-tiny, openrl-tiny-wide."""
     return name.replace("/", "-")

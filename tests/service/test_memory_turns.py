@@ -206,6 +206,7 @@ def test_a_snapshot_rewrites_only_the_runs_that_changed(tmp_path, tiny_model_dir
         busy = sc.create_lora_training_client(**FULL)
         step(idle, 0)
         step(busy, 0)
+        idle.save_weights_and_get_sampling_client().result()  # a sampler snapshot: its file is written once
         durability = live.service.durability
 
         def snapshot() -> set[str]:
@@ -214,7 +215,7 @@ def test_a_snapshot_rewrites_only_the_runs_that_changed(tmp_path, tiny_model_dir
             return {p.name for p in (live.data_dir / "journal").glob("run-*.tensors")}
 
         first = snapshot()
-        assert len(first) == 2
+        assert len(first) == 2 and len(list((live.data_dir / "journal").glob("sampler-*.tensors"))) == 1
         journal = live.data_dir / "journal"
         assert all((journal / name).stat().st_mode & 0o777 == 0o600 for name in first)
         step(busy, 1)
@@ -224,8 +225,32 @@ def test_a_snapshot_rewrites_only_the_runs_that_changed(tmp_path, tiny_model_dir
         third = snapshot()
         assert third == second and durability.files.written == written  # nothing changed, nothing written
         assert not (journal / next(iter(first - second))).exists()  # a file no snapshot names is gone
+        want = tensors_of(live.service)
     finally:
         live.stop()
+    # restored from snapshots that referred to files again: the runs and the sampler as they were
+    again = start_server(tmp_path / "d", tiny_model_dir, snapshot_interval_s=0)
+    try:
+        got = tensors_of(again.service)
+        assert got.keys() == want.keys() and len({k[1] for k in got if k[0] == "sampler"}) == 1
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        again.stop()
+
+
+def tensors_of(svc) -> dict[tuple, torch.Tensor]:
+    """Every run's and sampler snapshot's weights, by (kind, id, name), read where they are."""
+    out = {}
+    for run in svc.runs.values():
+        run.state.adapter.ensure_resident()
+        for n, t in run.state.adapter.named_parameters():
+            out[("run", run.run_id, n)] = t.detach().clone()
+    for e in svc.samplers.values():
+        if e.adapter is not None:
+            e.adapter.ensure_resident()
+            for n, t in e.adapter.named_parameters():
+                out[("sampler", e.sampler_id, n)] = t.detach().clone()
+    return out
 
 
 # -- results -----------------------------------------------------------------------------------------
