@@ -224,7 +224,7 @@ images: $(STAMP) $(LABEXT) podman ## build the CPU service and notebook images, 
 image-check: images $(CHP) ## run them as the cluster would: the cpu overlay's container spec + the SDK, a restart, SIGTERM; a hub spawns the notebook image and a kernel trains
 	$(TEST_ENV) OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/images
 
-bench-scale: images ## the service image in a 6.3 GiB container: 3 full fine-tunes of a 180M model take turns with 2 LoRA runs, kill -9 mid-spill and mid-snapshot; memory, /healthz, turns, exact losses (BENCH_ARGS=--short: 30M, < 4 min)
+bench-scale: images ## the service image in a 7.3 GiB container: 3 full fine-tunes of a 180M model take turns with 2 LoRA runs, kill -9 mid-spill and mid-snapshot; memory, /healthz, turns, exact losses (BENCH_ARGS=--short: 30M, < 4 min)
 	$(BIN)/python bench/scale.py $(BENCH_ARGS)
 
 image-cuda: $(STAMP) podman ## opt-in (~5 GB of wheels): build the CUDA service image (vLLM) and check it imports

@@ -16,8 +16,9 @@ snapshot every 5 s (``OPENRL_SNAPSHOT_INTERVAL_S``). Through the unmodified Tink
 
 The limit holds one full run and not two (P parameters):
 
-    limit = 0.6 GiB (the process) + P x 4 B (base weights) + 1.5 x P x 20 B (a full run: fp32 weights,
-            gradients, AdamW's two moments, set-aside gradients)
+    limit = 0.75 GiB (the process) + P x 4 B (base weights) + 1.75 x P x 20 B (a full run: fp32 weights,
+            gradients, AdamW's two moments, set-aside gradients; the rest is for activations, one
+            sampling batch, a sampler snapshot and the accountant's margin)
 
 so the full runs take turns (moved to disk and back). The service is killed twice with SIGKILL at its
 own crash hooks (``OPENRL_CRASH_AT``, openrl_service/crashpoints.py): half way through writing a run's
@@ -82,10 +83,10 @@ from openrl_service.models.tiny import tiny_variant, variant_parameters  # noqa:
 from tests.images._containers import deployment, images, pod_run_args, sh  # noqa: E402
 
 GIB = 2**30
-PROCESS_BYTES = int(0.6 * GIB)  # the service process with torch, before any model or run
+PROCESS_BYTES = int(0.75 * GIB)  # the service process with torch, before any model or run
 BASE_BYTES_PER_PARAM = 4  # fp32 base weights
 FULL_BYTES_PER_PARAM = 20  # a full run: weights, gradients, AdamW's two moments, set-aside gradients
-HEADROOM_RUNS = 1.5  # full runs' worth of room in the limit: one fits, two do not
+HEADROOM_RUNS = 1.75  # full runs' worth of room in the limit: one fits, two do not
 SNAPSHOT_INTERVAL_S = 5
 SEED = 0
 FULL_LR = 1e-4

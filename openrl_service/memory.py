@@ -17,7 +17,8 @@ Of the room, the plan reserves (``Plan.parts``):
   bytes; a full run's snapshots and the endpoint's full checkpoints take turns in the full runs' share);
 - ``moves``: the one tensor a spill, a load or a snapshot holds beyond the run itself (twice the
   largest of the model's);
-- ``margin``: a twentieth of the room, for what is not counted (the allocator's slack, request data).
+- ``margin``: a twentieth of the room and 256 MiB, for what is not counted (the allocator's slack,
+  request data, what the process itself grows by once it has run its first ops).
 
 What is left is the full runs' share (``full_runs``): their weights, gradients, a set-aside
 gradient, optimizer state and casts (training/full.py ``footprint``) and their sampler snapshots take
@@ -172,7 +173,7 @@ def plan(
             "sampling": sampling,
             "sampler_snapshots": min(sampler_snapshots, max(32 << 20, room // 32)),
             "moves": 2 * largest_tensor,
-            "margin": room // 20,
+            "margin": room // 20 + (256 << 20),
         }
         p.full_runs = max(0, room - sum(p.parts.values()))
     if full_runs is not None:
