@@ -40,7 +40,7 @@ from openrl_service.config import folder_tenant
 from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
-from openrl_service.storage.checkpoints import parse_tinker_path
+from openrl_service.storage.checkpoints import file_sha256, parse_tinker_path
 from openrl_service.storage.tensorfile import write_tensors
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,7 @@ class Exports:
             # blocks (never the model in this process's memory), and checked against the manifest
             shutil.copyfile(src, out / "model.safetensors")
             want = (self.svc.store.manifest(tenant, ref).get("files") or {}).get("model.safetensors")
-            if want is not None and _sha256(out / "model.safetensors") != want:
+            if want is not None and file_sha256(out / "model.safetensors") != want:
                 raise UserError(
                     f"tinker_path: {ref.path} is corrupt: model.safetensors does not match the SHA-256 in "
                     "its manifest; save the checkpoint again",
@@ -300,14 +300,6 @@ class Exports:
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(4 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _card(info: dict) -> str:

@@ -118,7 +118,8 @@ def _tree_bytes(folder: Path) -> int:
     return sum(_folder_bytes(d) for d in _dirs(folder) if not d.name.startswith("."))
 
 
-def _digest(p: Path) -> str:
+def file_sha256(p: Path) -> str:
+    """A file's SHA-256, read in blocks."""
     h = hashlib.sha256()
     with open(p, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -232,7 +233,7 @@ class CheckpointStore:
             (tmp / config_name).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
             if optimizer is not None:
                 write_tensors(tmp / "optimizer.safetensors", optimizer, mode=0o644)
-            files = {p.name: _digest(p) for p in sorted(tmp.iterdir())}
+            files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
             full = {
                 "format_version": MANIFEST_VERSION,
                 "kind": ref.kind,

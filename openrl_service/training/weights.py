@@ -18,7 +18,7 @@ the same for both kinds (spill files and the journal's run files).
 
 from __future__ import annotations
 
-import contextlib
+import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +28,8 @@ from openrl_service import progress
 from openrl_service.storage.tensorfile import read_tensors
 
 
-class RunWeights:
-    """The interface (methods every run's weights have; the two classes override them)."""
+class RunWeights(abc.ABC):
+    """The interface (methods every run's weights have; the abstract ones each class implements)."""
 
     full = False  # the kind, for logs and documents; behaviour goes through the methods below
     shares_batch = True  # may be one of several weights in a batched forward pass (routed per row)
@@ -42,11 +42,13 @@ class RunWeights:
     weights: dict
 
     # -- tensors ---------------------------------------------------------------------------------
+    @abc.abstractmethod
     def parameters(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Its trained tensors, in the optimizer's order."""
 
+    @abc.abstractmethod
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
+        """The same, by name (the names of its checkpoints' and run files' tensors)."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parameters())
@@ -60,17 +62,18 @@ class RunWeights:
         """Grows whenever the weights change: an optimizer step (``touch``) or any in-place write."""
         return self.writes + sum(t._version for t in self.parameters())
 
+    @abc.abstractmethod
     def snapshot(self) -> RunWeights:
         """An immutable copy: sampling "step 7" keeps sampling step 7."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def detached(self) -> RunWeights:
         """The same tensors without autograd history (no copy)."""
-        raise NotImplementedError
 
     # -- the device ------------------------------------------------------------------------------
     def ensure_resident(self) -> None:
         """Its tensors on the device before an op reads them (LoRA: always there)."""
+        return None  # LoRA: nothing to do (FullWeights overrides it)
 
     def back_on_device(self) -> bool:
         """Between a sliced call's slices: bring it back; False when it has left for good (its
@@ -79,6 +82,7 @@ class RunWeights:
 
     def prepare(self, base) -> None:
         """Before its optimizer is made, learn what of ``base`` it needs (full: its embeddings)."""
+        return None  # LoRA: nothing to do (FullWeights overrides it)
 
     def adopt(self, trainer, state, waiting_in=None) -> None:
         """Its trainer takes it in (``state``: its TrainState, None for a sampler snapshot); with
@@ -90,22 +94,21 @@ class RunWeights:
 
     def leave(self) -> None:
         """Its session finished, or it was never adopted: give up its device share and spill file."""
+        return None  # LoRA: nothing to do (FullWeights overrides it)
 
-    @contextlib.contextmanager
-    def applied(self, router) -> Iterator[None]:
-        """The model computes with these weights for the block (the router's ``use``)."""
-        raise NotImplementedError
-        yield
+    @abc.abstractmethod
+    def applied(self, router):
+        """A context in which the model computes with these weights (the router's ``use``)."""
 
     # -- optimizer -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def dimuon_args(self) -> tuple[int | None, list[torch.Tensor]]:
         """(LoRA rank for Dimuon's rank correction or None, tensors it does not orthogonalise)."""
-        raise NotImplementedError
 
     # -- files -----------------------------------------------------------------------------------
+    @abc.abstractmethod
     def checkpoint_payload(self, base, base_model: str) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, config) of a checkpoint of these weights (PEFT pair, or a whole model)."""
-        raise NotImplementedError
 
 
 def run_tensors(weights, state) -> dict[str, torch.Tensor]:
