@@ -131,9 +131,10 @@ class Lifecycle:
         """Starting or recovering: requests it does not know yet may be in its journal."""
         return self.state in (State.STARTING, State.RECOVERING)
 
-    def refuse_new_work(self) -> None:
-        """Raise :class:`ShuttingDown` once the service drains, and NotReady (503 + Retry-After) while
-        it starts or recovers; routes that queue work call this first."""
+    def refuse_until_recovered(self) -> None:
+        """Raise NotReady (503 + Retry-After) while the service starts or recovers: what a request
+        would read (a run, a session, a checkpoint list) may still be in the journal, and a 404 or an
+        empty list would be wrong and final to the client."""
         if self.state is State.STARTING:
             raise NotReady("openrl-service is starting (loading the model); retry in a few seconds")
         if self.state is State.RECOVERING:
@@ -141,6 +142,11 @@ class Lifecycle:
                 "openrl-service is recovering its journal after a restart; retry in a few seconds",
                 retry_after_s=RETRY_AFTER_S,
             )
+
+    def refuse_new_work(self) -> None:
+        """Raise :class:`ShuttingDown` once the service drains, and NotReady (503 + Retry-After) while
+        it starts or recovers; routes that queue work call this first."""
+        self.refuse_until_recovered()
         if self.state in (State.DRAINING, State.STOPPED):
             why = f" ({self.reason})" if self.reason else ""
             raise ShuttingDown(

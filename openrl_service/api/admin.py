@@ -31,7 +31,7 @@ import anyio
 from fastapi import APIRouter, Request
 
 from openrl_service.api import schemas as S
-from openrl_service.api.http import json_response
+from openrl_service.api.http import ServiceRoute, json_response
 from openrl_service.config import TENANT_RE, folder_tenant, tenant_folder
 from openrl_service.container import Container
 from openrl_service.errors import Forbidden, NotFound
@@ -153,7 +153,10 @@ class TenantAdmin:
 
 def build_admin_router(admin: TenantAdmin) -> APIRouter:
     r = APIRouter(
-        prefix="/openrl/v1/admin", tags=["admin"], generate_unique_id_function=S.operation_ids("admin")
+        prefix="/openrl/v1/admin",
+        tags=["admin"],
+        route_class=ServiceRoute,  # not before recovery: a tenant's sessions may still be in the journal
+        generate_unique_id_function=S.operation_ids("admin"),
     )
 
     def operator(request: Request) -> None:

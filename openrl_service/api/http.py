@@ -40,26 +40,43 @@ def backpressure_response(e: QueueFull) -> Response:
 
 
 def new_work(endpoint):
-    """Mark a route that queues new work: while the service drains it answers 503 + Retry-After before
-    reading the request (see :mod:`openrl_service.lifecycle`). Put it under the ``@router.post``."""
+    """Mark a route that queues new work: while the service starts, recovers or drains it answers 503
+    + Retry-After before reading the request (see :mod:`openrl_service.lifecycle`). Put it under the
+    ``@router.post``."""
     endpoint.takes_new_work = True
     return endpoint
 
 
-class BackpressureRoute(APIRoute):
-    """A route whose :class:`QueueFull` becomes :func:`backpressure_response` (the app-wide error
-    handler knows no Retry-After for 429), and which, if marked :func:`new_work`, is refused while
-    the service drains."""
+def answers_while_starting(endpoint):
+    """Mark a route that answers while the service starts or recovers its journal: one that knows
+    what it cannot know yet (``retrieve_future``'s try_again, a heartbeat for a session not restored
+    yet) or that reads no state the journal restores. Every other route of a :class:`ServiceRoute`
+    router answers 503 + Retry-After until recovery is done: a run, session or checkpoint that the
+    journal is about to bring back must never read as a 404 or an empty list, which a client would
+    take as final."""
+    endpoint.answers_while_starting = True
+    return endpoint
+
+
+class ServiceRoute(APIRoute):
+    """The routes that read or change the engine's state. Until the service is ready (the model loaded
+    and the journal replayed) they answer 503 + Retry-After, unless marked :func:`answers_while_starting`;
+    a :func:`new_work` route is refused while the service drains too. A :class:`QueueFull` becomes
+    :func:`backpressure_response` (the app-wide error handler knows no Retry-After for 429), and what a
+    request other than a GET changed is made durable before its reply leaves (:func:`acknowledge`)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
         gated = getattr(self.endpoint, "takes_new_work", False)
+        early = getattr(self.endpoint, "answers_while_starting", False)
 
         async def route(request: Request) -> Response:
-            if gated:
-                lifecycle = getattr(request.app.state, "lifecycle", None)
-                if lifecycle is not None:
+            lifecycle = getattr(request.app.state, "lifecycle", None)
+            if lifecycle is not None:
+                if gated:
                     lifecycle.refuse_new_work()
+                elif not early:
+                    lifecycle.refuse_until_recovered()
             try:
                 response = await handler(request)
             except QueueFull as e:

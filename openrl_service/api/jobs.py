@@ -26,7 +26,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
-from openrl_service.api.http import BackpressureRoute, json_response, read_model, tenant
+from openrl_service.api.http import ServiceRoute, json_response, read_model, tenant
 from openrl_service.container import Container
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
@@ -52,7 +52,7 @@ def build_jobs_router(c: Container) -> APIRouter:
         prefix="/openrl/v1",
         tags=["jobs"],
         dependencies=[Depends(with_keys)],
-        route_class=BackpressureRoute,  # POSTs that journal run control are synced before the reply
+        route_class=ServiceRoute,  # POSTs that journal run control are synced before the reply
         generate_unique_id_function=S.operation_ids("jobs"),
     )
     max_body = svc.limits.max_body_bytes

@@ -33,7 +33,7 @@ from fastapi.sse import EventSourceResponse, ServerSentEvent
 
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
-from openrl_service.api.http import BackpressureRoute, json_response, new_work, read_model
+from openrl_service.api.http import ServiceRoute, answers_while_starting, json_response, new_work, read_model
 from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
 from openrl_service.container import Container
@@ -50,7 +50,7 @@ def build_native_router(c: Container) -> APIRouter:
     r = APIRouter(
         prefix="/openrl/v1",
         tags=["native"],
-        route_class=BackpressureRoute,
+        route_class=ServiceRoute,
         generate_unique_id_function=S.operation_ids("native"),
     )
     cat = Catalog(svc)
@@ -180,6 +180,7 @@ def build_native_router(c: Container) -> APIRouter:
         return json_response({"metrics": native.metrics(tenant(request), run_id)})
 
     @r.get("/events", response_class=EventSourceResponse)
+    @answers_while_starting  # a stream of live ticks: what recovery restores shows in the next one
     async def events(request: Request):
         """Server-Sent Events: a telemetry tick every second plus run events, each with a schema version."""
         who = tenant(request)

@@ -89,17 +89,19 @@ def api_error_response(e: ApiError) -> Response:
 
 class OpenAIRoute(APIRoute):
     """POSTs are refused while the service starts, recovers or drains, as every route that queues work
-    is. Errors (these routes' and the lifecycle's) reach the app's handlers, which answer in OpenAI's
+    is; GETs until it has recovered. Errors (these routes' and the lifecycle's) reach the app's handlers, which answer in OpenAI's
     shape on these paths (app.py: ``api_error_response``, 429 and 503 with Retry-After)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            if request.method == "POST":
-                lifecycle = getattr(request.app.state, "lifecycle", None)
-                if lifecycle is not None:
+            lifecycle = getattr(request.app.state, "lifecycle", None)
+            if lifecycle is not None:
+                if request.method == "POST":
                     lifecycle.refuse_new_work()
+                else:  # the models list names sampler checkpoints the journal may still restore
+                    lifecycle.refuse_until_recovered()
             return await handler(request)
 
         return route

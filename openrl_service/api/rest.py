@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool as off
 
 from openrl_service.api import schemas as S
-from openrl_service.api.http import json_response, read_model, tenant
+from openrl_service.api.http import ServiceRoute, json_response, read_model, tenant
 from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
@@ -36,7 +36,9 @@ def _base_url(request: Request) -> str:
 
 
 def build_rest_router(svc: TrainingService) -> APIRouter:
-    r = APIRouter(prefix="/api/v1", generate_unique_id_function=S.operation_ids("rest"))
+    r = APIRouter(
+        prefix="/api/v1", route_class=ServiceRoute, generate_unique_id_function=S.operation_ids("rest")
+    )
     cat = Catalog(svc)
     max_body = svc.limits.max_body_bytes
     B = S.bodies(svc.limits, svc.settings.min_ttl_s)

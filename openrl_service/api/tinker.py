@@ -29,7 +29,8 @@ from openrl_service.api import proto
 from openrl_service.api import schemas as S
 from openrl_service.api.codec import PROTO, decode_datums, encode_result, loss_config
 from openrl_service.api.http import (
-    BackpressureRoute,
+    ServiceRoute,
+    answers_while_starting,
     json_response,
     new_work,
     parse,
@@ -61,7 +62,7 @@ CLIENT_CONFIG = {
 
 def build_router(svc: TrainingService) -> APIRouter:
     r = APIRouter(
-        prefix="/api/v1", route_class=BackpressureRoute, generate_unique_id_function=S.operation_ids("tinker")
+        prefix="/api/v1", route_class=ServiceRoute, generate_unique_id_function=S.operation_ids("tinker")
     )
     max_body = svc.limits.max_body_bytes
     B = S.bodies(svc.limits, svc.settings.min_ttl_s)
@@ -98,6 +99,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({"type": "create_session", "session_id": sess.session_id})
 
     @r.post("/session_heartbeat", openapi_extra=body(B.SessionHeartbeat))
+    @answers_while_starting
     async def heartbeat(request: Request):
         """Keep a session alive; 410 once it is finished."""
         session_id = (await read_model(request, B.SessionHeartbeat, max_body)).session_id
@@ -118,6 +120,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return json_response({"type": "session_finish", "session_id": session_id})
 
     @r.post("/telemetry")
+    @answers_while_starting
     async def telemetry(request: Request):
         """Accept (and drop) SDK telemetry."""
         return json_response({"status": "accepted"})
@@ -374,6 +377,7 @@ def build_router(svc: TrainingService) -> APIRouter:
 
     # -- futures -------------------------------------------------------------------------------
     @r.post("/retrieve_future", openapi_extra=body(B.RequestId), responses=L.RESULT_LINKS)
+    @answers_while_starting
     async def retrieve_future(request: Request):
         """Long-poll a future: the result, an error result, or try_again."""
         request_id = (await read_model(request, B.RequestId, max_body)).request_id
@@ -404,6 +408,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         return encode_result(rec, wants_proto)
 
     @r.get("/healthz")
+    @answers_while_starting
     async def api_healthz():
         """Liveness of the worker thread (no key needed)."""
         return health(svc)

@@ -371,6 +371,19 @@ def test_readyz_reports_starting_recovering_ready_and_draining(tmp_path, tiny_mo
             assert (poll.status_code, poll.json()["type"]) == (200, "try_again")
             beat = http.post("/api/v1/session_heartbeat", json={"session_id": "s-from-before"})
             assert beat.status_code == 200
+            # Nor is a run it may be about to restore, nor an empty list of them: a 404 or [] is final
+            # to a client (the SDK does not retry a 404), a 503 with Retry-After is not.
+            for method, path, body in [
+                ("POST", "/api/v1/get_info", {"model_id": "s-from-before:train:0"}),
+                ("POST", "/api/v1/sessions/s-from-before/finish", {}),
+                ("GET", "/api/v1/training_runs", None),
+                ("GET", "/api/v1/sessions", None),
+                ("GET", "/openrl/v1/runs", None),
+                ("GET", "/oai/api/v1/models", None),
+            ]:
+                early = http.request(method, path, json=body)
+                assert early.status_code == 503 and int(early.headers["Retry-After"]) >= 1, (path, early.text)
+                assert state in early.text, (path, early.text)
             loading.set()
         replaying.set()
         ready = wait_for(
