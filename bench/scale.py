@@ -74,9 +74,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import httpx  # noqa: E402
+from load import percentile  # noqa: E402 - bench/load.py's quantile, one definition
 from tinker_rl_letters import PROMPTS, decode, letter_fraction, rl_datum  # noqa: E402
 
 from openrl_service.models.tiny import tiny_variant, variant_parameters  # noqa: E402
@@ -926,16 +928,6 @@ def run(args: argparse.Namespace) -> Outcome:
 
 
 # -- the report ----------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def checks(o: Outcome) -> list[tuple[str, bool, str]]:
     """(requirement, held, detail)."""
     w, mode = o.workload, o.mode
@@ -1048,7 +1040,7 @@ def report(o: Outcome) -> tuple[str, dict, bool]:
     lost = [s for s in o.health.samples if s[2] is None and serving(s)]
     between = sum(1 for s in o.health.samples if s[2] is None and not serving(s))
     lines.append(
-        f"  /healthz    {len(o.health.samples)} polls: p50 {pct(lat, 0.5):.0f} ms, p99 {pct(lat, 0.99):.0f} ms, "
+        f"  /healthz    {len(o.health.samples)} polls: p50 {percentile(lat, 0.5):.0f} ms, p99 {percentile(lat, 0.99):.0f} ms, "
         f"max {max(lat, default=float('nan')):.0f} ms; non-200 {len(non200)}"
         + (f" ({sorted({s[2] for s in non200})})" if non200 else "")
         + f"; no answer while serving {len(lost)}"
@@ -1062,7 +1054,7 @@ def report(o: Outcome) -> tuple[str, dict, bool]:
         xs = [op.t1 - op.t0 for op in ops]
         over = sum(1 for op in ops if any(op.t0 < a < op.t1 for a, _ in restarts))
         lines.append(
-            f"  {kind:<32}{len(ops):>5}{pct(xs, 0.5):>9.2f}{max(xs):>9.2f}"
+            f"  {kind:<32}{len(ops):>5}{percentile(xs, 0.5):>9.2f}{max(xs):>9.2f}"
             f"{sum(not op.ok for op in ops):>8}{over:>16}"
         )
     total: dict = {}
@@ -1100,7 +1092,7 @@ def report(o: Outcome) -> tuple[str, dict, bool]:
             if written
             else ""
         )
-        + f"p50 {pct([s[3] for s in snaps], 0.5):.1f} s, max {max((s[3] for s in snaps), default=0):.1f} s each"
+        + f"p50 {percentile([s[3] for s in snaps], 0.5):.1f} s, max {max((s[3] for s in snaps), default=0):.1f} s each"
     )
     for x in w.exports:
         lines.append(
@@ -1125,7 +1117,7 @@ def report(o: Outcome) -> tuple[str, dict, bool]:
     ok = all(held for _, held, _ in rows) and not o.violations
     lines.append(
         f"scale: model={tiny_variant(mode.model)} params={b.params} limit_gib={b.limit / GIB:.2f} "
-        f"peak_gib={peak / GIB:.2f} anon_gib={anon / GIB:.2f} healthz_p99_ms={pct(lat, 0.99):.0f} "
+        f"peak_gib={peak / GIB:.2f} anon_gib={anon / GIB:.2f} healthz_p99_ms={percentile(lat, 0.99):.0f} "
         f"healthz_max_ms={max(lat, default=float('nan')):.0f} non200={len(non200)} healthz_lost={len(lost)} "
         f"moves_out={fmt(moves_out, '.0f')} kills={len(o.kills)} snapshots={len(snaps)} "
         f"wall_s={o.wall_s:.0f} ok={ok}"
@@ -1144,8 +1136,8 @@ def report(o: Outcome) -> tuple[str, dict, bool]:
         ],
         "healthz": {
             "polls": len(o.health.samples),
-            "p50_ms": pct(lat, 0.5),
-            "p99_ms": pct(lat, 0.99),
+            "p50_ms": percentile(lat, 0.5),
+            "p99_ms": percentile(lat, 0.99),
             "max_ms": max(lat, default=None),
             "non_200": len(non200),
             "no_answer_while_serving": len(lost),

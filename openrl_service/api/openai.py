@@ -410,7 +410,10 @@ def _seeded(params: SamplingParams, i: int) -> SamplingParams:
 async def _run(
     svc: TrainingService, inference: Inference, who: str, target: Target, jobs: list[SampleJob]
 ) -> list[SampleOutput]:
-    """Queue the jobs as one op and wait for its outputs (503 if the worker dies or the service drains)."""
+    """Queue the jobs as one op and wait for its outputs (503 if the worker dies or the service drains).
+    A checkpoint's files are hashed first, on a pool thread, not on the device worker that loads them."""
+    if target.ref is not None and not inference.cached(who, target):
+        await prompts.off_loop(lambda: svc.verify_checkpoint(who, target.ref.path))
     rec = inference.submit(who, target, jobs)
     try:
         while not await svc.futures.wait(rec, 1.0):

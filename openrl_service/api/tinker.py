@@ -72,11 +72,13 @@ def build_router(svc: TrainingService) -> APIRouter:
 
     # -- bootstrap and sessions ----------------------------------------------------------------
     @r.post("/client/config")
+    @answers_while_starting
     async def client_config(request: Request):
         """Flags the SDK reads at start-up."""
         return json_response(CLIENT_CONFIG)
 
     @r.post("/client/dynamic_config")
+    @answers_while_starting
     async def dynamic_config(request: Request):
         """Flags the SDK re-reads periodically."""
         return json_response(
@@ -262,6 +264,10 @@ def build_router(svc: TrainingService) -> APIRouter:
         """load_state (model_id + seq_id) or create-via-load (session_id + model_seq_id)."""
         who = tenant(request)
         body, b = await read_op(request, B.LoadWeights, max_body)
+        # hashed here, on a pool thread: the device worker then reads the tensors without hashing them
+        await run_in_threadpool(
+            svc.verify_checkpoint, who, body.get("path"), optimizer=flag(body, "optimizer") is True
+        )
         if body.get("model_id") is None and body.get("session_id") is not None:
             b = parse(B.LoadWeights, body)  # a new run: no slot to keep, the refusal is a 400
             rec = svc.create_from_state(
@@ -328,6 +334,8 @@ def build_router(svc: TrainingService) -> APIRouter:
             base_model=b.base_model,
             model_path=b.model_path,
         )
+        if b.model_path is not None:  # hashed here: its first sample loads it on the worker unhashed
+            await run_in_threadpool(svc.verify_checkpoint, tenant(request), b.model_path)
         return json_response({"type": "create_sampling_session", "sampling_session_id": sampler_id})
 
     @r.get("/samplers/{sampler_id}")

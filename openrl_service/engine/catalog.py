@@ -21,6 +21,7 @@ from typing import Any
 
 from openrl_service.checks import integer
 from openrl_service.config import tenant_folder
+from openrl_service.engine.owner import LinkRun
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import Gone, NotFound, UserError
 from openrl_service.storage.checkpoints import (
@@ -148,9 +149,7 @@ class Catalog:
                     "copied_from": src.path,
                 },
             )
-        if run_id not in sess.run_ids:
-            sess.run_ids.append(run_id)
-            self.store.write_session(tenant, sess.record())
+        self.svc.owner.apply(LinkRun(sess.session_id, run_id))  # writes the session's file if it changed
         dst = CheckpointRef(run_id, src.kind, src.name)
         self.store.copy(tenant, src, dst, expires_at=expires_at)
         return {"tinker_path": dst.path}

@@ -46,6 +46,7 @@ from typing import Any
 
 from openrl_service.engine import records
 from openrl_service.engine.futures import FutureRecord
+from openrl_service.engine.owner import RestoreRegistry
 from openrl_service.engine.run_files import RunFiles
 from openrl_service.engine.snapshots import (
     STATE_VERSION,
@@ -510,9 +511,8 @@ class Durability:
         svc = self.svc
         for fields in state["sessions"]:
             svc.restore_session(fields)
-        svc._ended.update(state["ended"])
-        svc._evicted.update(state["evicted"])
         slots = svc.futures.restore(state["futures"])
+        runs, samplers = [], []
         for r in state["runs"]:
             run = RunState(
                 run_id=r["run_id"],
@@ -547,7 +547,7 @@ class Durability:
                 st.pending_backward = t["pending_backward"]
                 run.state = st
                 st.adapter.lane = f"run:{run.run_id}"
-            svc.runs[run.run_id] = run
+            runs.append(run)
             svc.engine.restore_lane(f"run:{run.run_id}", r["lane"], slots.get(f"run:{run.run_id}", {}))
         for e in state["samplers"]:
             adapter = None
@@ -559,16 +559,21 @@ class Durability:
             elif e["weights"] is not None:
                 device = svc.models[e["base_model"]].base.device
                 adapter = adapter_from(e["spec"], e["weights"], device, trainable=False)
-            svc.samplers[e["sampler_id"]] = SamplerEntry(
-                e["sampler_id"],
-                e["tenant"],
-                e["session_id"],
-                e["base_model"],
-                adapter,
-                model_path=e["model_path"],
-                source_run=e["source_run"],
-                created_at=e["created_at"],
+            samplers.append(
+                SamplerEntry(
+                    e["sampler_id"],
+                    e["tenant"],
+                    e["session_id"],
+                    e["base_model"],
+                    adapter,
+                    model_path=e["model_path"],
+                    source_run=e["source_run"],
+                    created_at=e["created_at"],
+                )
             )
+        svc.owner.apply(
+            RestoreRegistry(tuple(runs), tuple(samplers), dict(state["ended"]), dict(state["evicted"]))
+        )
         svc.engine.restore_idempotency(svc.futures)
         loop_state = state.get("loop", {})
         for name, _, restore in self.loop_state:

@@ -41,7 +41,7 @@ from openrl_service.engine import inference
 from openrl_service.engine.state import ServedModel, spec_from_manifest
 from openrl_service.errors import NotFound, UserError
 from openrl_service.storage.checkpoints import file_sha256, parse_tinker_path
-from openrl_service.storage.tensorfile import write_tensors
+from openrl_service.storage.tensorfile import Deferred, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +206,12 @@ class Exports:
         state = base_state(model)
         config = copy.deepcopy(model.base.model.config)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        weights: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+        # Each weight is made when the writer reaches it (Deferred) and dropped once written: the base's
+        # own tensors are read where they are, a merged one (base + B @ A) exists one at a time, never
+        # the merged model (nor, for a model on a GPU, its host copy) in memory at once.
+        weights: dict[str, torch.Tensor | Deferred] = {}
         for name, value in state.items():
-            value = value.detach().to("cpu")
-            ptr = value.data_ptr()
-            weights[name] = value.clone() if ptr in seen else value.contiguous()
-            seen.add(ptr)
+            weights[name] = Deferred(tuple(value.shape), value.dtype, lambda v=value: _host(v))
         for name, ab in pairs.items():
             key = f"{name}.weight"
             if key not in weights:
@@ -220,9 +219,12 @@ class Exports:
                     f"tinker_path: the adapter names {name!r}, which the base model lacks",
                     field="tinker_path",
                 )
-            w = weights[key]
-            delta = (ab["lora_B"].to(torch.float32) @ ab["lora_A"].to(torch.float32)) * spec.scale
-            weights[key] = (w.to(torch.float32) + delta).to(w.dtype).contiguous()
+
+            def merged(w=state[key], a=ab["lora_A"], b=ab["lora_B"]) -> torch.Tensor:
+                delta = (b.to(torch.float32) @ a.to(torch.float32)) * spec.scale
+                return (_host(w).to(torch.float32) + delta).to(w.dtype).contiguous()
+
+            weights[key] = Deferred(tuple(state[key].shape), state[key].dtype, merged)
         if tied:
             if "lm_head" in pairs:
                 config.tie_word_embeddings = False  # the output layer changed, the embeddings did not
@@ -317,3 +319,8 @@ def _card(info: dict) -> str:
         f"Exported by openrl-service as a {'merged Hugging Face model' if info['format'] == 'merged' else 'PEFT LoRA adapter'} "
         f"of `{info['base_model']}` ({trained}).\n\n```python\n{how}```\n"
     )
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A base weight as the writer reads it: on the host, contiguous (a CPU model's own tensor, no copy)."""
+    return t.detach().to("cpu").contiguous()

@@ -135,6 +135,11 @@ class Inference:
         return ref, manifest, model
 
     # -- adapters -------------------------------------------------------------------------------
+    def cached(self, tenant: str, target: Target) -> bool:
+        """The target's checkpoint is in the adapter cache (its files need no reading)."""
+        with self._lock:
+            return (tenant, target.ref.path if target.ref else "", target.digest or "") in self._adapters
+
     def adapter(self, tenant: str, target: Target) -> Adapter | None:
         """On the worker: the checkpoint's adapter (cached), or None for the bare base model."""
         if target.ref is None:

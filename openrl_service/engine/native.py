@@ -343,6 +343,7 @@ class NativeRuns:
                 # start from a saved checkpoint's LoRA weights (a fresh optimizer): its base model,
                 # rank and layers must be this run's (load_state checks them, naming the field)
                 nr.bump(1)
+                await anyio.to_thread.run_sync(self.svc.verify_checkpoint, tenant, inputs["load_from"])
                 loaded = self.svc.load_state(tenant, run_id, 1, inputs["load_from"], False, None)
                 await self._result(loaded)
         except ApiError as e:

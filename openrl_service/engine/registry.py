@@ -11,15 +11,23 @@ The records themselves (ServedModel, SessionRecord, RunState, SamplerEntry) are 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from openrl_service.checks import integer
 from openrl_service.config import Settings
 from openrl_service.engine.durability import Durability
+from openrl_service.engine.owner import (
+    AddSampler,
+    FinishSession,
+    ForgetSession,
+    ForgetTenant,
+    OpenRun,
+    OpenSession,
+    Owner,
+)
 from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.state import (
     RunState,
@@ -39,19 +47,20 @@ log = logging.getLogger(__name__)
 
 
 class Registry:
-    """Sessions, runs and samplers of every tenant (the maps below), guarded by ``_lock``."""
+    """Sessions, runs and samplers of every tenant: the maps below, read-only here; they change only
+    through the commands of ``owner`` (engine/owner.py)."""
 
     settings: Settings
     durability: Durability
     store: CheckpointStore
     engine: Engine
     models: dict[str, ServedModel]
-    sessions: dict[str, SessionRecord]
-    runs: dict[str, RunState]
-    samplers: dict[str, SamplerEntry]
-    _evicted: dict[str, str]  # sampler id -> tenant, to explain a 404
-    _ended: dict[str, str]  # forgotten finished session id -> tenant, to answer 410
-    _lock: threading.Lock
+    owner: Owner
+    sessions: Mapping[str, SessionRecord]
+    runs: Mapping[str, RunState]
+    samplers: Mapping[str, SamplerEntry]
+    _evicted: Mapping[str, str]  # sampler id -> tenant, to explain a 404
+    _ended: Mapping[str, str]  # forgotten finished session id -> tenant, to answer 410
     # Called as fn(tenant, session_id, run_ids) when a session finishes (by its client or the idle
     # reaper), so layers above the engine (the notebook API) drop what they keep for its runs.
     session_listeners: list[Callable[[str, str, list[str]], None]]
@@ -65,15 +74,25 @@ class Registry:
     def _init_registry(self) -> None:
         # OPENRL_MAX_SAMPLER_SNAPSHOT_BYTES, or less: what the memory plan reserves (service._plan_memory)
         self.snapshot_bytes_cap = self.settings.max_sampler_snapshot_bytes
-        self.sessions = {}
-        self.runs = {}
-        self.samplers = {}
-        self._evicted = {}
-        self._ended = {}
-        self._lock = threading.Lock()
         self.session_listeners = []
         self.sweepers = []
         self.tenant_forgetters = []
+        self.owner = Owner(
+            journal=lambda record: self.durability.append(record),
+            cut_lock=self.durability.state_lock,
+            limits=self.limits,
+            settings=self.settings,
+            snapshot_bytes_cap=lambda: self.snapshot_bytes_cap,
+            write_session=lambda sess: self.store.write_session(sess.tenant, sess.record()),
+            open_lane=lambda run_id: self.engine.open_ordered_lane(run_id, next_seq=0),
+            close_lane=self.engine.close_lane,
+            session_listeners=self.session_listeners,
+        )
+        self.sessions = self.owner.sessions
+        self.runs = self.owner.runs
+        self.samplers = self.owner.samplers
+        self._ended = self.owner.ended
+        self._evicted = self.owner.evicted
 
     # -- sessions -------------------------------------------------------------------------------
     def create_session(
@@ -103,27 +122,22 @@ class Registry:
                     "OPENRL_SESSION_IDLE_TIMEOUT_S)",
                     field="session_id",
                 )
-        sess = SessionRecord(
-            session_id=session_id or new_session_id(),
-            tenant=tenant,
-            tags=list(tags or []),
-            user_metadata=self.checks.check_metadata(user_metadata),
-            display_name=display_name,
-            project_id=project_id,
+        fields = vars(
+            SessionRecord(
+                session_id=session_id or new_session_id(),
+                tenant=tenant,
+                tags=list(tags or []),
+                user_metadata=self.checks.check_metadata(user_metadata),
+                display_name=display_name,
+                project_id=project_id,
+            )
         )
-        with self.durability.change():
-            self.durability.append(("session", vars(sess).copy()))
-            with self._lock:
-                self.sessions[sess.session_id] = sess
-        self.store.write_session(tenant, sess.record())
-        return sess
+        return self.owner.apply(OpenSession(fields))
 
-    def restore_session(self, fields: dict) -> SessionRecord:
-        """A session again, from its journal record (recovery)."""
-        sess = SessionRecord(**fields)
-        with self._lock:
-            self.sessions[sess.session_id] = sess
-        return sess
+    def restore_session(self, fields: dict) -> SessionRecord | None:
+        """A session again, from its journal record (recovery); None when it is known already or
+        ended since."""
+        return self.owner.apply(OpenSession(fields, restored=True))
 
     def session(self, tenant: str, session_id: str, *, live: bool = True) -> SessionRecord:
         sess = self.sessions.get(session_id)
@@ -145,28 +159,8 @@ class Registry:
 
     def finish_session(self, tenant: str, session_id: str, reason: str = "success") -> None:
         """Mark finished and free its runs and samplers from device memory; checkpoints stay."""
-        sess = self.session(tenant, session_id, live=False)
-        with self.durability.change():
-            self.durability.append(("finish", tenant, session_id, reason))
-            with self._lock:
-                if not sess.finished:
-                    sess.finish_reason = (
-                        reason if reason in ("success", "errored", "interrupted") else "success"
-                    )
-                sess.finished = True
-                sess.finished_at = time.time()
-                run_ids = [r for r in sess.run_ids if r in self.runs]
-                for rid in run_ids:
-                    gone = self.runs.pop(rid, None)
-                    if gone is not None and gone.state is not None:
-                        gone.state.adapter.leave()
-                for sid in sess.sampler_ids:
-                    self.samplers.pop(sid, None)
-        self.store.write_session(tenant, sess.record())
-        for rid in run_ids:
-            self.engine.close_lane(f"run:{rid}")
-        for listener in self.session_listeners:
-            listener(tenant, session_id, list(sess.run_ids))
+        self.session(tenant, session_id, live=False)
+        self.owner.apply(FinishSession(tenant, session_id, reason))
 
     def reap_idle_sessions(self, now: float | None = None) -> list[str]:
         """Finish live sessions with no heartbeat or request for ``session_idle_timeout_s`` (a client
@@ -178,11 +172,7 @@ class Registry:
         for sess in list(self.sessions.values()):
             if sess.finished:
                 if now - (sess.finished_at or now) > timeout:
-                    with self._lock:
-                        self.sessions.pop(sess.session_id, None)
-                        self._ended[sess.session_id] = sess.tenant
-                        while len(self._ended) > 100_000:
-                            self._ended.pop(next(iter(self._ended)))
+                    self.owner.apply(ForgetSession(sess.session_id))
                 continue
             runs = [self.runs[r].last_request_time for r in sess.run_ids if r in self.runs]
             if now - max([sess.last_heartbeat, *runs]) > timeout:
@@ -203,26 +193,8 @@ class Registry:
         """Forget ``tenant``: end its sessions (its runs and samplers leave the device) and remove its
         files, or move them to ``move_to``. Journaled first, so a restart replays the removal and
         nothing of the tenant comes back. Its jobs and minted keys are the caller's (api/admin.py)."""
-        with self.durability.change():
-            self.durability.append(("forget_tenant", tenant, move_to))
-            live = self._forget_tenant_state(tenant)
+        live = self.owner.apply(ForgetTenant(tenant, move_to))
         return self._forget_tenant_files(tenant, move_to, live)
-
-    def _forget_tenant_state(self, tenant: str) -> list[SessionRecord]:
-        """The tenant's sessions end and leave the maps (the record's change); returns those that were live."""
-        live = [s for s in list(self.sessions.values()) if s.tenant == tenant and not s.finished]
-        for sess in live:
-            self.finish_session(tenant, sess.session_id, reason="interrupted")
-        with self._lock:
-            gone = [sid for sid, sess in self.sessions.items() if sess.tenant == tenant]
-            for sid in gone:
-                del self.sessions[sid]
-                self._ended[sid] = tenant
-            for sid in [sid for sid, e in self.samplers.items() if e.tenant == tenant]:
-                del self.samplers[sid]
-            for sid in [sid for sid, t in self._evicted.items() if t == tenant]:
-                del self._evicted[sid]
-        return live
 
     def _forget_tenant_files(self, tenant: str, move_to: str | None, live: list[SessionRecord]) -> dict:
         freed = self.store.forget_tenant(tenant, Path(move_to) if move_to else None)
@@ -239,7 +211,7 @@ class Registry:
 
     def _replay_forget_tenant(self, record: tuple) -> None:
         _, tenant, move_to = record
-        self._forget_tenant_files(tenant, move_to, self._forget_tenant_state(tenant))
+        self._forget_tenant_files(tenant, move_to, self.owner.apply(ForgetTenant(tenant, move_to)))
 
     # -- runs -----------------------------------------------------------------------------------
     def run(self, tenant: str, model_id: str) -> RunState:
@@ -293,23 +265,6 @@ class Registry:
             return self.models[entry.base_model].base
         return self.require_ready()
 
-    def _check_run_quota(self, tenant: str, spec: LoraSpec) -> None:
-        mine = [r for r in self.runs.values() if r.tenant == tenant]
-        if len(mine) >= self.limits.max_runs_per_tenant:
-            raise QuotaExceeded(
-                f"a tenant may hold at most {self.limits.max_runs_per_tenant} live runs (OPENRL_MAX_RUNS_PER_TENANT); "
-                f"finish a session to free its runs",
-                field="model_id",
-            )
-        full = sum(1 for r in mine if r.spec.full)
-        if spec.full and full >= self.limits.max_full_runs_per_tenant:
-            raise QuotaExceeded(
-                f"rank: a tenant may hold at most {self.limits.max_full_runs_per_tenant} live full fine-tunes "
-                f"(rank 0; OPENRL_MAX_FULL_RUNS_PER_TENANT), each a whole copy of the model's training state; "
-                f"finish a session to free its runs, or train a LoRA (rank >= 1)",
-                field="rank",
-            )
-
     def _register_run(
         self,
         tenant: str,
@@ -322,24 +277,9 @@ class Registry:
     ) -> RunState:
         integer(model_seq_id, "model_seq_id", 0)
         run_id = f"{session.session_id}:train:{model_seq_id}"
-        with self._lock:
-            existing = self.runs.get(run_id)
-            if existing is not None:
-                return existing
-            self._check_run_quota(tenant, spec)
-            run = RunState(
-                run_id=run_id,
-                tenant=tenant,
-                session_id=session.session_id,
-                spec=spec,
-                seed=seed,
-                base_model=base_model,
-                user_metadata=dict(user_metadata or {}),
-            )
-            self.runs[run_id] = run
-            session.run_ids.append(run_id)
-        self.engine.open_ordered_lane(run_id, next_seq=0)
-        return run
+        return self.owner.apply(
+            OpenRun(run_id, tenant, session.session_id, spec, seed, base_model, dict(user_metadata or {}))
+        )
 
     def _write_run_meta(self, run: RunState, **extra) -> None:
         self.store.write_run_meta(
@@ -376,77 +316,6 @@ class Registry:
         }
 
     # -- samplers -------------------------------------------------------------------------------
-    def _add_sampler(self, entry: SamplerEntry) -> None:
-        """Register a sampler (not for a finished session: its owner is gone) and keep the budget."""
-        with self._lock:
-            sess = self.sessions.get(entry.session_id or "")
-            if sess is not None and sess.finished:
-                return
-            self.samplers[entry.sampler_id] = entry
-            if sess is not None:
-                sess.sampler_ids.append(entry.sampler_id)
-            self._enforce_snapshot_budget(keep=entry)
-
-    def _enforce_snapshot_budget(self, keep: SamplerEntry) -> None:
-        """Keep the adapters held in memory within each tenant's share and the service's budget.
-
-        A tenant over OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT loses its own least recently used
-        snapshot; over the service's count, the tenant holding the most snapshots loses its least
-        recently used one, and over its bytes the tenant holding the most bytes (a full fine-tune's
-        snapshot is a whole model) — so one tenant's flood never evicts a neighbour that holds less.
-        Inflight clients sharing one set of weights count it once. A snapshot that alone makes its
-        owner the heaviest with nothing older to give is kept without evicting anyone else. A
-        checkpoint-backed sampler only drops its tensors (they reload from disk on its next request);
-        an ephemeral snapshot is forgotten. Caller holds the lock."""
-        s = self.settings
-        loaded = sorted(
-            (x for x in self.samplers.values() if x.adapter is not None and x is not keep),
-            key=lambda x: x.last_used,
-        )
-        per_tenant: dict[str, list[SamplerEntry]] = {}
-        for x in loaded:  # each tenant's, least recently used first
-            per_tenant.setdefault(x.tenant, []).append(x)
-        per_tenant.setdefault(keep.tenant, [])
-        mine = per_tenant[keep.tenant]
-        cap = max(1, s.max_sampler_snapshots_per_tenant)
-        victims: list[SamplerEntry] = []
-        while mine and len(mine) + (keep.adapter is not None) > cap:
-            victims.append(mine.pop(0))
-        size = {id(x.adapter): x.adapter.nbytes() for x in [*loaded, keep] if x.adapter is not None}
-
-        def nbytes(entries: list[SamplerEntry]) -> int:
-            return sum(size[k] for k in {id(x.adapter) for x in entries})  # a shared (inflight) adapter once
-
-        def held(tenant: str) -> list[SamplerEntry]:
-            extra = [keep] if tenant == keep.tenant and keep.adapter is not None else []
-            return per_tenant[tenant] + extra
-
-        while True:
-            every = [x for t in per_tenant for x in held(t)]
-            over_count = len(every) > s.max_sampler_snapshots
-            if not over_count and nbytes(every) <= self.snapshot_bytes_cap:
-                break
-            weigh = len if over_count else nbytes
-            heaviest = max(
-                (t for t in per_tenant if held(t)),
-                key=lambda t: (weigh(held(t)), -held(t)[0].last_used),  # ties: the oldest snapshot
-            )
-            if not per_tenant[heaviest]:
-                break  # only the new snapshot: its owner is over on its own, nobody else pays for it
-            victims.append(per_tenant[heaviest].pop(0))
-        for old in victims:
-            if old.model_path is not None:
-                old.adapter = None
-                continue
-            del self.samplers[old.sampler_id]
-            sess = self.sessions.get(old.session_id or "")
-            if sess is not None and old.sampler_id in sess.sampler_ids:
-                sess.sampler_ids.remove(old.sampler_id)  # its record lists samplers that exist
-            self._evicted[old.sampler_id] = old.tenant
-            while len(self._evicted) > 100_000:
-                self._evicted.pop(next(iter(self._evicted)))
-            log.info("evicted sampler %s of %s (snapshot budget)", old.sampler_id, old.tenant)
-
     def sampler_entry(self, tenant: str, sampler_id: str) -> SamplerEntry:
         entry = self.samplers.get(sampler_id)
         if entry is None and self._evicted.get(sampler_id) == tenant:
@@ -482,9 +351,9 @@ class Registry:
         }
         if model_path is None:
             name = args["base_model"] = self._check_base_model(base_model)  # journaled resolved
-            with self.durability.change():
-                self.durability.append(("sampler", tenant, args))
-                self._add_sampler(SamplerEntry(sampler_id, tenant, sess.session_id, name, None))
+            self.owner.apply(
+                AddSampler(sampler_id, tenant, sess.session_id, name, journal=("sampler", tenant, args))
+            )
             return sampler_id
         ref = parse_tinker_path(model_path, field="model_path")
         manifest = self.store.manifest(tenant, ref)
@@ -497,17 +366,15 @@ class Registry:
             raise UserError(
                 f"base_model: {ref.path} was trained on {name!r}, not {base_model!r}", field="base_model"
             )
-        with self.durability.change():
-            self.durability.append(("sampler", tenant, args))
-            self._add_sampler(
-                SamplerEntry(
-                    sampler_id,
-                    tenant,
-                    sess.session_id,
-                    name,
-                    None,
-                    model_path=ref.path,
-                    source_run=ref.run_id,
-                )
+        self.owner.apply(
+            AddSampler(
+                sampler_id,
+                tenant,
+                sess.session_id,
+                name,
+                model_path=ref.path,
+                source_run=ref.run_id,
+                journal=("sampler", tenant, args),
             )
+        )
         return sampler_id

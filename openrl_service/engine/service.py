@@ -43,12 +43,13 @@ from openrl_service.engine.export import Exports
 from openrl_service.engine.futures import FutureRecord, FutureStore
 from openrl_service.engine.inference import Inference
 from openrl_service.engine.ops import Fusable, Op
+from openrl_service.engine.owner import AddSampler, SamplerWeights
 from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.stability import StabilityRecords
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Checks
-from openrl_service.errors import NotReady, UserError
+from openrl_service.errors import ApiError, NotReady, UserError
 from openrl_service.models.loading import (
     BaseModel,
     check_memory_budget,
@@ -123,6 +124,7 @@ class TrainingService(Registry):
         # the last forward_backward loss of each run, for the runs list.
         self.refused_runs: dict[str, UserError] = {}
         self.last_loss: dict[str, float] = {}
+        self.durability = Durability(self)  # before the registry: its owner journals through it
         self._init_registry()
         self.inference = Inference(self)  # sampling by model name (the OpenAI-compatible API)
         self.exports = Exports(self)  # checkpoints as PEFT or merged Hugging Face folders
@@ -133,7 +135,6 @@ class TrainingService(Registry):
         self.session_listeners.append(
             lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id)
         )
-        self.durability = Durability(self)
         self.durability.record_replayers["forget_tenant"] = self._replay_forget_tenant
         self.futures.on_complete = self.durability.completed
 
@@ -179,6 +180,7 @@ class TrainingService(Registry):
         on: dict[str, list[ServedModel]] = {}
         for m in models.values():
             on.setdefault(str(m.base.device), []).append(m)
+            memory.touch(m.base.router.base_weights.values())  # mapped from the file: in use from now
         host_free, host_source = memory.host_room(free_bytes(torch.device("cpu")))
         snapshot_caps = []
         for device, group in on.items():
@@ -379,14 +381,23 @@ class TrainingService(Registry):
 
         return self._submit_run(run, 0, "load_weights", work, idem, call=call, model_id=run.run_id)
 
+    def verify_checkpoint(self, tenant: str, path: object, *, optimizer: bool = False) -> None:
+        """Off the device worker, before a load is queued (a request's thread): hash the checkpoint's
+        tensor files against its manifest (``CheckpointStore.verify``), so the load on the worker reads
+        them without hashing: a full run's checkpoint is the model's size, seconds of hashing every
+        other tenant's ops would wait for. Best effort: what is wrong with the path or the files is
+        left to the load, which reports it in its op's slot as always."""
+        try:
+            self.store.verify(tenant, parse_tinker_path(path), with_optimizer=optimizer)
+        except (ApiError, OSError, ValueError) as e:
+            log.debug("checkpoint %r not verified ahead of its load: %s", path, e)
+
     def _adopt(self, run: RunState, state) -> None:
         """Give a new run its state, made on the worker; if its session finished meanwhile (the finish
         found no state to free), a full run's device share and spill file go now, not at restart."""
         run.state = state
         state.adapter.lane = f"run:{run.run_id}"  # its residency keeps it while its next op waits
-        with self._lock:
-            live = self.runs.get(run.run_id) is run
-        if not live:
+        if self.runs.get(run.run_id) is not run:
             state.adapter.leave()
 
     def _submit_run(
@@ -823,22 +834,19 @@ class TrainingService(Registry):
                 def ephemeral():
                     snap = self._state(run).adapter.snapshot()
                     inflight = run.run_id if kind == "inflight" else None
-                    self._add_sampler(
-                        SamplerEntry(
+                    self.owner.apply(
+                        AddSampler(
                             sampler_id,
                             run.tenant,
                             run.session_id,
                             run.base_model,
-                            snap,
                             source_run=run.run_id,
                             inflight_of=inflight,
+                            weights=snap,
                         )
                     )
                     if inflight is not None:  # every inflight client of the run moves to these weights
-                        with self._lock:
-                            for e in self.samplers.values():
-                                if e.inflight_of == inflight:
-                                    e.adapter = snap
+                        self.owner.apply(SamplerWeights(inflight_of=inflight, weights=snap))
                     return {"sampling_session_id": sampler_id}
 
                 return ephemeral
@@ -1032,9 +1040,7 @@ class TrainingService(Registry):
                 )
             )
             del tensors
-            with self._lock:
-                entry.adapter = adapter
-                self._enforce_snapshot_budget(keep=entry)
+            self.owner.apply(SamplerWeights(sampler_id=entry.sampler_id, weights=adapter))
         return adapter
 
     def sample(

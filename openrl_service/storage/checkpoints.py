@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,6 +149,11 @@ class CheckpointStore:
         self._changes = 0  # checkpoint writes so far: a listing read across one is not kept
         # told (tenant, ref) after a checkpoint is deleted: its exports go with it (engine/export.py)
         self.deleted_listeners: list = []
+        # Tensor files whose SHA-256 :meth:`verify` checked on a request's thread, by the file's identity
+        # (device, inode, size, times) -> the digest: a load on the device worker then reads the
+        # tensors without hashing them again. A file changed since (rewritten, touched) has another
+        # identity and is hashed again.
+        self._hashed: OrderedDict[tuple, str] = OrderedDict()
 
     # -- locations ---------------------------------------------------------------------------
     def _tenant_root(self, tenant: str) -> Path:
@@ -546,6 +552,45 @@ class CheckpointStore:
                 continue
         raise NotFound(f"checkpoint {ref.path} not found", field="path")
 
+    def verify(self, tenant: str, ref: CheckpointRef, *, with_optimizer: bool = False) -> int:
+        """Hash the checkpoint's tensor files against its manifest now, on the calling thread (a
+        request's, before its load is queued), so the load on the device worker reads them without
+        hashing (a full run's checkpoint is the size of the model: seconds of hashing). Returns the
+        bytes hashed (0 when every file was checked already). Raises as :meth:`load` does."""
+        folder = _Folder.open(self._ckpt_dir(tenant, ref))
+        if folder is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field="path")
+        hashed = 0
+        with folder:
+            try:
+                manifest = json.loads(folder.read("manifest.json"))
+            except ValueError:
+                raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+            digests = manifest.get("files") or {}
+            names = [weight_files(manifest)[0]]
+            if with_optimizer and "optimizer.safetensors" in digests:
+                names.append("optimizer.safetensors")
+            for name in names:
+                want = digests.get(name)
+                if want is None:
+                    continue
+                with folder.open_file(name) as f:
+                    key = _identity(os.fstat(f.fileno()))
+                    with self._lock:
+                        if self._hashed.get(key) == want:
+                            continue
+                    hashed += _check_digest(f, want, name, ref)
+                    with self._lock:
+                        self._hashed[key] = want
+                        while len(self._hashed) > 4096:
+                            self._hashed.popitem(last=False)
+        return hashed
+
+    def _already_hashed(self, f, want: str) -> bool:
+        key = _identity(os.fstat(f.fileno()))
+        with self._lock:
+            return self._hashed.get(key) == want
+
     def _load_once(
         self, tenant: str, ref: CheckpointRef, with_optimizer: bool
     ) -> tuple[dict, dict, dict | None]:
@@ -564,7 +609,7 @@ class CheckpointStore:
             digests = manifest.get("files") or {}
             weights_name, config_name = weight_files(manifest)
             _verified(folder, config_name, digests, ref)
-            adapter = _tensors(folder, weights_name, digests, ref)
+            adapter = _tensors(folder, weights_name, digests, ref, self._already_hashed)
             optimizer = None
             if with_optimizer:
                 if "optimizer.safetensors" not in digests:
@@ -573,7 +618,7 @@ class CheckpointStore:
                         "load it without the optimizer",
                         field="path",
                     )
-                optimizer = _tensors(folder, "optimizer.safetensors", digests, ref)
+                optimizer = _tensors(folder, "optimizer.safetensors", digests, ref, self._already_hashed)
         return manifest, adapter, optimizer
 
     def folder(self, tenant: str, ref: CheckpointRef) -> Path:
@@ -629,22 +674,38 @@ def _verified(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> 
     return data
 
 
-def _tensors(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """A tensor file's tensors, its SHA-256 checked first, both streamed: the bytes are hashed in
-    blocks and the tensors read one at a time from the same open file (never the file's bytes and its
-    tensors in memory at once: a full fine-tune's checkpoint is the size of the model)."""
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _check_digest(f, want: str, name: str, ref: CheckpointRef) -> int:
+    """Hash the open file from its start in blocks; UserError naming the file when it does not match
+    the manifest. Returns the bytes read."""
+    f.seek(0)
+    h, n = hashlib.sha256(), 0
+    for block in iter(lambda: f.read(4 << 20), b""):
+        h.update(block)
+        n += len(block)
+    if h.hexdigest() != want:
+        raise UserError(
+            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
+            "(the file changed on disk after it was saved); save the checkpoint again",
+            field="path",
+        )
+    return n
+
+
+def _tensors(
+    folder: _Folder, name: str, digests: dict, ref: CheckpointRef, already_hashed=lambda f, want: False
+) -> dict[str, torch.Tensor]:
+    """A tensor file's tensors, its SHA-256 checked first (unless ``already_hashed`` says this very
+    file was, off the worker: CheckpointStore.verify), both streamed: the bytes are hashed in blocks
+    and the tensors read one at a time from the same open file (never the file's bytes and its tensors
+    in memory at once: a full fine-tune's checkpoint is the size of the model)."""
     with folder.open_file(name) as f:
         want = digests.get(name)
-        if want is not None:
-            h = hashlib.sha256()
-            for block in iter(lambda: f.read(4 << 20), b""):
-                h.update(block)
-            if h.hexdigest() != want:
-                raise UserError(
-                    f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
-                    "(the file changed on disk after it was saved); save the checkpoint again",
-                    field="path",
-                )
+        if want is not None and not already_hashed(f, want):
+            _check_digest(f, want, name, ref)
         source = f"/proc/self/fd/{f.fileno()}" if Path("/proc/self/fd").is_dir() else folder.path / name
         try:
             with read_tensors(source) as lazy:

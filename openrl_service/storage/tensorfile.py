@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +39,32 @@ _DTYPES = {
 }
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor made only when its bytes are written, then dropped: a merged export's weights are made
+    one at a time, never the whole merged model in memory at once. ``shape`` and ``dtype`` are what
+    ``make`` returns (the header is written first); a mismatch fails the write."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _made(name: str, t: torch.Tensor | Deferred) -> torch.Tensor:
+    if not isinstance(t, Deferred):
+        return t
+    made = t.make()
+    if tuple(made.shape) != tuple(t.shape) or made.dtype != t.dtype:
+        raise ValueError(f"{name}: made {made.dtype} {list(made.shape)}, declared {t.dtype} {list(t.shape)}")
+    return made
+
+
 def _host_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
@@ -49,14 +77,15 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 
 def write_tensors(
     path: str | os.PathLike,
-    tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    tensors: Iterable[tuple[str, torch.Tensor | Deferred]] | dict[str, torch.Tensor | Deferred],
     *,
     progress: Callable[[int], None] | None = None,
     mode: int = 0o600,
     metadata: dict[str, str] | None = None,
 ) -> int:
     """Write ``tensors`` to ``path`` (a temporary name beside it, fsynced, then renamed): the
-    safetensors format, so ``safetensors.safe_open`` reads it. Returns the file's size. On any error
+    safetensors format, so ``safetensors.safe_open`` reads it. A :class:`Deferred` value is made when
+    its turn comes and dropped once written. Returns the file's size. On any error
     (a full disk) nothing is left at ``path`` or beside it."""
     items = list(tensors.items() if isinstance(tensors, dict) else tensors)
     header: dict[str, dict] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -80,8 +109,8 @@ def write_tensors(
         with os.fdopen(fd, "wb", buffering=0) as f:
             f.write(struct.pack("<Q", len(head)) + head)
             unsynced = 0
-            for i, (_, t) in enumerate(items):
-                data = _host_bytes(t)
+            for i, (name, t) in enumerate(items):
+                data = _host_bytes(_made(name, t))
                 view = data
                 while len(view):
                     wrote = f.write(view[: 16 << 20])

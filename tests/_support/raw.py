@@ -81,6 +81,18 @@ class RawTinker:
         self.result(r.json()["request_id"])
         return r.json()["model_id"]
 
+    def snapshot(self, model_id: str, seq: int) -> str:
+        """save_weights_for_sampler without a name at seq_id ``seq``: a new sampler's id."""
+        r = self.post(
+            "save_weights_for_sampler",
+            model_id=model_id,
+            seq_id=seq,
+            sampling_session_seq_id=seq,
+            kind="snapshot",
+        )
+        assert r.status_code == 200, r.text
+        return self.result(r.json()["request_id"])["sampling_session_id"]
+
     def submit_fb(self, model_id: str, seq_id: int, datums, loss_fn: str = "cross_entropy", **headers) -> str:
         r = self.http.post(
             "/api/v1/forward_backward",

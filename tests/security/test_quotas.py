@@ -20,26 +20,14 @@ from tests.service.test_full_finetune import footprint
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [11, 12]}]}
 
 
-def _snapshot(raw: RawTinker, model_id: str, seq: int) -> str:
-    r = raw.post(
-        "save_weights_for_sampler",
-        model_id=model_id,
-        seq_id=seq,
-        sampling_session_seq_id=seq,
-        kind="snapshot",
-    )
-    assert r.status_code == 200, r.text
-    return raw.result(r.json()["request_id"])["sampling_session_id"]
-
-
 def test_a_tenant_filling_the_snapshot_budget_evicts_its_own_snapshots_not_a_neighbours(make_server):
     live = make_server(max_sampler_snapshots=4)
     with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
         alice, bob = RawTinker(a), RawTinker(b)
         bob_model = bob.create_model(bob.session())
-        bobs = _snapshot(bob, bob_model, 1)
+        bobs = bob.snapshot(bob_model, 1)
         alice_model = alice.create_model(alice.session())
-        alices = [_snapshot(alice, alice_model, seq) for seq in range(1, 9)]  # twice the whole budget
+        alices = [alice.snapshot(alice_model, seq) for seq in range(1, 9)]  # twice the whole budget
         ok = bob.post("asample", sampling_session_id=bobs, num_samples=1, prompt=PROMPT)
         assert ok.status_code == 200, ok.text  # bob's one snapshot survived alice's flood
         gone = alice.post("asample", sampling_session_id=alices[0], num_samples=1, prompt=PROMPT)
@@ -61,9 +49,9 @@ def test_over_the_byte_budget_the_tenant_holding_the_most_bytes_gives_way(make_s
         with live.client(ALICE_KEY) as a, live.client(BOB_KEY) as b:
             alice, bob = RawTinker(a), RawTinker(b)
             bob_model = bob.create_model(bob.session(), rank=2)
-            bobs = [_snapshot(bob, bob_model, seq) for seq in (1, 2, 3)]
+            bobs = [bob.snapshot(bob_model, seq) for seq in (1, 2, 3)]
             alice_model = alice.create_model(alice.session(), rank=0)
-            alices = [_snapshot(alice, alice_model, seq) for seq in (1, 2)]
+            alices = [alice.snapshot(alice_model, seq) for seq in (1, 2)]
             for sid in bobs:
                 ok = bob.post("asample", sampling_session_id=sid, num_samples=1, prompt=PROMPT)
                 assert ok.status_code == 200, (budget, ok.text)
@@ -80,7 +68,7 @@ def test_a_tenant_has_its_own_snapshot_quota_named_when_its_sampler_was_evicted(
     with live.client(ALICE_KEY) as a:
         alice = RawTinker(a)
         model = alice.create_model(alice.session())
-        ids = [_snapshot(alice, model, seq) for seq in (1, 2, 3)]
+        ids = [alice.snapshot(model, seq) for seq in (1, 2, 3)]
         gone = alice.post("asample", sampling_session_id=ids[0], num_samples=1, prompt=PROMPT)
         assert gone.status_code == 404, gone.text
         assert "OPENRL_MAX_SAMPLER_SNAPSHOTS_PER_TENANT" in gone.json()["error"], gone.text

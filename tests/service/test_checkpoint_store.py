@@ -78,6 +78,35 @@ def test_a_corrupted_checkpoint_is_refused_naming_the_file(tmp_path, name):
     assert name in str(e.value) and "corrupt" in str(e.value) and REF.path in str(e.value)
 
 
+def test_a_checkpoint_verified_ahead_loads_unhashed_and_one_changed_since_is_hashed_again(
+    tmp_path, monkeypatch
+):
+    from openrl_service.storage import checkpoints
+
+    store = CheckpointStore(tmp_path)
+    save(store, 1.0)
+    hashed = []
+    real = checkpoints._check_digest
+    monkeypatch.setattr(
+        checkpoints,
+        "_check_digest",
+        lambda f, want, name, ref: hashed.append(name) or real(f, want, name, ref),
+    )
+    size = (store.folder("alice", REF) / "adapter_model.safetensors").stat().st_size
+    assert store.verify("alice", REF, with_optimizer=True) >= size  # hashed now, on this thread
+    assert sorted(hashed) == ["adapter_model.safetensors", "optimizer.safetensors"]
+    hashed.clear()
+    assert store.verify("alice", REF, with_optimizer=True) == 0  # already checked: nothing read
+    assert loaded_value(store) == 1.0 and hashed == []  # the load did not hash again
+    path = store.folder("alice", REF) / "adapter_model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01  # changed after it was verified: another file identity
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="corrupt"):
+        store.load("alice", REF)
+    assert hashed == ["adapter_model.safetensors"]
+
+
 def fsynced_paths(monkeypatch) -> list[str]:
     synced = []
     real = os.fsync

@@ -273,14 +273,23 @@ def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny
         for k in range(2):
             got_a.append(step(a, k))
             got_b.append(step(b, k + 1))
-        time.sleep(1.5)  # a snapshot with one run on disk
+        # A snapshot is taken only when something was journaled since the last one, and the last
+        # step's op moved the other run to disk after its records were written: journal one more
+        # request (a sampler on the base model), so the next snapshot sees one run on disk.
+        sc.create_sampling_client(base_model=SPEC["base_model"])
         spilled = list((data / "spill").glob("*.safetensors"))
         assert spilled
-        # the journal's snapshot holds both runs, a file each; the one waiting on disk is its spill
-        # file under a second name (linked, not copied): a restart restores them
-        files = list((data / "journal").glob("run-*.tensors"))
-        assert len(files) == 2, sorted(p.name for p in (data / "journal").iterdir())
-        assert {p.stat().st_ino for p in spilled} <= {p.stat().st_ino for p in files}
+
+        def linked() -> bool:
+            # the journal's snapshot holds both runs, a file each; the one waiting on disk is its
+            # spill file under a second name (linked, not copied): a restart restores them
+            files = list((data / "journal").glob("run-*.tensors"))
+            return len(files) == 2 and {p.stat().st_ino for p in spilled} <= {p.stat().st_ino for p in files}
+
+        deadline = time.monotonic() + 30
+        while not linked() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert linked(), sorted(p.name for p in (data / "journal").iterdir())
         served.proc.kill()
         served.proc.wait()
         served = start(data, tiny_model_dir, env=env, port=int(served.url.rsplit(":", 1)[1]))

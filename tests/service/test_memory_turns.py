@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -51,6 +52,61 @@ def test_the_room_is_the_container_limit_less_its_use_when_that_is_lower(tmp_pat
     (unlimited / "memory" / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")  # v1: no limit
     assert memory.container_limit(unlimited) is None
     assert memory.host_room(64 << 30, unlimited) == (64 << 30, "available memory")
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="reads the process's RSS from /proc (Linux)"
+)
+def test_base_weights_mapped_from_their_file_are_in_use_before_the_plan(tmp_path):
+    """The loader maps the base model's weights from their file: pages not yet read are in nobody's
+    usage, so a plan made before the first op would count them as room (the 180M bench's plan saw
+    297 MiB in use with 689 MiB of weights loaded). ``memory.touch`` reads every page first."""
+    n = 32 << 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * n)
+    mapped = torch.from_file(str(path), shared=True, size=n // 4, dtype=torch.float32)  # mapped, unread
+    before = _rss()
+    assert memory.touch([mapped, torch.zeros(0)]) == n
+    assert _rss() - before >= n * 0.9  # every page of it is now in the process's memory
+
+
+def test_deferred_tensors_are_made_one_at_a_time_as_the_file_is_written(tmp_path):
+    """A merged export's weights (base + B @ A) are made when the writer reaches each one and dropped
+    once written: one merged weight in memory at a time, never the merged model."""
+    import gc
+    import weakref
+
+    from safetensors.torch import load_file
+
+    from openrl_service.storage.tensorfile import Deferred, write_tensors
+
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def make(i: int) -> torch.Tensor:
+        nonlocal most
+        gc.collect()
+        most = max(most, sum(1 for r in alive if r() is not None) + 1)
+        t = torch.full((64, 64), float(i))
+        alive.append(weakref.ref(t))
+        return t
+
+    tensors = {f"w{i}": Deferred((64, 64), torch.float32, lambda i=i: make(i)) for i in range(6)}
+    write_tensors(tmp_path / "m.safetensors", tensors)
+    back = load_file(tmp_path / "m.safetensors")
+    assert [float(back[f"w{i}"][0, 0]) for i in range(6)] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert most == 1, f"{most} made tensors were alive at once"
+    wrong = {"w": Deferred((2, 2), torch.float32, lambda: torch.zeros(3))}
+    with pytest.raises(ValueError, match="declared"):  # the header promised another shape
+        write_tensors(tmp_path / "bad.safetensors", wrong)
+    assert not list(tmp_path.glob("bad.safetensors*"))
 
 
 def test_the_plan_is_published_and_is_the_full_runs_share(tmp_path, tiny_model_dir):
@@ -171,6 +227,47 @@ def test_a_spill_holds_no_lock_the_http_side_waits_on(tmp_path, tiny_model_dir, 
         assert live.service.models["openrl/tiny"].trainer.residency.status()["bytes"]["out_disk"] > 0
     finally:
         release.set()
+        live.stop()
+
+
+def test_checkpoint_loads_are_hashed_off_the_device_worker(tmp_path, tiny_model_dir, monkeypatch):
+    """A full run's checkpoint is the model's size: its SHA-256 is checked on the request's pool
+    thread before the load is queued, so the worker, which every tenant's ops wait for, only reads it
+    (a training client from state with its optimizer, a sampler on a checkpoint, the OpenAI endpoint)."""
+    from openrl_service.storage import checkpoints
+
+    where: list[str] = []
+    real = checkpoints._check_digest
+
+    def watched(f, want, name, ref):
+        where.append(threading.current_thread().name)
+        return real(f, want, name, ref)
+
+    monkeypatch.setattr(checkpoints, "_check_digest", watched)
+    live = start_server(tmp_path / "d", tiny_model_dir)
+    try:
+        sc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
+        tc = sc.create_lora_training_client(**FULL).result()
+        before = step(tc, 0)
+        saved = tc.save_state("mid").result().path
+        for_sampler = tc.save_weights_for_sampler("s").result().path
+        where.clear()
+        again = sc.create_training_client_from_state_with_optimizer(saved).result()
+        assert step(again, 1) == pytest.approx(step(tc, 1), rel=1e-6)  # the same state, optimizer included
+        sampler = sc.create_sampling_client(model_path=for_sampler)
+        prompt = tinker.types.ModelInput.from_ints([1, 2, 3])
+        params = tinker.types.SamplingParams(max_tokens=2, seed=1)
+        assert len(sampler.sample(prompt, 1, params).result().sequences) == 1
+        with httpx.Client(base_url=live.url, headers={"X-API-Key": ALICE_KEY}, timeout=60) as http:
+            r = http.post(
+                "/oai/api/v1/completions", json={"model": for_sampler, "prompt": [1, 2], "max_tokens": 2}
+            )
+            assert r.status_code == 200, r.text
+        assert where, "no checkpoint was hashed: the test watched nothing"
+        assert "openrl-device-worker" not in where, where
+        assert before > 0
+        sc.close("success").result()
+    finally:
         live.stop()
 
 

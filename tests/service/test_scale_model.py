@@ -4,8 +4,8 @@ named like the tiny variants, with as many parameters as their shapes say."""
 import json
 
 import pytest
-from safetensors import safe_open
 
+from openrl_service.models.loading import parameter_count
 from openrl_service.models.tiny import (
     SCALE_30M_MODEL_NAME,
     SCALE_180M_MODEL_NAME,
@@ -20,15 +20,8 @@ from openrl_service.models.tiny import (
 
 
 def stored_parameters(folder) -> int:
-    """Weights in the folder's safetensors file, from its header."""
-    count = 0
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-            n = 1
-            for d in f.get_slice(key).get_shape():
-                n *= d
-            count += n
-    return count
+    """Weights in the folder's safetensors file, from its header (what the service counts)."""
+    return parameter_count(str(folder), data_dir=folder)
 
 
 @pytest.mark.parametrize("spec", ["scale-30m", "scale-180m", "openrl/scale-30m"])
