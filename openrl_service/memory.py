@@ -181,21 +181,6 @@ def plan(
     return p
 
 
-def touch(tensors) -> int:
-    """Read one element of every memory page of the host tensors given (the base model's weights,
-    which the loader maps from their file): pages not yet read are in no container's usage, so a plan
-    made before the first op would count as room what the first forward takes. Returns the bytes
-    touched."""
-    n = 0
-    for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
-        flat = t.detach().reshape(-1)
-        flat[:: max(1, 4096 // t.element_size())].sum()  # a strided read: every page, little work
-        n += t.numel() * t.element_size()
-    return n
-
-
 def give_back() -> None:
     """Return the C heap's freed memory to the OS (glibc ``malloc_trim``): after a run's gigabytes
     leave, the allocator would otherwise keep them, and a container's limit counts them."""

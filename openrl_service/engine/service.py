@@ -180,7 +180,6 @@ class TrainingService(Registry):
         on: dict[str, list[ServedModel]] = {}
         for m in models.values():
             on.setdefault(str(m.base.device), []).append(m)
-            memory.touch(m.base.router.base_weights.values())  # mapped from the file: in use from now
         host_free, host_source = memory.host_room(free_bytes(torch.device("cpu")))
         snapshot_caps = []
         for device, group in on.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -52,29 +51,6 @@ def test_the_room_is_the_container_limit_less_its_use_when_that_is_lower(tmp_pat
     (unlimited / "memory" / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")  # v1: no limit
     assert memory.container_limit(unlimited) is None
     assert memory.host_room(64 << 30, unlimited) == (64 << 30, "available memory")
-
-
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
-@pytest.mark.skipif(
-    not Path("/proc/self/status").exists(), reason="reads the process's RSS from /proc (Linux)"
-)
-def test_base_weights_mapped_from_their_file_are_in_use_before_the_plan(tmp_path):
-    """The loader maps the base model's weights from their file: pages not yet read are in nobody's
-    usage, so a plan made before the first op would count them as room (the 180M bench's plan saw
-    297 MiB in use with 689 MiB of weights loaded). ``memory.touch`` reads every page first."""
-    n = 32 << 20
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"\0" * n)
-    mapped = torch.from_file(str(path), shared=True, size=n // 4, dtype=torch.float32)  # mapped, unread
-    before = _rss()
-    assert memory.touch([mapped, torch.zeros(0)]) == n
-    assert _rss() - before >= n * 0.9  # every page of it is now in the process's memory
 
 
 def test_deferred_tensors_are_made_one_at_a_time_as_the_file_is_written(tmp_path):
