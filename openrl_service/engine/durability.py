@@ -392,9 +392,14 @@ class Durability:
         seen: set[str] = set()
         later = [r for r in todo if not self._replay(r, seen)]
         if later:
-            # Sampling on a snapshot that a replayed save_weights_for_sampler makes: once the ops
-            # queued before it have run, the sampler exists.
-            while self.svc.engine.runnable():
+            # Sampling on a snapshot that a replayed save_weights_for_sampler makes: replayed once
+            # that sampler exists (its run's ops before the save have run), or once nothing more can
+            # run (the save failed: the sample is refused as it would have been). Only those runs'
+            # ops are waited for: the service is ready while the others' still run.
+            while (
+                any(r[3].get("sampler_id") not in self.svc.samplers for r in later)
+                and self.svc.engine.runnable()
+            ):
                 await asyncio.sleep(0.02)
             for record in later:
                 self._replay(record, seen, last_chance=True)
