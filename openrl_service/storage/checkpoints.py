@@ -47,7 +47,9 @@ from openrl_common.files import fsync_dir, write_atomic
 from openrl_service import crashpoints
 from openrl_service.config import Limits, tenant_folder
 from openrl_service.errors import NotFound, QuotaExceeded, UserError
-from openrl_service.storage.tensorfile import read_tensors, write_tensors
+from openrl_service.storage import checkpoint_read
+from openrl_service.storage.checkpoint_read import Folder, identity, tensors_of, verified
+from openrl_service.storage.tensorfile import write_tensors
 
 KINDS = ("weights", "sampler_weights", "external_weights")
 CHECKPOINT_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -557,7 +559,7 @@ class CheckpointStore:
         request's, before its load is queued), so the load on the device worker reads them without
         hashing (a full run's checkpoint is the size of the model: seconds of hashing). Returns the
         bytes hashed (0 when every file was checked already). Raises as :meth:`load` does."""
-        folder = _Folder.open(self._ckpt_dir(tenant, ref))
+        folder = Folder.open(self._ckpt_dir(tenant, ref))
         if folder is None:
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         hashed = 0
@@ -575,11 +577,11 @@ class CheckpointStore:
                 if want is None:
                     continue
                 with folder.open_file(name) as f:
-                    key = _identity(os.fstat(f.fileno()))
+                    key = identity(os.fstat(f.fileno()))
                     with self._lock:
                         if self._hashed.get(key) == want:
                             continue
-                    hashed += _check_digest(f, want, name, ref)
+                    hashed += checkpoint_read.check_digest(f, want, name, ref)
                     with self._lock:
                         self._hashed[key] = want
                         while len(self._hashed) > 4096:
@@ -587,7 +589,7 @@ class CheckpointStore:
         return hashed
 
     def _already_hashed(self, f, want: str) -> bool:
-        key = _identity(os.fstat(f.fileno()))
+        key = identity(os.fstat(f.fileno()))
         with self._lock:
             return self._hashed.get(key) == want
 
@@ -596,7 +598,7 @@ class CheckpointStore:
     ) -> tuple[dict, dict, dict | None]:
         # Every file comes from the one directory opened here, so a concurrent overwrite (an atomic
         # exchange of directories) cannot mix an old manifest with new tensors.
-        folder = _Folder.open(self._ckpt_dir(tenant, ref))
+        folder = Folder.open(self._ckpt_dir(tenant, ref))
         if folder is None:
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         with folder:
@@ -608,8 +610,8 @@ class CheckpointStore:
                 raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
             digests = manifest.get("files") or {}
             weights_name, config_name = weight_files(manifest)
-            _verified(folder, config_name, digests, ref)
-            adapter = _tensors(folder, weights_name, digests, ref, self._already_hashed)
+            verified(folder, config_name, digests, ref)
+            adapter = tensors_of(folder, weights_name, digests, ref, self._already_hashed)
             optimizer = None
             if with_optimizer:
                 if "optimizer.safetensors" not in digests:
@@ -618,7 +620,7 @@ class CheckpointStore:
                         "load it without the optimizer",
                         field="path",
                     )
-                optimizer = _tensors(folder, "optimizer.safetensors", digests, ref, self._already_hashed)
+                optimizer = tensors_of(folder, "optimizer.safetensors", digests, ref, self._already_hashed)
         return manifest, adapter, optimizer
 
     def folder(self, tenant: str, ref: CheckpointRef) -> Path:
@@ -626,94 +628,6 @@ class CheckpointStore:
         if not (d / "manifest.json").is_file():
             raise NotFound(f"checkpoint {ref.path} not found", field="path")
         return d
-
-
-class _Folder:
-    """A checkpoint directory held open: files are read relative to it (where the OS allows)."""
-
-    def __init__(self, path: Path, fd: int | None):
-        self.path, self.fd = path, fd
-
-    @classmethod
-    def open(cls, path: Path) -> _Folder | None:
-        if os.open not in os.supports_dir_fd:
-            return cls(path, None) if path.is_dir() else None
-        try:
-            return cls(path, os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def read(self, name: str) -> bytes:
-        with self.open_file(name) as f:
-            return f.read()
-
-    def open_file(self, name: str):
-        if self.fd is None:
-            return open(self.path / name, "rb")
-        return os.fdopen(os.open(name, os.O_RDONLY, dir_fd=self.fd), "rb")
-
-    def __enter__(self) -> _Folder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-
-
-def _verified(folder: _Folder, name: str, digests: dict, ref: CheckpointRef) -> bytes:
-    """The file's bytes if they match the manifest's SHA-256 (files the manifest does not list are
-    read as they are)."""
-    data = folder.read(name)
-    want = digests.get(name)
-    if want is not None and hashlib.sha256(data).hexdigest() != want:
-        raise UserError(
-            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
-            "(the file changed on disk after it was saved); save the checkpoint again",
-            field="path",
-        )
-    return data
-
-
-def _identity(st: os.stat_result) -> tuple:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _check_digest(f, want: str, name: str, ref: CheckpointRef) -> int:
-    """Hash the open file from its start in blocks; UserError naming the file when it does not match
-    the manifest. Returns the bytes read."""
-    f.seek(0)
-    h, n = hashlib.sha256(), 0
-    for block in iter(lambda: f.read(4 << 20), b""):
-        h.update(block)
-        n += len(block)
-    if h.hexdigest() != want:
-        raise UserError(
-            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
-            "(the file changed on disk after it was saved); save the checkpoint again",
-            field="path",
-        )
-    return n
-
-
-def _tensors(
-    folder: _Folder, name: str, digests: dict, ref: CheckpointRef, already_hashed=lambda f, want: False
-) -> dict[str, torch.Tensor]:
-    """A tensor file's tensors, its SHA-256 checked first (unless ``already_hashed`` says this very
-    file was, off the worker: CheckpointStore.verify), both streamed: the bytes are hashed in blocks
-    and the tensors read one at a time from the same open file (never the file's bytes and its tensors
-    in memory at once: a full fine-tune's checkpoint is the size of the model)."""
-    with folder.open_file(name) as f:
-        want = digests.get(name)
-        if want is not None and not already_hashed(f, want):
-            _check_digest(f, want, name, ref)
-        source = f"/proc/self/fd/{f.fileno()}" if Path("/proc/self/fd").is_dir() else folder.path / name
-        try:
-            with read_tensors(source) as lazy:
-                return {k: lazy[k] for k in lazy}
-        except Exception as e:  # noqa: BLE001 - not a tensor file (a file changed behind our back)
-            raise UserError(
-                f"checkpoint {ref.path}: {name} is not a readable tensor file ({e})", field="path"
-            ) from e
 
 
 def _exchange(a: Path, b: Path) -> None:

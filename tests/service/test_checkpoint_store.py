@@ -81,15 +81,15 @@ def test_a_corrupted_checkpoint_is_refused_naming_the_file(tmp_path, name):
 def test_a_checkpoint_verified_ahead_loads_unhashed_and_one_changed_since_is_hashed_again(
     tmp_path, monkeypatch
 ):
-    from openrl_service.storage import checkpoints
+    from openrl_service.storage import checkpoint_read
 
     store = CheckpointStore(tmp_path)
     save(store, 1.0)
     hashed = []
-    real = checkpoints._check_digest
+    real = checkpoint_read.check_digest
     monkeypatch.setattr(
-        checkpoints,
-        "_check_digest",
+        checkpoint_read,
+        "check_digest",
         lambda f, want, name, ref: hashed.append(name) or real(f, want, name, ref),
     )
     size = (store.folder("alice", REF) / "adapter_model.safetensors").stat().st_size

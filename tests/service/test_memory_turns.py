@@ -210,16 +210,16 @@ def test_checkpoint_loads_are_hashed_off_the_device_worker(tmp_path, tiny_model_
     """A full run's checkpoint is the model's size: its SHA-256 is checked on the request's pool
     thread before the load is queued, so the worker, which every tenant's ops wait for, only reads it
     (a training client from state with its optimizer, a sampler on a checkpoint, the OpenAI endpoint)."""
-    from openrl_service.storage import checkpoints
+    from openrl_service.storage import checkpoint_read
 
     where: list[str] = []
-    real = checkpoints._check_digest
+    real = checkpoint_read.check_digest
 
     def watched(f, want, name, ref):
         where.append(threading.current_thread().name)
         return real(f, want, name, ref)
 
-    monkeypatch.setattr(checkpoints, "_check_digest", watched)
+    monkeypatch.setattr(checkpoint_read, "check_digest", watched)
     live = start_server(tmp_path / "d", tiny_model_dir)
     try:
         sc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY)
