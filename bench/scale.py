@@ -51,6 +51,7 @@ scale-30m, fewer and shorter steps, the same limit formula.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import hashlib
@@ -369,7 +370,7 @@ def container_cgroup(pid: int | None) -> tuple[Path | None, bool]:
 
 
 # -- what runs beside the workload ----------------------------------------------------------------
-class Poller(threading.Thread):
+class Poller(threading.Thread, abc.ABC):
     """Calls ``poll`` every ``period_s`` until stopped."""
 
     def __init__(self, period_s: float):
@@ -386,8 +387,9 @@ class Poller(threading.Thread):
                 pass
             self.halt.wait(max(0.0, self.period_s - (time.monotonic() - t0)))
 
+    @abc.abstractmethod
     def poll(self) -> None:
-        raise NotImplementedError
+        """One measurement (each poller's own)."""
 
     def stop(self) -> None:
         self.halt.set()

@@ -138,16 +138,16 @@ class Inference:
     def cached(self, tenant: str, target: Target) -> bool:
         """The target's checkpoint is in the adapter cache (its files need no reading)."""
         with self._lock:
-            return (tenant, target.ref.path if target.ref else "", target.digest or "") in self._adapters
+            return target.ref is not None and _key(tenant, target) in self._adapters
 
     def adapter(self, tenant: str, target: Target) -> Adapter | None:
         """On the worker: the checkpoint's adapter (cached), or None for the bare base model."""
         if target.ref is None:
             return None
         with self._lock:
-            hit = self._adapters.get((tenant, target.ref.path, target.digest or ""))
+            hit = self._adapters.get(_key(tenant, target))
             if hit is not None:
-                self._adapters.move_to_end((tenant, target.ref.path, target.digest or ""))
+                self._adapters.move_to_end(_key(tenant, target))
                 return hit
         trainer = target.model.trainer
         trainer.make_room_for_snapshot(spec_from_manifest(self.svc.store.manifest(tenant, target.ref)))
@@ -262,3 +262,8 @@ class Inference:
             ),
         )
         return svc._queue(op, None, None)
+
+
+def _key(tenant: str, target: Target) -> tuple[str, str, str]:
+    """A checkpoint target's place in the adapter cache, as resolved (its digest then)."""
+    return (tenant, target.ref.path, target.digest or "")

@@ -559,15 +559,9 @@ class CheckpointStore:
         request's, before its load is queued), so the load on the device worker reads them without
         hashing (a full run's checkpoint is the size of the model: seconds of hashing). Returns the
         bytes hashed (0 when every file was checked already). Raises as :meth:`load` does."""
-        folder = Folder.open(self._ckpt_dir(tenant, ref))
-        if folder is None:
-            raise NotFound(f"checkpoint {ref.path} not found", field="path")
         hashed = 0
+        folder, manifest = self._open(tenant, ref)
         with folder:
-            try:
-                manifest = json.loads(folder.read("manifest.json"))
-            except ValueError:
-                raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
             digests = manifest.get("files") or {}
             names = [weight_files(manifest)[0]]
             if with_optimizer and "optimizer.safetensors" in digests:
@@ -577,13 +571,11 @@ class CheckpointStore:
                 if want is None:
                     continue
                 with folder.open_file(name) as f:
-                    key = identity(os.fstat(f.fileno()))
-                    with self._lock:
-                        if self._hashed.get(key) == want:
-                            continue
+                    if self._already_hashed(f, want):
+                        continue
                     hashed += checkpoint_read.check_digest(f, want, name, ref)
                     with self._lock:
-                        self._hashed[key] = want
+                        self._hashed[identity(os.fstat(f.fileno()))] = want
                         while len(self._hashed) > 4096:
                             self._hashed.popitem(last=False)
         return hashed
@@ -593,19 +585,27 @@ class CheckpointStore:
         with self._lock:
             return self._hashed.get(key) == want
 
+    def _open(self, tenant: str, ref: CheckpointRef) -> tuple[Folder, dict]:
+        """The checkpoint's folder held open (the caller closes it) and its manifest; NotFound if absent."""
+        folder = Folder.open(self._ckpt_dir(tenant, ref))
+        if folder is None:
+            raise NotFound(f"checkpoint {ref.path} not found", field="path")
+        try:
+            return folder, json.loads(folder.read("manifest.json"))
+        except ValueError:
+            folder.__exit__(None, None, None)
+            raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
+        except BaseException:
+            folder.__exit__(None, None, None)
+            raise
+
     def _load_once(
         self, tenant: str, ref: CheckpointRef, with_optimizer: bool
     ) -> tuple[dict, dict, dict | None]:
         # Every file comes from the one directory opened here, so a concurrent overwrite (an atomic
         # exchange of directories) cannot mix an old manifest with new tensors.
-        folder = Folder.open(self._ckpt_dir(tenant, ref))
-        if folder is None:
-            raise NotFound(f"checkpoint {ref.path} not found", field="path")
+        folder, manifest = self._open(tenant, ref)
         with folder:
-            try:
-                manifest = json.loads(folder.read("manifest.json"))
-            except ValueError:
-                raise NotFound(f"checkpoint {ref.path} not found", field="path") from None
             if _expired(manifest):
                 raise NotFound(f"checkpoint {ref.path} not found (it expired)", field="path")
             digests = manifest.get("files") or {}
