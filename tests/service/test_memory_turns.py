@@ -258,8 +258,13 @@ def test_healthz_fails_only_when_the_worker_makes_no_progress_with_work_waiting(
         tc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY).create_lora_training_client
         waiting = threading.Thread(target=lambda: tc(**LORA), daemon=True)
         waiting.start()
-        time.sleep(2.0)
-        r = httpx.get(f"{live.url}/healthz", timeout=5)
+        deadline = time.monotonic() + 30  # the SDK's session and create_model reach the queue, then 1 s passes
+        while True:
+            r = httpx.get(f"{live.url}/healthz", timeout=5)
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert live.service.engine.has_work()
         assert (
             r.status_code == 503 and "no progress" in r.json()["status"] and "OPENRL_HEALTH_STALL_S" in r.text
         )
