@@ -152,7 +152,12 @@ class _Lazy:
 
 @contextlib.contextmanager
 def read_tensors(path: str | os.PathLike) -> Iterator[_Lazy]:
-    """The file's tensors as a mapping, each read when asked for (one at a time in memory)."""
+    """The file's tensors as a mapping, each read when asked for (one at a time in memory).
+
+    safetensors maps the file (private, copy-on-write) and every tensor it returns is a view of that
+    one mapping: pages are read in as they are touched, a page written becomes the process's own, and
+    the whole mapping (with every page written, and the file's disk space if it was removed) stays
+    until the last tensor read from it is gone. Copy a tensor that outlives the others."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:

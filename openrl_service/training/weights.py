@@ -147,4 +147,7 @@ def place_tensors(weights, state, tensors, device: torch.device) -> None:
         st = opt[p]
         for key in slots:
             k, v = key[len(prefix) :], tensors[key]
-            st[k] = v if k == "step" and v.dim() == 0 else v.to(device)
+            # a step count is a copy: a tensor read from a file is a view of the whole file's private
+            # mapping (storage/tensorfile.py read_tensors), and a step kept from it would keep every
+            # page of the run the optimizer wrote, after the run had moved off again
+            st[k] = v.clone() if k == "step" and v.dim() == 0 else v.to(device)

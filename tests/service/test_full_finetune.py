@@ -358,6 +358,45 @@ def test_runs_move_to_host_memory_first_then_to_disk_and_come_back_exactly(tmp_p
         assert_same(Trainer.optimizer_tensors(st), Trainer.optimizer_tensors(ref))
 
 
+def test_a_run_moved_to_disk_keeps_no_mapping_of_the_file_it_was_read_from(tmp_path, tiny_model_dir):
+    """A run brought back from disk computes on a mapping of its spill file, and the pages its steps
+    write become the process's own. Moved off again, it must let go of that mapping: a kept step count
+    (a view of the same mapping) once held a 180M run's written pages, gigabytes, after it had gone to
+    disk, until the container was OOM-killed (bench/scale.py)."""
+    from openrl_service.models.loading import load_base_model
+    from openrl_service.training.full import Residency
+    from openrl_service.training.lora import LoraSpec
+    from openrl_service.training.optim_params import AdamParams
+    from openrl_service.training.trainer import DatumArrays, Trainer
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("reads /proc/self/maps (Linux)")
+    base = load_base_model(str(tiny_model_dir), data_dir=tmp_path)
+    seq = np.array(TEXT[0], dtype=np.int64)
+    data = [DatumArrays(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(len(seq) - 1, np.float32)})]
+    one = Trainer(base).footprint(LoraSpec(rank=0))
+    spill = tmp_path / "spill"
+    res = Residency(base.device, budget_bytes=int(one * 1.5), host_bytes=0, spill_dir=spill)
+    trainer = Trainer(base, residency=res)
+    a, b = (trainer.new_state(LoraSpec(rank=0), 0) for _ in range(2))
+
+    def mapped() -> set[str]:
+        return {
+            line.split(maxsplit=5)[5].removesuffix(" (deleted)")
+            for line in maps.read_text().splitlines()
+            if str(spill) in line
+        }
+
+    for st in (a, b, a, b, a):  # each step brings one run in from disk and sends the other out
+        trainer.forward_backward(st, data, "cross_entropy", {}, forward_only=False)
+        trainer.optim_step(st, AdamParams(learning_rate=1e-3))
+        assert res.where[id(st.adapter)] == "device"
+        other = b if st is a else a
+        assert res.where[id(other.adapter)] == "disk"
+        assert mapped() <= {str(res._spill_path(id(st.adapter)))}, mapped()  # only the resident run's
+
+
 def test_a_run_moved_off_between_a_calls_slices_gets_its_gradient_back_exactly(tmp_path, tiny_model_dir):
     """A call cut into slices (other runs' ops run between them) sets the run's earlier gradient aside;
     if another full run's op moved this one to disk meanwhile, the gradient comes back when the call
