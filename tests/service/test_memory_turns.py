@@ -258,7 +258,8 @@ def test_healthz_fails_only_when_the_worker_makes_no_progress_with_work_waiting(
         tc = tinker.ServiceClient(base_url=live.url, api_key=ALICE_KEY).create_lora_training_client
         waiting = threading.Thread(target=lambda: tc(**LORA), daemon=True)
         waiting.start()
-        deadline = time.monotonic() + 30  # the SDK's session and create_model reach the queue, then 1 s passes
+        # the SDK's session and its create_model reach the queue, then the stall limit (1 s) passes
+        deadline = time.monotonic() + 30
         while True:
             r = httpx.get(f"{live.url}/healthz", timeout=5)
             if r.status_code != 200 or time.monotonic() > deadline:
