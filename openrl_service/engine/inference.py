@@ -144,10 +144,11 @@ class Inference:
         """On the worker: the checkpoint's adapter (cached), or None for the bare base model."""
         if target.ref is None:
             return None
+        key = _key(tenant, target)
         with self._lock:
-            hit = self._adapters.get(_key(tenant, target))
+            hit = self._adapters.get(key)
             if hit is not None:
-                self._adapters.move_to_end(_key(tenant, target))
+                self._adapters.move_to_end(key)
                 return hit
         trainer = target.model.trainer
         trainer.make_room_for_snapshot(spec_from_manifest(self.svc.store.manifest(tenant, target.ref)))

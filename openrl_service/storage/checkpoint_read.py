@@ -54,12 +54,17 @@ def verified(folder: Folder, name: str, digests: dict, ref: Any) -> bytes:
     data = folder.read(name)
     want = digests.get(name)
     if want is not None and hashlib.sha256(data).hexdigest() != want:
-        raise UserError(
-            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
-            "(the file changed on disk after it was saved); save the checkpoint again",
-            field="path",
-        )
+        raise corrupt(ref, name)
     return data
+
+
+def corrupt(ref: Any, name: str) -> UserError:
+    """The error for a file whose bytes no longer match the manifest's SHA-256."""
+    return UserError(
+        f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
+        "(the file changed on disk after it was saved); save the checkpoint again",
+        field="path",
+    )
 
 
 def identity(st: os.stat_result) -> tuple:
@@ -75,11 +80,7 @@ def check_digest(f, want: str, name: str, ref: Any) -> int:
         h.update(block)
         n += len(block)
     if h.hexdigest() != want:
-        raise UserError(
-            f"checkpoint {ref.path} is corrupt: {name} does not match the SHA-256 in its manifest "
-            "(the file changed on disk after it was saved); save the checkpoint again",
-            field="path",
-        )
+        raise corrupt(ref, name)
     return n
 
 

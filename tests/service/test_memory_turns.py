@@ -21,6 +21,7 @@ from openrl_service.engine.futures import FutureStore
 from openrl_service.errors import Gone
 from tests.conftest import ALICE_KEY, BOB_KEY, start_server
 from tests.service.test_full_finetune import TEXT, datum, footprint, solo_run, step
+from tests.service.test_shutdown import wait_for
 
 FULL = {"base_model": "openrl/tiny", "rank": 0, "seed": 0}
 LORA = {"base_model": "openrl/tiny", "rank": 4, "seed": 1}
@@ -259,12 +260,11 @@ def test_healthz_fails_only_when_the_worker_makes_no_progress_with_work_waiting(
         waiting = threading.Thread(target=lambda: tc(**LORA), daemon=True)
         waiting.start()
         # the SDK's session and its create_model reach the queue, then the stall limit (1 s) passes
-        deadline = time.monotonic() + 30
-        while True:
-            r = httpx.get(f"{live.url}/healthz", timeout=5)
-            if r.status_code != 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+        r = wait_for(
+            lambda: (h := httpx.get(f"{live.url}/healthz", timeout=5)).status_code != 200 and h,
+            "/healthz to fail with the worker wedged",
+            30,
+        )
         assert live.service.engine.has_work()
         assert (
             r.status_code == 503 and "no progress" in r.json()["status"] and "OPENRL_HEALTH_STALL_S" in r.text
