@@ -22,6 +22,7 @@ from openrl_common.datadirs import SECRET_ENV, SECRET_NAME, lock_holder
 from openrl_common.files import write_atomic
 from openrl_service import config as cfg
 from openrl_service.checks import number
+from openrl_service.group.comm import env_rank
 from openrl_service.kube import KubeSettings, load_api_client
 from openrl_service.lifecycle import Lifecycle
 from openrl_service.storage.layout import LayoutError
@@ -43,8 +44,6 @@ def _temporary_files_under(data_dir: Path) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from openrl_service.api.auth import ensure_generated_key
-    from openrl_service.app import create_app
 
     try:
         settings = cfg.from_env(
@@ -74,6 +73,13 @@ def _serve(args: argparse.Namespace) -> int:
             job_service_url=args.job_service_url,
             job_queue=args.job_queue,
             job_volumes_file=args.job_volumes_file,
+            world_size=args.world_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            devices=cfg.comma_list(args.devices),
+            sampler_devices=cfg.comma_list(args.sampler_devices),
             **{k: v for k, v in vars(args).items() if k == "sampler" or k.startswith("vllm_")},
         )
         if settings.sampler == "vllm":
@@ -146,6 +152,22 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     if args.allowed_host:
         settings.allowed_hosts.extend(args.allowed_host)
+    rank = env_rank()
+    if rank is not None and rank > 0:  # one of a group's ranks, started by `serve --world-size N`
+        from openrl_service.group.rank import follower_main
+
+        return follower_main(settings)
+    supervising = settings.world_size > 1 and rank is None
+    if supervising:
+        from openrl_service.group.launch import layout, supervise
+
+        try:
+            layout(settings)
+        except ValueError as e:
+            print(f"openrl-service: {e}", file=sys.stderr)
+            return 2
+        if settings.node_rank > 0:  # a node that serves no HTTP: its ranks follow node 0's rank 0
+            return supervise(settings, _rank_argv(args), sock=None, url=None)
     if settings.no_auth and not settings.loopback:
         print(
             f"openrl-service: --no-auth only works on a loopback host (got --host {settings.host}); "
@@ -154,6 +176,16 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     host = settings.host
+    if rank == 0:  # rank 0 of a group: the supervisor bound the port and holds the data dir
+        settings.instance_secret = os.environ.pop(SECRET_ENV, None) or settings.instance_secret
+        return _serve_app(
+            args,
+            settings,
+            models,
+            socket.socket(fileno=int(os.environ["OPENRL_LISTEN_FD"])),
+            os.environ["OPENRL_URL"],
+            None,
+        )
     try:  # the port first: the lock never names a port this process does not hold (--port 0: any free)
         sock = listening_socket(host, settings.port)
     except OSError as e:
@@ -178,9 +210,30 @@ def _serve(args: argparse.Namespace) -> int:
     settings.instance_secret = os.environ.pop(SECRET_ENV, None) or settings.instance_secret
     write_atomic(settings.data_dir / SECRET_NAME, settings.instance_secret + "\n")  # 0600
     lock.announce(url)
-    _temporary_files_under(settings.data_dir)
     if args.report_fd is not None:
         _report(args.report_fd, url)
+    if supervising:
+        from openrl_service.group.launch import supervise
+
+        os.environ[SECRET_ENV] = settings.instance_secret  # rank 0 proves the same secret
+        try:
+            return supervise(settings, _rank_argv(args), sock=sock, url=url)
+        finally:
+            lock.release()
+    return _serve_app(args, settings, models, sock, url, lock)
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "openrl_service.cli", *args.argv]
+
+
+def _serve_app(args, settings, models, sock: socket.socket, url: str, lock) -> int:
+    """Serve HTTP on ``sock`` until SIGTERM's drain ends (one device, or rank 0 of a group)."""
+    from openrl_service.api.auth import ensure_generated_key
+    from openrl_service.app import create_app
+
+    host = settings.host
+    _temporary_files_under(settings.data_dir)
     if settings.auth_enabled and settings.hub_api_url:
         print(
             f"openrl-service: JupyterHub users sign in with their hub token through {settings.hub_api_url} "
@@ -233,7 +286,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(settings)
     except LayoutError as e:  # an older release's data dir that cannot be moved without merging tenants
-        lock.release()
+        if lock is not None:
+            lock.release()
         print(f"openrl-service: {e}", file=sys.stderr)
         return 2
     if args.exit_with_parent:
@@ -250,7 +304,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     if app.state.service.engine.alive:
         # The drain gave up on an op still running on the device: exit now rather than let the
         # interpreter's teardown race the worker thread inside torch.
@@ -587,6 +642,46 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="auto (default): vLLM where CUDA and vllm are installed, else torch (OPENRL_SAMPLER)",
     )
+    g = s.add_argument_group("Several devices per model (OPENRL_WORLD_SIZE, …; see docs/architecture.md)")
+    g.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks of the torch.distributed group serving each model, one process per device, across "
+        "every node (default 1; OPENRL_WORLD_SIZE)",
+    )
+    g.add_argument(
+        "--devices",
+        default=None,
+        help="this node's devices, one per rank: cuda:0,cuda:1,… (default: every visible GPU, else CPU "
+        "ranks on gloo; OPENRL_DEVICES)",
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=None, help="nodes the group spans (default 1; OPENRL_NNODES)"
+    )
+    g.add_argument(
+        "--node-rank", type=int, default=None, help="this node's place, 0 serves HTTP (OPENRL_NODE_RANK)"
+    )
+    g.add_argument(
+        "--master-addr",
+        default=None,
+        help="with several nodes: node 0's address, where the group meets (OPENRL_MASTER_ADDR)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="with several nodes: the port node 0 binds for the group's rendezvous (OPENRL_MASTER_PORT)",
+    )
+    g.add_argument(
+        "--vllm-tp", type=int, default=None, help="vLLM's tensor_parallel_size (default 1; OPENRL_VLLM_TP)"
+    )
+    g.add_argument(
+        "--sampler-devices",
+        default=None,
+        help="GPUs for vLLM apart from the training group's: cuda:2,cuda:3 (default: colocated; "
+        "OPENRL_SAMPLER_DEVICES)",
+    )
     v = s.add_argument_group("vLLM sampler (--sampler vllm/auto; OPENRL_VLLM_*)")
     v.add_argument("--vllm-gpu-memory-utilization", type=float, help="GPU memory fraction for vLLM (0.5)")
     v.add_argument("--vllm-kv-cache-gb", type=float, help="CPU: vLLM's KV cache in GiB (1)")
@@ -656,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     a.set_defaults(func=_admin)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a group's ranks run the same command
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

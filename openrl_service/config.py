@@ -102,6 +102,26 @@ class Settings:
     # OPENRL_TORCH_THREADS: the device worker's intra-op threads; unset, torch's default (one per core,
     # or OMP_NUM_THREADS): on a quiet 2-core machine 2 threads trained 1.5x faster than 1
     torch_threads: int | None = None
+    # Several devices per base model (openrl_service/group/): OPENRL_WORLD_SIZE / --world-size: ranks
+    # in the torch.distributed group (one process per device; gloo on CPU, NCCL on CUDA), across
+    # OPENRL_NNODES / --nnodes nodes, this one OPENRL_NODE_RANK / --node-rank; with several nodes the
+    # group meets at OPENRL_MASTER_ADDR:OPENRL_MASTER_PORT (node 0 binds it). OPENRL_DEVICES /
+    # --devices: this node's devices, one per rank (cuda:0,cuda:1,…; default: every visible GPU, or the
+    # CPU). OPENRL_GROUP_TIMEOUT_S: a collective waiting longer on a rank tears the group down (it is
+    # restarted and the journal replayed); OPENRL_GROUP_MAX_RESTARTS: restarts in a row, each within a
+    # minute of the last, before `serve` gives up.
+    world_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    devices: list[str] = field(default_factory=list)
+    group_timeout_s: float = 120.0
+    group_max_restarts: int = 5
+    # OPENRL_VLLM_TP / --vllm-tp: vLLM's tensor_parallel_size; OPENRL_SAMPLER_DEVICES /
+    # --sampler-devices: GPUs for vLLM apart from the training group's (default: colocated on them)
+    vllm_tp: int = 1
+    sampler_devices: list[str] = field(default_factory=list)
     # Engine timing.
     long_poll_s: float = 25.0  # OPENRL_LONG_POLL_S: how long retrieve_future holds before try_again
     future_ttl_s: float = 3600.0  # OPENRL_FUTURE_TTL_S: completed results stay fetchable this long
@@ -395,7 +415,7 @@ def _var(name: str) -> str:
     return f"OPENRL_{name.upper()}"
 
 
-def _comma_list(value: Any) -> Any:
+def comma_list(value: Any) -> Any:
     """``a,b , c`` -> [a, b, c] (empty items dropped): OPENRL_MODELS, OPENRL_JOB_IMAGES,
     OPENRL_ALLOWED_HOSTS are comma-separated, not JSON."""
     return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else value
@@ -412,7 +432,7 @@ def _env_type(name: str, hint: Any) -> Any:
     if hint is bool:
         return Annotated[bool, BeforeValidator(lambda v: parse_switch(v, var))]
     if typing.get_origin(hint) is list or list[str] in typing.get_args(hint):
-        return Annotated[list[str], NoDecode, BeforeValidator(_comma_list)]
+        return Annotated[list[str], NoDecode, BeforeValidator(comma_list)]
     return hint
 
 

@@ -535,6 +535,7 @@ class Durability:
                 st = trainer.restore_state(r["spec"], t["names"], self.files.path(t["file"]))
                 st.steps = t["steps"]
                 st.pending_backward = t["pending_backward"]
+                trainer.publish(st)
                 run.state = st
                 st.adapter.lane = f"run:{run.run_id}"
                 self.files.adopt(run.run_id, st, t["file"])
@@ -550,6 +551,7 @@ class Durability:
                         p.grad = tensor_from(t["grads"][name], device)
                 st.steps = t["steps"]
                 st.pending_backward = t["pending_backward"]
+                trainer.publish(st)
                 run.state = st
                 st.adapter.lane = f"run:{run.run_id}"
             runs.append(run)

@@ -50,6 +50,7 @@ from openrl_service.engine.stability import StabilityRecords
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
 from openrl_service.engine.validation import Checks
 from openrl_service.errors import ApiError, NotReady, UserError
+from openrl_service.group.trainer import GroupTrainer
 from openrl_service.models.loading import (
     BaseModel,
     check_memory_budget,
@@ -116,6 +117,7 @@ class TrainingService(Registry):
             fusion_max_tokens=settings.fusion_max_tokens or settings.microbatch_tokens,
             fusers={},  # "train:<model>" and "sample:<model>", one pair per model, set as they load
         )
+        self.group = None  # the torch.distributed group at world size > 1 (group/comm.py)
         self._preloaded = base  # a model loaded by the caller: served as the first (default) one
         self.models: dict[str, ServedModel] = {}  # name -> model, the default first; set by _setup
         self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
@@ -149,6 +151,9 @@ class TrainingService(Registry):
         if s.torch_threads:  # else torch's default: the cores, or OMP_NUM_THREADS (bench/RESULTS.md, Threads)
             torch.set_num_threads(s.torch_threads)
         entries = s.model_entries()
+        group = self._join_group()
+        if group is not None:  # every model on this rank's device
+            entries = [dataclasses.replace(e, device=str(group.device)) for e in entries]
         preloaded = [self._preloaded] if self._preloaded is not None else []
         entries = entries[len(preloaded) :]
         needs = [estimate_need(e.spec, name=e.name, data_dir=s.data_dir, device=e.device) for e in entries]
@@ -163,14 +168,44 @@ class TrainingService(Registry):
                     f"two models are named {base.name!r} ({models[base.name].base.source} and {base.source}); "
                     "name them apart with NAME=SPEC"
                 )
-            trainer = Trainer(base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base))
+            if group is None:
+                trainer = Trainer(
+                    base, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base)
+                )
+            else:
+                trainer = GroupTrainer(
+                    base, group=group, microbatch_tokens=s.microbatch_tokens, residency=self._residency(base)
+                )
             sampler = self._make_sampler(base)
             base.sampled_by_torch = sampler.backend == "torch"
             models[base.name] = ServedModel(base, trainer, sampler)
             self.engine.fusers[f"train:{base.name}"] = trainer.forward_backward_fused
             self.engine.fusers[f"sample:{base.name}"] = functools.partial(self._fused_sample, base.name)
         self._plan_memory(models)
+        if group is not None:  # the other ranks load the same models (after this one made their files)
+            wire = [
+                {"name": n, "spec": e.spec, "microbatch_tokens": m.trainer.microbatch_tokens}
+                for (n, m), e in zip(models.items(), s.model_entries(), strict=True)
+            ]
+            group.call("setup", {"models": wire}, lambda: None)
+            group.ping_when_idle(max(1.0, s.group_timeout_s / 4))
         self.models = models
+
+    def _join_group(self):
+        """At world size > 1, rank 0 joins its group here, on the worker (/readyz says starting until
+        every rank has joined and loaded the models); None on one device."""
+        s = self.settings
+        if s.world_size <= 1:
+            return None
+        from openrl_service.group.comm import Group, env_rank
+
+        if env_rank() != 0:
+            raise ValueError(
+                f"world size {s.world_size} (OPENRL_WORLD_SIZE): the group's ranks are started by "
+                "`openrl-service serve --world-size N`"
+            )
+        self.group = Group.join(timeout_s=s.group_timeout_s)
+        return self.group
 
     def _plan_memory(self, models: dict[str, ServedModel]) -> None:
         """The memory accountant (openrl_service/memory.py), once every model and sampler is up (vLLM's
@@ -248,6 +283,8 @@ class TrainingService(Registry):
 
     def stop(self) -> None:
         self.engine.stop()
+        if self.group is not None and not self.engine.alive:
+            self.group.close()  # the other ranks stop
         if not self.engine.alive:
             for m in self.models.values():
                 m.sampler.close()  # vLLM's engine, shut down explicitly
@@ -371,8 +408,9 @@ class TrainingService(Registry):
             try:
                 if opt is not None:
                     Trainer.load_optimizer_tensors(state, opt)
+                    model.trainer.publish(state)  # a group's other ranks: the optimizer's state too
             except BaseException:
-                adapter.leave()  # the device share state_for took
+                state.adapter.leave()  # the device share state_for took
                 raise
             self._adopt(run, state)
             self._write_run_meta(run, source_checkpoint=ref.path)
@@ -774,6 +812,7 @@ class TrainingService(Registry):
                     st.optimizer = make_optimizer(st.adapter)
                     st.steps = int(manifest.get("steps", 0))
                 st.pending_backward = 0
+                self.model_of(run).trainer.publish(st)
                 return {"path": ref.path}
 
             return work

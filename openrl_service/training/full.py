@@ -109,6 +109,7 @@ class FullWeights(RunWeights):
     def leave(self) -> None:
         if self.home is not None:
             self.home.drop(self)
+        super().leave()
 
     @contextlib.contextmanager
     def applied(self, router) -> Iterator[None]:

@@ -66,6 +66,7 @@ class TrainState:
     steps: int = 0
     pending_backward: int = 0  # forward_backward calls since the last optim_step
     param_names: list[str] = field(default_factory=list)
+    group_key: int | None = None  # its key on every rank of a group (group/trainer.py)
 
 
 @dataclass
@@ -126,6 +127,10 @@ class Trainer:
             if isinstance(module, torch.nn.ModuleList):
                 for layer in module:
                     layer.register_forward_pre_hook(progress.tick)
+
+    def publish(self, state: TrainState) -> None:
+        """The run's state was changed outside the trainer (a checkpoint or journal loaded into it):
+        a group's trainer sends it to every rank (group/trainer.py); one device has nothing to do."""
 
     def plan_memory(self, plan) -> None:
         """Take the memory accountant's plan (openrl_service/memory.py): the full runs' share, and

@@ -92,9 +92,14 @@ class RunWeights(abc.ABC):
             with read_tensors(waiting_in) as f:
                 place_tensors(self, state, f, trainer.base.device)
 
+    on_leave: Any = None  # a group's: the other ranks drop their copy too (group/trainer.py)
+
     def leave(self) -> None:
-        """Its session finished, or it was never adopted: give up its device share and spill file."""
-        return None  # LoRA: nothing to do (FullWeights overrides it)
+        """Its session finished, or it was never adopted: give up its device share and spill file
+        (LoRA: nothing to give up; FullWeights extends it)."""
+        notify, self.on_leave = self.on_leave, None
+        if notify is not None:
+            notify()
 
     @abc.abstractmethod
     def applied(self, router):

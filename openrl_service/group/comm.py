@@ -1,0 +1,208 @@
+"""One rank's end of the group: its torch.distributed process group and the command channel.
+
+Rank 0 (the process that serves HTTP and owns the journal and the scheduler) **sends** each command
+(``call``): a name and a payload of plain values, numpy arrays and CPU tensors, broadcast to every
+rank with ``broadcast_object_list``; each rank then does its part (the collectives the command implies
+included) and every rank's outcome is gathered back to rank 0 (``gather_object``), which answers. The
+other ranks **follow** (``follow``): receive, execute, reply, in the order rank 0 sent. Objects travel
+on a gloo group of their own (on CUDA the tensors' collectives use NCCL); one lock on rank 0 keeps one
+command (with its collectives) on the wire at a time, whichever thread sends it.
+
+Agreement. A command whose ranks all succeed returns rank 0's result and the others'. When every rank
+fails the same way (a user error every rank meets, such as a non-finite gradient norm) the error is
+raised as on one device. When the ranks disagree, or a collective fails or times out
+(``OPENRL_GROUP_TIMEOUT_S``: a rank killed, hung or cut off), the ranks' states may differ: the
+process exits with :data:`EXIT_GROUP_FAILED` and `serve`'s supervisor (group/launch.py) restarts the
+whole group; rank 0 then recovers from its journal, as after a kill -9.
+
+Liveness. When no command has been sent for a while rank 0 sends a ``ping`` (a broadcast and a gather):
+a follower hung while the service is idle is found within the timeout, and followers never wait on
+the channel longer than the timeout while rank 0 is alive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("openrl.group")
+
+EXIT_GROUP_FAILED = 75  # a collective failed or the ranks disagreed: restart the group
+
+
+class GroupFailed(RuntimeError):
+    pass
+
+
+def env_rank() -> int | None:
+    """This process's rank in a group `serve` started, or None when it is not one of a group's."""
+    value = os.environ.get("OPENRL_RANK")
+    return None if value is None else int(value)
+
+
+class Group:
+    """The group as one rank sees it (``rank`` 0 sends, the others follow)."""
+
+    def __init__(
+        self, *, rank: int, world_size: int, local_rank: int, device: torch.device, timeout_s: float
+    ):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.timeout_s = timeout_s
+        self.lock = threading.RLock()
+        self.sent = 0  # commands sent (rank 0) or executed (the others)
+        self._last = time.monotonic()
+        self._closed = False
+        self.cpu: Any = None  # the gloo group objects travel on
+
+    # -- joining ---------------------------------------------------------------------------------
+    @classmethod
+    def join(cls, *, timeout_s: float) -> Group:
+        """Join the group `serve` started this process in (OPENRL_RANK, OPENRL_WORLD_SIZE,
+        OPENRL_LOCAL_RANK, OPENRL_GROUP_STORE host:port, OPENRL_GROUP_GENERATION,
+        OPENRL_GROUP_DEVICE): blocks until every rank has joined or the timeout passes."""
+        rank = int(os.environ["OPENRL_RANK"])
+        world = int(os.environ["OPENRL_WORLD_SIZE"])
+        local_rank = int(os.environ.get("OPENRL_LOCAL_RANK", rank))
+        host, _, port = os.environ["OPENRL_GROUP_STORE"].rpartition(":")
+        generation = os.environ.get("OPENRL_GROUP_GENERATION", "0")
+        device = torch.device(os.environ.get("OPENRL_GROUP_DEVICE") or "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        # each incarnation of the group meets under its own prefix: keys of a failed one never mix in
+        store = dist.PrefixStore(f"generation-{generation}/", store)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=None
+        )
+        group = cls(rank=rank, world_size=world, local_rank=local_rank, device=device, timeout_s=timeout_s)
+        group.cpu = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+        log.info("rank %d of %d joined the group (generation %s) on %s", rank, world, generation, device)
+        return group
+
+    # -- rank 0 --------------------------------------------------------------------------------------
+    def call(self, name: str, payload: dict, local: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """Send ``name`` to every rank, run ``local`` here (this rank's part), gather the outcomes:
+        (rank 0's result, the other ranks' results in rank order)."""
+        assert self.rank == 0
+        with self.lock:
+            try:
+                self._broadcast([name, payload])
+            except Exception as e:  # noqa: BLE001  (a rank gone: the group cannot go on)
+                self.fail(f"sending {name}", e)
+            self.sent += 1
+            mine: tuple
+            try:
+                result = local()
+                mine = ("ok", None)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+                result = None
+                mine = ("error", type(e).__name__, str(e))
+            try:
+                outcomes = self._gather(mine)
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"gathering the ranks' outcomes of {name}", e)
+            self._last = time.monotonic()
+        others = outcomes[1:]
+        if mine[0] == "ok" and all(o[0] == "ok" for o in others):
+            return result, [o[1] for o in others]
+        if mine[0] == "error" and all(o[0] == "error" and o[1] == mine[1] for o in others):
+            raise error  # every rank met the same error: as on one device
+        self.fail(f"{name}: the ranks disagree", RuntimeError(f"outcomes {[o[:2] for o in outcomes]}"))
+        raise AssertionError  # unreachable
+
+    def ping_when_idle(self, every_s: float) -> None:
+        """A thread: a ping whenever nothing was sent for ``every_s`` (see the module's Liveness)."""
+
+        def loop() -> None:
+            while not self._closed:
+                time.sleep(min(1.0, every_s / 4))
+                if self._closed or time.monotonic() - self._last < every_s:
+                    continue
+                if not self.lock.acquire(timeout=0.1):
+                    continue
+                try:
+                    if not self._closed:
+                        self.call("ping", {}, lambda: None)
+                finally:
+                    self.lock.release()
+
+        threading.Thread(target=loop, name="openrl-group-ping", daemon=True).start()
+
+    def close(self) -> None:
+        """Rank 0, at shutdown: the followers exit their loop."""
+        with self.lock:
+            if self._closed:
+                return
+            self.call("stop", {}, lambda: None)
+            self._closed = True
+
+    # -- the other ranks ------------------------------------------------------------------------
+    def follow(self, execute: Callable[[str, dict], Any]) -> None:
+        """Receive and execute rank 0's commands until it sends ``stop``."""
+        while True:
+            try:
+                box = self._broadcast(None)
+            except Exception as e:  # noqa: BLE001
+                self.fail("waiting for rank 0's next command", e)
+            name, payload = box
+            try:
+                outcome: tuple = ("ok", execute(name, payload))
+            except BaseException as e:  # noqa: BLE001
+                log.exception("rank %d: %s failed", self.rank, name)
+                outcome = ("error", type(e).__name__, str(e))
+            try:
+                self._gather(outcome)
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"replying to {name}", e)
+            self.sent += 1
+            if name == "stop":
+                return
+
+    # -- wire --------------------------------------------------------------------------------------
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu)
+        return out or []
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the ranks in place (one flat collective for all of them)."""
+        if not tensors:
+            return
+        try:
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+            dist.all_reduce(flat)
+        except Exception as e:  # noqa: BLE001
+            self.fail("summing gradients over the ranks", e)
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+    def fail(self, what: str, error: BaseException) -> None:
+        """The group cannot go on: exit so that `serve` restarts every rank (module docstring)."""
+        log.critical("rank %d: the group failed %s: %s; exiting for a restart", self.rank, what, error)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_FAILED)

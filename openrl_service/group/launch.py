@@ -1,0 +1,265 @@
+"""`serve --world-size N`: the supervisor that starts a node's ranks and restarts the group.
+
+Like torchrun's agent, `serve` itself runs no model: on each node it starts one process per device
+(``world_size / nnodes`` ranks, this node's ``node_rank × that`` onward), each a `serve` with
+OPENRL_RANK set. Rank 0 (node 0) serves HTTP on the socket the supervisor bound, so the port stays the
+same across restarts; the supervisor also holds the data dir's lock for as long as it runs.
+
+Rendezvous. Node 0's supervisor binds the group's TCPStore: on one node on 127.0.0.1 port 0 (the
+kernel picks it, the ranks are told; never a guessed free port), across nodes on ``--master-port``
+(the other nodes' supervisors and ranks connect to ``--master-addr``). Each incarnation of the group
+(its *generation*, a counter in the store) meets under its own key prefix.
+
+Faults. When any rank of this node exits while the service is not stopping (kill -9, a collective that
+failed or timed out: group/comm.py), the supervisor moves the store's generation on and kills its other
+ranks; every node's supervisor sees the new generation, kills its ranks, and starts them again, and
+rank 0 recovers from the journal as after a crash, so nothing acknowledged is lost. More than
+``OPENRL_GROUP_MAX_RESTARTS`` failures in a row, each within a minute of its start, and `serve` gives
+up (exit 1). The ranks die with the supervisor (PR_SET_PDEATHSIG): a kill -9 of `serve` leaves no
+rank behind. SIGTERM goes to rank 0, which drains, tells the other ranks to stop, and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("openrl.group")
+
+PR_SET_PDEATHSIG = 1
+QUICK_FAILURE_S = 60.0  # a generation that failed sooner than this counts toward the restart limit
+
+
+def die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the supervisor dies (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Layout:
+    world_size: int
+    nnodes: int
+    node_rank: int
+    devices: list[str]
+
+    @property
+    def per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+
+def layout(settings) -> Layout:
+    """The group's shape from the settings, checked (ValueError naming the flag)."""
+    world, nnodes, node_rank = settings.world_size, settings.nnodes, settings.node_rank
+    if not 1 <= world <= 1024:
+        raise ValueError(f"--world-size (OPENRL_WORLD_SIZE) must be between 1 and 1024; got {world}")
+    if not 1 <= nnodes <= world or world % nnodes:
+        raise ValueError(
+            f"--nnodes (OPENRL_NNODES) must divide --world-size {world} (one rank per device, the same "
+            f"number on every node); got {nnodes}"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank (OPENRL_NODE_RANK) must be in [0, {nnodes - 1}]; got {node_rank}")
+    if nnodes > 1 and (not settings.master_addr or not settings.master_port):
+        raise ValueError(
+            "--master-addr and --master-port (OPENRL_MASTER_ADDR/PORT) are needed with --nnodes > 1: "
+            "node 0's address and the port it binds for the group's rendezvous"
+        )
+    per_node = world // nnodes
+    devices = list(settings.devices)
+    if not devices:
+        devices = _visible_gpus(settings.device) or ["cpu"] * per_node
+    if len(devices) != per_node:
+        raise ValueError(
+            f"--devices (OPENRL_DEVICES) names {len(devices)} devices; this node runs {per_node} ranks "
+            f"(--world-size {world} / --nnodes {nnodes}), one per device"
+        )
+    for d in devices:
+        if d != "cpu" and not d.startswith("cuda"):
+            raise ValueError(f"--devices: {d!r} is not cpu or cuda:N")
+    return Layout(world, nnodes, node_rank, devices)
+
+
+def _visible_gpus(device: str | None) -> list[str]:
+    if device == "cpu":
+        return []
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return []
+    return [f"cuda:{i}" for i in range(n)]
+
+
+class Supervisor:
+    def __init__(self, settings, shape: Layout, argv: list[str], *, listen_fd: int | None, url: str | None):
+        self.settings = settings
+        self.shape = shape
+        self.argv = argv
+        self.listen_fd = listen_fd
+        self.url = url
+        self.stopping = False
+        self.children: dict[int, subprocess.Popen] = {}
+        self.store = None
+
+    def _connect_store(self):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.settings.group_timeout_s)
+        s = self.settings
+        if self.shape.node_rank == 0:
+            host, port = (s.master_addr or "127.0.0.1"), (s.master_port if self.shape.nnodes > 1 else 0)
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+            store.set("generation", "0")
+            self.address = f"{host}:{store.port}"
+        else:
+            deadline = time.monotonic() + s.group_timeout_s
+            while True:
+                try:
+                    store = dist.TCPStore(s.master_addr, s.master_port, is_master=False, timeout=timeout)
+                    break
+                except Exception:  # noqa: BLE001  (node 0 not up yet)
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1)
+            self.address = f"{s.master_addr}:{s.master_port}"
+        self.store = store
+
+    def generation(self) -> int:
+        return int(self.store.get("generation"))
+
+    def _start(self, generation: int) -> None:
+        threads = max(1, (os.cpu_count() or 1) // self.shape.per_node)
+        for local, rank in enumerate(self.shape.ranks):
+            env = {
+                **os.environ,
+                "OPENRL_RANK": str(rank),
+                "OPENRL_LOCAL_RANK": str(local),
+                "OPENRL_WORLD_SIZE": str(self.shape.world_size),
+                "OPENRL_GROUP_STORE": self.address,
+                "OPENRL_GROUP_GENERATION": str(generation),
+                "OPENRL_GROUP_DEVICE": self.shape.devices[local],
+                "OPENRL_TORCH_THREADS": os.environ.get("OPENRL_TORCH_THREADS") or str(threads),
+            }
+            pass_fds: tuple[int, ...] = ()
+            if rank == 0 and self.listen_fd is not None:
+                env["OPENRL_LISTEN_FD"] = str(self.listen_fd)
+                env["OPENRL_URL"] = self.url or ""
+                pass_fds = (self.listen_fd,)
+            self.children[rank] = subprocess.Popen(
+                self.argv, env=env, pass_fds=pass_fds, preexec_fn=die_with_parent
+            )
+
+    def _kill_all(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        for proc in self.children.values():
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=30)
+        self.children = {}
+
+    def on_sigterm(self, signum, frame) -> None:
+        self.stopping = True
+        rank0 = self.children.get(0)
+        if rank0 is not None and rank0.poll() is None:
+            rank0.send_signal(signal.SIGTERM)  # rank 0 drains and stops the others
+
+    def run(self) -> int:
+        self._connect_store()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        signal.signal(signal.SIGINT, self.on_sigterm)
+        quick_failures = 0
+        while True:
+            generation = self.generation()
+            started = time.monotonic()
+            print(
+                f"openrl-service: starting ranks {self.shape.ranks.start}-{self.shape.ranks.stop - 1} of "
+                f"{self.shape.world_size} (generation {generation}, rendezvous {self.address})",
+                flush=True,
+            )
+            self._start(generation)
+            code = self._watch(generation)
+            if code is not None:
+                return code
+            quick_failures = quick_failures + 1 if time.monotonic() - started < QUICK_FAILURE_S else 1
+            if quick_failures > self.settings.group_max_restarts:
+                print(
+                    f"openrl-service: the group failed {quick_failures} times in a row, each within "
+                    f"{QUICK_FAILURE_S:g} s of its start (OPENRL_GROUP_MAX_RESTARTS="
+                    f"{self.settings.group_max_restarts}); giving up",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            time.sleep(min(5.0, 0.5 * quick_failures))
+
+    def _watch(self, generation: int) -> int | None:
+        """Until the ranks stop (rank 0's exit code) or the group must restart (None). A rank exits 0
+        only once rank 0 has told it to stop (and rank 0 only after its drain): that is a shutdown,
+        any other exit a failure."""
+        last_check = 0.0
+        clean_since: float | None = None
+        while True:
+            time.sleep(0.2)
+            exited = {r: p.returncode for r, p in self.children.items() if p.poll() is not None}
+            if len(exited) == len(self.children):
+                return exited.get(0, 0) if self.shape.node_rank == 0 else 0
+            failed = {r: c for r, c in exited.items() if c != 0}
+            if failed and not self.stopping:
+                why = ", ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(failed.items()))
+                print(f"openrl-service: {why}: restarting the group", file=sys.stderr, flush=True)
+                with contextlib.suppress(Exception):
+                    self.store.compare_set("generation", str(generation), str(generation + 1))
+                self._kill_all()
+                return None
+            if exited or failed:  # a shutdown under way: the others follow within a minute
+                clean_since = clean_since or time.monotonic()
+                if time.monotonic() - clean_since > 60:
+                    self._kill_all()
+                    return exited.get(0, 1) if self.shape.node_rank == 0 else 0
+            if self.shape.nnodes > 1 and not exited and time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                if not self._store_alive():  # node 0 is gone: stopped or dead
+                    self._kill_all()
+                    return 0 if self.stopping else 1
+                if self.generation() != generation:
+                    print("openrl-service: another node restarted the group", file=sys.stderr, flush=True)
+                    self._kill_all()
+                    return None
+
+    def _store_alive(self) -> bool:
+        try:
+            self.generation()
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+
+def _describe(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"code {code}"
+
+
+def supervise(settings, argv: list[str], *, sock: socket.socket | None, url: str | None) -> int:
+    shape = layout(settings)
+    fd = None
+    if sock is not None:
+        fd = sock.fileno()
+        os.set_inheritable(fd, True)
+    return Supervisor(settings, shape, argv, listen_fd=fd, url=url).run()
