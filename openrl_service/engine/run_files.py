@@ -26,7 +26,7 @@ import torch
 
 from openrl_service import crashpoints, progress
 from openrl_service.storage.tensorfile import link_or_copy, read_tensors, write_tensors
-from openrl_service.training.weights import place_tensors, run_tensors
+from openrl_service.training.weights import place_tensors
 
 RUN_FILES = ("run-*.tensors", "sampler-*.tensors")
 
@@ -95,7 +95,7 @@ class RunFiles:
         if spilled is not None:  # waiting on disk: its spill file is in this very format
             link_or_copy(spilled, self.path(name))
             return
-        tensors = run_tensors(weights, st)
+        tensors = weights.state_tensors(st)
         half = len(tensors) // 2
 
         def step(i: int) -> None:

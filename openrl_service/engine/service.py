@@ -78,7 +78,6 @@ from openrl_service.training.trainer import (
     Trainer,
     TrainState,
     accumulating_grads,
-    make_optimizer,
     merge_stats,
 )
 
@@ -404,14 +403,7 @@ class TrainingService(Registry):
             _, tensors, opt = self.store.load(tenant, ref, with_optimizer=optimizer)
             adapter = weights_from_checkpoint(model.base, spec, tensors, trainable=True, consume=True)
             del tensors  # taken by the weights: one copy of a full run's weights, not two
-            state = model.trainer.state_for(adapter)
-            try:
-                if opt is not None:
-                    Trainer.load_optimizer_tensors(state, opt)
-                    model.trainer.publish(state)  # a group's other ranks: the optimizer's state too
-            except BaseException:
-                state.adapter.leave()  # the device share state_for took
-                raise
+            state = model.trainer.state_from(adapter, opt)
             self._adopt(run, state)
             self._write_run_meta(run, source_checkpoint=ref.path)
             return {"model_id": run.run_id, "path": ref.path}
@@ -801,18 +793,7 @@ class TrainingService(Registry):
                 manifest, tensors, opt = self.store.load(run.tenant, ref, with_optimizer=optimizer)
                 loaded = weights_from_checkpoint(base, run.spec, tensors, trainable=False, consume=True)
                 del tensors
-                with torch.no_grad():
-                    theirs = dict(loaded.named_parameters())
-                    for n, mine in st.adapter.named_parameters():
-                        mine.copy_(theirs[n])
-                        mine.grad = None
-                if opt is not None:
-                    Trainer.load_optimizer_tensors(st, opt)
-                else:
-                    st.optimizer = make_optimizer(st.adapter)
-                    st.steps = int(manifest.get("steps", 0))
-                st.pending_backward = 0
-                self.model_of(run).trainer.publish(st)
+                self.model_of(run).trainer.load_into(st, loaded, opt, int(manifest.get("steps", 0)))
                 return {"path": ref.path}
 
             return work

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from openrl_service.errors import UserError
 from openrl_service.training.trainer import (
     DatumArrays,
     ForwardResult,
@@ -74,9 +75,20 @@ def run_part(trainer: Trainer, group, items: list[FusedItem]) -> list[ForwardRes
     todo = [k for k, it in enumerate(mine) if it.data]
     results: list[ForwardResult | None] = [None] * len(items)
     with accumulating_grads(train):
-        if any(getattr(it.state.adapter, "sharded", False) for it in mine if it.state is not None):
-            k = 0  # a full run never shares a pass: one item
-            results[k] = mine[k].state.adapter.run_sharded(trainer, group, items[k], mine[k])
+        if sharded or any(getattr(it.state.adapter, "sharded", False) for it in mine if it.state is not None):
+            it = mine[0]  # a full run never shares a pass: one item
+            n = len(items[0].data)
+            passes = max(
+                len(
+                    trainer._microbatches(
+                        [len(items[0].data[i].tokens) for i in share(n, r, group.world_size)]
+                    )
+                )
+                for r in range(group.world_size)
+            )  # every rank runs as many collective passes
+            results[0] = trainer._run(
+                it.state, it.data, it.loss_fn, it.config, forward_only=it.forward_only, min_passes=passes
+            )
         elif len(todo) == 1:
             k = todo[0]
             it = mine[k]
@@ -84,8 +96,7 @@ def run_part(trainer: Trainer, group, items: list[FusedItem]) -> list[ForwardRes
         elif todo:
             for k, r in zip(todo, trainer._run_fused([mine[k] for k in todo]), strict=True):
                 results[k] = r
-        _sum_new_gradients(group, replicated)
-        del sharded  # FSDP summed theirs in its backward (reduce-scatter)
+        _sum_new_gradients(group, replicated)  # a sharded run's: summed by FSDP's reduce-scatter
     return results
 
 
@@ -128,49 +139,140 @@ class GroupTrainer(Trainer):
         super().__init__(base, **kw)
         self.group = group
         self._next_key = 0
+        self._sharded: dict[int, int] = {}  # sharded full runs' keys -> bytes each holds per device
+
+    def new_key(self) -> int:
+        key, self._next_key = self._next_key, self._next_key + 1
+        return key
+
+    def keep(self, state: TrainState, key: int) -> None:
+        """``state`` is known to every rank as ``key``; when it leaves, every rank drops it."""
+        state.group_key = key
+        state.adapter.on_leave = lambda: self._drop(key)
+        if getattr(state.adapter, "sharded", False):
+            state.adapter.trainer = self  # its reads gather through this trainer's group
+            state.adapter.key = key
 
     def _key(self, state: TrainState) -> int:
         if state.group_key is None:
-            state.group_key = self._next_key
-            self._next_key += 1
-            state.adapter.on_leave = lambda key=state.group_key: self._drop(key)
+            self.keep(state, self.new_key())
         return state.group_key
 
     # -- runs ------------------------------------------------------------------------------------
+    def admit(self, spec) -> None:
+        if not spec.full:
+            return
+        from openrl_service.group.sharded import sharded_need
+
+        need, transient = sharded_need(self.base, spec, self.group.world_size)
+        budget = self.residency.budget
+        used = sum(self._sharded.values())
+        if budget is not None and used + need > budget:
+            raise UserError(
+                f"a full fine-tune of {self.base.name} sharded over {self.group.world_size} devices needs "
+                f"{_gib(need)} per device (its weights, gradients and optimizer state / "
+                f"{self.group.world_size}, plus {_gib(transient)} for FSDP's all-gathers); the full runs' "
+                f"share of each device is {_gib(budget)} (OPENRL_FULL_RUN_BUDGET_BYTES) and "
+                f"{_gib(used)} of it is held by {len(self._sharded)} sharded full runs, which stay on "
+                "their devices",
+                field="rank",
+            )
+
+    def make_room_for(self, spec) -> None:
+        if not spec.full:  # a sharded run never takes the turns a full run takes on one device
+            super().make_room_for(spec)
+
+    def _count(self, state: TrainState) -> None:
+        from openrl_service.group.sharded import sharded_need
+
+        key = state.group_key
+        self._sharded[key] = sharded_need(self.base, state.spec, self.group.world_size)[0]
+
     def new_state(self, spec, seed: int) -> TrainState:
         if spec.full:
             from openrl_service.group.sharded import new_sharded_state
 
-            key = self._next_key
-            self._next_key += 1
+            self.admit(spec)
+            key = self.new_key()
             state, _ = self.group.call(
                 "new_state",
                 {"model": self.base.name, "key": key, "spec": spec, "seed": seed},
-                lambda: new_sharded_state(self, self.group, spec, None),
+                lambda: new_sharded_state(self, self.group, spec),
             )
-            state.group_key = key
-            state.adapter.on_leave = lambda: self._drop(key)
+            self.keep(state, key)
+            self._count(state)
             return state
         state = super().new_state(spec, seed)
-        key = self._key(state)
         self.group.call(
-            "new_state", {"model": self.base.name, "key": key, "spec": spec, "seed": seed}, lambda: None
+            "new_state",
+            {"model": self.base.name, "key": self._key(state), "spec": spec, "seed": seed},
+            lambda: None,
         )
         return state
 
     def state_for(self, adapter: RunWeights, *, waiting_in: Path | None = None) -> TrainState:
         if adapter.spec.full:  # a full run's whole weights, read here: every rank takes its shard
-            from openrl_service.group.sharded import shard_full_state
-
-            return shard_full_state(self, adapter, waiting_in)
+            return self._sharded_from(adapter, waiting_in, None)
         state = super().state_for(adapter, waiting_in=waiting_in)
         self.publish(state)
         return state
 
+    def _sharded_from(self, weights, waiting_in, optimizer) -> TrainState:
+        from openrl_service.group.sharded import source_of, state_from_source
+
+        self.admit(weights.spec)
+        try:
+            with source_of(weights, waiting_in, optimizer) as source:
+                state = state_from_source(self, weights.spec, source)
+        finally:
+            weights.leave()  # rank 0's whole copy (a checkpoint's, or a restored run's placeholders)
+        self._count(state)
+        return state
+
+    def state_from(self, weights: RunWeights, optimizer) -> TrainState:
+        if weights.spec.full:
+            return self._sharded_from(weights, None, optimizer)
+        state = super().state_from(weights, optimizer)
+        self.publish(state)
+        return state
+
+    def load_into(self, state: TrainState, loaded: RunWeights, optimizer, steps: int) -> None:
+        if not getattr(state.adapter, "sharded", False):
+            super().load_into(state, loaded, optimizer, steps)
+            self.publish(state)
+            return
+        from openrl_service.group.sharded import layout_of, new_sharded_state, source_of
+
+        key = state.group_key
+        with source_of(loaded, None, optimizer) as source:
+            layout = layout_of(source)
+            new, _ = self.group.call(
+                "shard_state",
+                {"model": self.base.name, "key": key, "spec": state.spec, "layout": layout},
+                lambda: new_sharded_state(self, self.group, state.spec, source, layout),
+            )
+        state.adapter.on_leave = None  # the same key goes on: the other ranks replaced theirs
+        state.adapter, state.optimizer, state.param_names = new.adapter, new.optimizer, new.param_names
+        self.keep(state, key)
+        if optimizer is None:
+            state.steps = steps
+        else:
+            state.steps = int(optimizer["__steps__"].item()) if "__steps__" in optimizer else state.steps
+        state.pending_backward = 0
+
+    def gather(self, weights, *, state: TrainState | None = None, with_state: bool) -> dict:
+        """A sharded run's tensors, whole, on rank 0 (collective; module docstring)."""
+        got, _ = self.group.call(
+            "gather",
+            {"model": self.base.name, "key": weights.key, "with_state": with_state},
+            lambda: weights.full_tensors(state, with_state=with_state),
+        )
+        return got
+
     def publish(self, state: TrainState) -> None:
-        """Send the run's whole state as rank 0 holds it (weights, gradients, optimizer, counts)."""
+        """Send the run's whole state as rank 0 holds it (weights, gradients, optimizer, counts); a
+        sharded run's state is every rank's already."""
         if getattr(state.adapter, "sharded", False):
-            state.adapter.publish_counts(state)
             return
         key = self._key(state)
         tensors = {k: v.detach().to("cpu") for k, v in run_tensors(state.adapter, state).items()}
@@ -186,6 +288,7 @@ class GroupTrainer(Trainer):
         self.group.call("put_state", payload, lambda: None)
 
     def _drop(self, key: int) -> None:
+        self._sharded.pop(key, None)
         self.group.call("drop", {"key": key}, lambda: None)
 
     # -- forward / backward -----------------------------------------------------------------------
@@ -236,21 +339,22 @@ class Follower:
                 st.adapter.leave()
             return None
         trainer = self.trainers[p["model"]]
-        if name == "new_state":
-            if p["spec"].full:
-                from openrl_service.group.sharded import new_sharded_state
+        if name in ("new_state", "shard_state") and p["spec"].full:
+            from openrl_service.group.sharded import new_sharded_state
 
-                self.states[p["key"]] = new_sharded_state(trainer, self.group, p["spec"], None)
-            else:
-                self.states[p["key"]] = trainer.new_state(p["spec"], p["seed"])
+            old = self.states.pop(p["key"], None)
+            self.states[p["key"]] = new_sharded_state(trainer, self.group, p["spec"], None, p.get("layout"))
+            del old  # a load_state's: the run's previous module goes once the new one is made
+            return None
+        if name == "new_state":
+            self.states[p["key"]] = trainer.new_state(p["spec"], p["seed"])
             return None
         if name == "put_state":
             self.states[p["key"]] = _put_state(trainer, p, self.states.get(p["key"]))
             return None
-        if name == "shard_state":
-            from openrl_service.group.sharded import shard_full_state
-
-            self.states[p["key"]] = shard_full_state(trainer, None, None, follower=(self.group, p))
+        if name == "gather":
+            st = self.states[p["key"]]
+            st.adapter.full_tensors(st, with_state=p["with_state"])
             return None
         if name == "forward_backward":
             items = [
@@ -267,8 +371,6 @@ class Follower:
         if name == "optim_step":
             Trainer.optim_step(trainer, self.states[p["key"]], p["adam"])
             return None
-        if name in ("gather", "counts"):
-            return self.states[p["key"]].adapter.follow(name, p, self.states[p["key"]])
         raise ValueError(f"unknown group command {name!r}")
 
 
@@ -287,3 +389,7 @@ def _put_state(trainer: Trainer, p: dict, old: TrainState | None) -> TrainState:
     state.steps = p["steps"]
     state.pending_backward = p["pending"]
     return state
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

@@ -198,6 +198,35 @@ class Trainer:
         adapter.adopt(self, state, waiting_in)
         return state
 
+    def state_from(self, weights: RunWeights, optimizer: dict[str, torch.Tensor] | None) -> TrainState:
+        """A run from a checkpoint's weights and (or not) its optimizer tensors."""
+        state = self.state_for(weights)
+        try:
+            if optimizer is not None:
+                Trainer.load_optimizer_tensors(state, optimizer)
+        except BaseException:
+            state.adapter.leave()  # the device share state_for took
+            raise
+        return state
+
+    def load_into(
+        self, state: TrainState, loaded: RunWeights, optimizer: dict[str, torch.Tensor] | None, steps: int
+    ) -> None:
+        """A checkpoint's weights (and optimizer tensors, or a fresh optimizer at ``steps``) in place of
+        a run's (Tinker's load_state)."""
+        state.adapter.ensure_resident()
+        with torch.no_grad():
+            theirs = dict(loaded.named_parameters())
+            for n, mine in state.adapter.named_parameters():
+                mine.copy_(theirs[n])
+                mine.grad = None
+        if optimizer is not None:
+            Trainer.load_optimizer_tensors(state, optimizer)
+        else:
+            state.optimizer = make_optimizer(state.adapter)
+            state.steps = steps
+        state.pending_backward = 0
+
     def restore_state(self, spec: LoraSpec, names: list[str], path: Path) -> TrainState:
         """A run from its journal-snapshot file (engine/run_files.py): weights, gradients, optimizer."""
         weights = weights_class(spec).placeholders(
@@ -252,14 +281,19 @@ class Trainer:
         config: dict[str, float],
         *,
         forward_only: bool,
+        min_passes: int = 0,
     ) -> ForwardResult:
+        """``min_passes``: a sharded run's collective passes, padded with one-token passes that
+        contribute nothing, so that every rank of a group runs as many (group/sharded.py)."""
         base = self.base
         adapter = state.adapter if state is not None else None
+        model = adapter.forward_model(base) if adapter is not None else base.model
         dev = base.device
         outputs: list[np.ndarray | None] = [None] * len(data)
         total = 0.0
         ntok = 0
         stats_acc: dict[str, float] = {}
+        passes = 0
         for idx in self._microbatches([len(d.tokens) for d in data]):
             batch = [data[i] for i in idx]
             L = max(len(d.tokens) for d in batch)
@@ -278,7 +312,7 @@ class Trainer:
             }
             ids, valid, target = ids.to(dev), valid.to(dev), target.to(dev)
             with torch.set_grad_enabled(not forward_only), base.router.use(adapter):
-                logits = base.model(input_ids=ids, use_cache=False).logits
+                logits = model(input_ids=ids, use_cache=False).logits
                 lp = _target_logprobs(logits, target)
                 del logits
                 per_datum = compute_loss(loss_fn, lp, inputs, valid, config)
@@ -292,6 +326,15 @@ class Trainer:
             for r, i in enumerate(idx):
                 n = len(data[i].tokens)
                 outputs[i] = lp_cpu[r, :n].copy()
+            passes += 1
+        for _ in range(min_passes - passes):
+            with torch.set_grad_enabled(not forward_only), base.router.use(adapter):
+                logits = model(
+                    input_ids=torch.zeros(1, 1, dtype=torch.long, device=dev), use_cache=False
+                ).logits
+                if not forward_only:
+                    (logits.sum() * 0.0).backward()
+            del logits
         return ForwardResult(outputs, total, ntok, stats_acc or None)  # type: ignore[arg-type]
 
     # -- cross-run fusion -----------------------------------------------------------------------
@@ -402,10 +445,7 @@ class Trainer:
         state.adapter.ensure_resident()
         params = state.adapter.parameters()
         grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-        else:
-            norm = 0.0
+        norm = state.adapter.grad_norm(grads)
         if not math.isfinite(norm):
             for p in params:
                 p.grad = None
@@ -446,6 +486,9 @@ class Trainer:
     def optimizer_tensors(state: TrainState) -> dict[str, torch.Tensor]:
         """``<tensor>.<slot>`` and ``<tensor>.step`` per tensor with state, ``__steps__``, and (Dimuon)
         ``__dimuon__`` marking whose state it is."""
+        gathered = getattr(state.adapter, "optimizer_tensors", None)
+        if gathered is not None:  # a sharded run's: gathered from every rank (group/sharded.py)
+            return gathered(state)
         out: dict[str, torch.Tensor] = {}
         slots = Trainer.SLOTS[state.spec.optimizer]
         names = dict(zip(state.param_names, state.adapter.parameters(), strict=True))

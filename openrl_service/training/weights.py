@@ -92,6 +92,20 @@ class RunWeights(abc.ABC):
             with read_tensors(waiting_in) as f:
                 place_tensors(self, state, f, trainer.base.device)
 
+    def forward_model(self, base) -> torch.nn.Module:
+        """The module a pass with these weights runs: the shared model (a sharded full run: its own)."""
+        return base.model
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The L2 norm of the accumulated gradient (a sharded run's: over every rank's shard)."""
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    def state_tensors(self, state) -> dict[str, torch.Tensor]:
+        """:func:`run_tensors` of these weights (a sharded run's gathered whole on rank 0)."""
+        return run_tensors(self, state)
+
     on_leave: Any = None  # a group's: the other ranks drop their copy too (group/trainer.py)
 
     def leave(self) -> None:
