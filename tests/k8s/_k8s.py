@@ -7,6 +7,7 @@ import functools
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -42,9 +43,15 @@ def render_text(path: str) -> str:
     return proc.stdout
 
 
+@functools.cache
+def _parsed(path: str) -> tuple[dict, ...]:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser: the same objects, faster
+    return tuple(d for d in yaml.load_all(render_text(path), Loader=loader) if d)
+
+
 def render(path: str) -> list[dict]:
     """The rendered objects (a fresh copy each call: tests may mutate them)."""
-    return [d for d in yaml.safe_load_all(render_text(path)) if d]
+    return copy.deepcopy(list(_parsed(path)))
 
 
 def overlay(name: str) -> list[dict]:
@@ -55,9 +62,77 @@ def of_kind(objs: list[dict], kind: str) -> list[dict]:
     return [o for o in objs if o["kind"] == kind]
 
 
-def containers(deployment: dict) -> list[dict]:
-    spec = deployment["spec"]["template"]["spec"]
+def containers(workload: dict | PodTemplate) -> list[dict]:
+    """A Deployment's or a PodTemplate's containers, init containers first."""
+    spec = workload.spec if isinstance(workload, PodTemplate) else workload["spec"]["template"]["spec"]
     return spec.get("initContainers", []) + spec["containers"]
+
+
+# LeaderWorkerSet (leaderworkerset.x-k8s.io/v1, kubernetes-sigs/lws v0.10.0): the labels its controller
+# puts on every pod of a group, and the variables it sets in every container (api/leaderworkerset/v1/
+# leaderworkerset_types.go, pkg/utils/pod/pod_utils.go AddLWSVariables).
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_VARIABLES = frozenset({"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"})
+
+
+@dataclass
+class PodTemplate:
+    """One kind of pod an overlay runs: a Deployment's, or a LeaderWorkerSet's leader or worker (the
+    first worker stands for all of them). Policies that hold for "the service's pods" hold for each."""
+
+    workload: dict  # the Deployment or LeaderWorkerSet that owns the template
+    role: str  # "deployment", "leader" or "worker"
+    template: dict  # metadata + spec
+
+    @property
+    def name(self) -> str:
+        name = f"{self.workload['kind']}/{self.workload['metadata']['name']}"
+        return name if self.role == "deployment" else f"{name} ({self.role})"
+
+    @property
+    def spec(self) -> dict:
+        return self.template["spec"]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The running pod's labels: the template's, plus those the LWS controller adds."""
+        labels = dict(self.template["metadata"].get("labels", {}))
+        if self.workload["kind"] == "LeaderWorkerSet":
+            labels[LWS_NAME_LABEL] = self.workload["metadata"]["name"]
+            labels[LWS_GROUP_INDEX_LABEL] = "0"
+            labels[LWS_WORKER_INDEX_LABEL] = "0" if self.role == "leader" else "1"
+        return labels
+
+    @property
+    def serves_http(self) -> bool:
+        """A LeaderWorkerSet's workers run ranks only (node rank > 0): no HTTP, no probes on it."""
+        return self.role != "worker"
+
+    @property
+    def injected_variables(self) -> frozenset[str]:
+        """Variables the controller sets in every container (what $(VAR) in args may name)."""
+        return LWS_VARIABLES if self.workload["kind"] == "LeaderWorkerSet" else frozenset()
+
+    def container(self, name: str = "openrl-service") -> dict:
+        (c,) = [c for c in self.spec["containers"] if c["name"] == name]
+        return c
+
+
+def pod_templates(objs: list[dict]) -> list[PodTemplate]:
+    """Every pod template of the rendered objects: Deployments' and LeaderWorkerSets' (leader, worker)."""
+    found = []
+    for o in objs:
+        if o["kind"] == "Deployment":
+            found.append(PodTemplate(o, "deployment", o["spec"]["template"]))
+        elif o["kind"] == "LeaderWorkerSet" and o["apiVersion"] == LWS_API:
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            found.append(PodTemplate(o, "leader", lwt.get("leaderTemplate") or lwt["workerTemplate"]))
+            if lwt.get("size", 1) > 1:
+                found.append(PodTemplate(o, "worker", lwt["workerTemplate"]))
+    return found
 
 
 def env_of(container: dict) -> dict[str, dict]:

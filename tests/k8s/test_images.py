@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.images._containers import images
-from tests.k8s._k8s import K8S, OVERLAYS, ROOT, containers, of_kind, overlay, own_values
+from tests.k8s._k8s import K8S, OVERLAYS, ROOT, containers, overlay, own_values, pod_templates
 
 try:
     import tomllib
@@ -189,8 +189,8 @@ def test_service_image_user_matches_the_pod_security_context():
     for path in IMAGES.glob("service-*.Dockerfile"):
         uid = args_of(path, "USER")[-1].split(":")[0]
         for name in OVERLAYS:
-            for dep in of_kind(overlay(name), "Deployment"):
-                assert str(dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"]) == uid
+            for dep in pod_templates(overlay(name)):
+                assert str(dep.spec["securityContext"]["runAsUser"]) == uid
 
 
 def test_workflow_builds_every_image_under_the_names_the_cluster_pulls():
@@ -200,7 +200,7 @@ def test_workflow_builds_every_image_under_the_names_the_cluster_pulls():
     assert set(matrix) == {str(p.relative_to(ROOT)) for p in DOCKERFILES}
     pulled = set()
     for name in OVERLAYS:
-        for dep in of_kind(overlay(name), "Deployment"):
+        for dep in pod_templates(overlay(name)):
             pulled |= {c["image"] for c in containers(dep)}
     image = own_values()["singleuser"]["image"]
     pulled.add(f"{image['name']}:{image['tag']}")

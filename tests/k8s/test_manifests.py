@@ -1,5 +1,6 @@
-"""The kustomize overlays render, validate strictly against Kubernetes 1.33 (and the PodMonitoring
-CRD), and pass the checks a reviewer of a production Deployment would make."""
+"""The kustomize overlays render, validate strictly against Kubernetes 1.33 (and the PodMonitoring and
+LeaderWorkerSet CRDs), and pass the checks a reviewer of a production Deployment would make, for every
+pod template: a Deployment's, and a LeaderWorkerSet's leader and worker."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from openrl_service.config import env_variables
 from tests.k8s._k8s import (
     GPU_OVERLAYS,
     HUB_NAMESPACE,
+    LWS_API,
     OVERLAYS,
     ROOT,
     SERVICE_NAMESPACE,
+    PodTemplate,
     containers,
     env_of,
     flag,
     of_kind,
     overlay,
+    pod_templates,
     render,
     render_text,
     schema,
@@ -43,9 +47,17 @@ def deployments(name: str) -> list[dict]:
     return found
 
 
-def service_container(dep: dict) -> dict:
+def service_container(dep: dict | PodTemplate) -> dict:
+    if isinstance(dep, PodTemplate):
+        return dep.container()
     (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "openrl-service"]
     return c
+
+
+def templates(name: str) -> list[PodTemplate]:
+    found = pod_templates(overlay(name))
+    assert found, f"overlay {name} renders no Deployment and no LeaderWorkerSet"
+    return found
 
 
 def strict_crd_schema(s: dict) -> dict:
@@ -74,16 +86,32 @@ def strict_crd_schema(s: dict) -> dict:
 
 
 PODMONITORING_SCHEMA = strict_crd_schema(schema("podmonitoring-v1-prometheus-engine-v0.17.2.json"))
-CRD_SCHEMAS = {("monitoring.googleapis.com/v1", "PodMonitoring"): PODMONITORING_SCHEMA}
+LEADERWORKERSET_SCHEMA = strict_crd_schema(schema("leaderworkerset-v1-lws-v0.10.0.json"))
+CRD_SCHEMAS = {
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): PODMONITORING_SCHEMA,
+    (LWS_API, "LeaderWorkerSet"): LEADERWORKERSET_SCHEMA,
+}
+# One validator per schema, its schema checked once (the LWS schema is large)
+CRD_VALIDATORS = {}
+for _key, _schema in CRD_SCHEMAS.items():
+    _cls = jsonschema.validators.validator_for(_schema)
+    _cls.check_schema(_schema)
+    CRD_VALIDATORS[_key] = _cls(_schema["properties"]["spec"])
 
 
 def validate(obj: dict) -> None:
     key = (obj["apiVersion"], obj["kind"])
     if key in CRD_SCHEMAS:
-        jsonschema.validate(obj.get("spec", {}), CRD_SCHEMAS[key]["properties"]["spec"])
+        CRD_VALIDATORS[key].validate(obj.get("spec", {}))
         assert set(obj) <= {"apiVersion", "kind", "metadata", "spec"}, f"unexpected top-level keys in {key}"
     else:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    if obj["kind"] == "LeaderWorkerSet":
+        # The controller creates the group's pods from these templates; the API server then checks them
+        # as it checks any pod template, more strictly than the CRD's copy of the schema.
+        for t in pod_templates([obj]):
+            pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": t.role}}
+            kubernetes_validate.validate({**pod_template, "template": t.template}, K8S_VERSION, strict=True)
 
 
 # --- render and validate -----------------------------------------------------------------------
@@ -93,10 +121,10 @@ def validate(obj: dict) -> None:
 def test_overlay_renders_the_whole_service(name):
     objs = overlay(name)
     kinds = {o["kind"] for o in objs}
+    assert kinds & {"Deployment", "LeaderWorkerSet"}, f"{name}: no pods"
     assert {
         "Namespace",
         "ServiceAccount",
-        "Deployment",
         "PersistentVolumeClaim",
         "Service",
         "NetworkPolicy",
@@ -108,7 +136,15 @@ def test_overlay_renders_the_whole_service(name):
 
 
 def test_expected_overlays_exist():
-    assert {"cpu", "gke-gpu-l4", "gke-gpu-h100", "gke-spot", "two-model"} <= set(OVERLAYS)
+    assert {
+        "cpu",
+        "gke-gpu-l4",
+        "gke-gpu-h100",
+        "gke-spot",
+        "two-model",
+        "gke-gpu-a3-8xh100",
+        "gke-gpu-lws-2x8xh100",
+    } <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("name", ["k8s/base", *(f"k8s/overlays/{o}" for o in OVERLAYS)])
@@ -128,33 +164,66 @@ def test_strict_validation_rejects_a_misspelled_field():
         validate(pm)
 
 
+def test_strict_validation_rejects_a_misspelled_field_in_the_leaderworkerset():
+    def lws() -> dict:
+        (o,) = of_kind(overlay("gke-gpu-lws-2x8xh100"), "LeaderWorkerSet")
+        return o
+
+    validate(lws())
+    broken = lws()
+    broken["spec"]["leaderWorkerTemplate"]["restartPolicyy"] = "RecreateGroupOnPodRestart"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+    broken = lws()
+    broken["spec"]["startupPolicy"] = "LeaderStarted"  # not one of the CRD's values
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+    broken = lws()
+    worker = broken["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    worker["containers"][0]["resource"] = worker["containers"][0].pop("resources")
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+    broken = lws()
+    broken["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["label"] = {"a": "b"}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+
+
 # --- policy checks -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_every_container_has_resources_and_probes(name):
-    for dep in deployments(name):
-        for c in containers(dep):
+    for pod in templates(name):
+        for c in containers(pod):
             res = c.get("resources", {})
             for kind in ("requests", "limits"):
-                assert {"cpu", "memory"} <= set(res.get(kind, {})), (dep["metadata"]["name"], c["name"], kind)
+                assert {"cpu", "memory"} <= set(res.get(kind, {})), (pod.name, c["name"], kind)
+            if not pod.serves_http:
+                # a group's worker node runs ranks only: an HTTP probe would fail forever and restart it
+                assert not c.get("ports"), f"{pod.name}: a worker declares ports it never listens on"
+                for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                    assert "httpGet" not in c.get(probe, {}), (pod.name, c["name"], probe)
+                continue
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                assert probe in c, (dep["metadata"]["name"], c["name"], probe)
-        c = service_container(dep)
+                assert probe in c, (pod.name, c["name"], probe)
+        if not pod.serves_http:
+            continue
+        c = service_container(pod)
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         startup = c["startupProbe"]
         budget = startup["periodSeconds"] * startup["failureThreshold"]
         gpu = "nvidia.com/gpu" in c["resources"]["limits"]
-        assert budget >= (1200 if gpu else 300), f"{dep['metadata']['name']}: startup budget {budget}s"
+        assert budget >= (1200 if gpu else 300), f"{pod.name}: startup budget {budget}s"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_pods_run_as_non_root_with_a_read_only_root(name):
     # Only where a Role is bound to the service's account (components/jobs) does it need its token.
     bound = {s["name"] for b in of_kind(overlay(name), "RoleBinding") for s in b["subjects"]}
-    for dep in deployments(name):
-        pod = dep["spec"]["template"]["spec"]
+    for dep in templates(name):
+        pod = dep.spec
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
         assert pod["automountServiceAccountToken"] is (pod["serviceAccountName"] in bound)
@@ -181,7 +250,7 @@ def test_pods_run_as_non_root_with_a_read_only_root(name):
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_images_are_pinned_to_the_package_version(name):
-    for dep in deployments(name):
+    for dep in templates(name):
         for c in containers(dep):
             image = c["image"]
             assert "@sha256:" in image or re.search(r":[^/:]+$", image), f"untagged image {image}"
@@ -217,10 +286,10 @@ def test_secret_scan_catches_a_key():
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_api_keys_come_from_the_admins_secret(name):
-    for dep in deployments(name):
+    for dep in templates(name):
         c = service_container(dep)
         keys_file = flag(c["args"], "--api-keys-file")
-        volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+        volumes = {v["name"]: v for v in dep.spec["volumes"]}
         (mount,) = [m for m in c["volumeMounts"] if keys_file.startswith(m["mountPath"].rstrip("/") + "/")]
         assert mount.get("readOnly") is True
         secret = volumes[mount["name"]]["secret"]
@@ -258,8 +327,8 @@ def drain_grace(c: dict) -> float:
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_termination_grace_outlasts_the_drain(name):
-    for dep in deployments(name):
-        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    for dep in templates(name):
+        grace = dep.spec["terminationGracePeriodSeconds"]
         assert grace >= drain_grace(service_container(dep)) + CLOSE_MARGIN_S
 
 
@@ -284,8 +353,8 @@ ACCELERATORS = {"nvidia-l4", "nvidia-h100-80gb"}
 
 @pytest.mark.parametrize("name", GPU_OVERLAYS)
 def test_gpu_overlays_request_and_select_the_gpu(name):
-    for dep in deployments(name):
-        pod = dep["spec"]["template"]["spec"]
+    for dep in templates(name):
+        pod = dep.spec
         c = service_container(dep)
         assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
         assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] in ACCELERATORS
@@ -321,8 +390,8 @@ def test_cpu_overlay_serves_the_tiny_model_without_a_gpu():
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_gcsfuse_volumes_are_wired(name):
     objs = overlay(name)
-    for dep in of_kind(objs, "Deployment"):
-        tmpl = dep["spec"]["template"]
+    for dep in pod_templates(objs):
+        tmpl = dep.template
         fuse = [
             v
             for v in tmpl["spec"]["volumes"]
@@ -340,36 +409,41 @@ def test_gcsfuse_volumes_are_wired(name):
         extra = [
             p
             for p in of_kind(objs, "NetworkPolicy")
-            if selects(p["spec"]["podSelector"], tmpl["metadata"]["labels"])
+            if selects(p["spec"]["podSelector"], dep.labels)
             and any(
                 port.get("port") == 443 for r in p["spec"].get("egress", []) for port in r.get("ports", [])
             )
         ]
-        assert extra, f"{dep['metadata']['name']}: GCS FUSE without egress to Cloud Storage"
+        assert extra, f"{dep.name}: GCS FUSE without egress to Cloud Storage"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_selectors_tie_services_policies_and_monitoring_to_the_pods(name):
     objs = overlay(name)
     deps = of_kind(objs, "Deployment")
+    pods = pod_templates(objs)
     (policy,) = [p for p in of_kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "openrl-service"]
     (pm,) = of_kind(objs, "PodMonitoring")
-    for dep in deps:
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert selects(dep["spec"]["selector"], labels)
+    for pod in pods:
+        labels = pod.labels
+        if pod.role == "deployment":
+            assert selects(pod.workload["spec"]["selector"], labels)
+            # one Deployment per base model: no other Deployment's selector matches these pods
+            others = [d for d in deps if d is not pod.workload]
+            assert not any(selects(o["spec"]["selector"], labels) for o in others)
         assert selects(policy["spec"]["podSelector"], labels), "the NetworkPolicy does not select the service"
+        if not pod.serves_http:
+            continue  # a worker has no port to scrape (PodMonitoring targets only pods with the port)
         assert selects(pm["spec"]["selector"], labels), "PodMonitoring does not scrape the service"
-        ports = {p["name"]: p["containerPort"] for p in service_container(dep)["ports"]}
+        ports = {p["name"]: p["containerPort"] for p in service_container(pod)["ports"]}
         assert all(e["port"] in ports for e in pm["spec"]["endpoints"])
         assert pm["spec"]["endpoints"][0]["path"] == "/metrics"
-        # one Deployment per base model: no other Deployment's selector matches these pods
-        others = [d for d in deps if d is not dep]
-        assert not any(selects(o["spec"]["selector"], labels) for o in others)
-    # every Service selects exactly one Deployment's pods, on the container's named port
+    # every Service selects exactly one kind of pod, one that serves HTTP, on the container's named port
     for svc in of_kind(objs, "Service"):
         sel = {"matchLabels": svc["spec"]["selector"]}
-        backing = [d for d in deps if selects(sel, d["spec"]["template"]["metadata"]["labels"])]
-        assert len(backing) == 1, svc["metadata"]["name"]
+        backing = [p for p in pods if selects(sel, p.labels)]
+        assert len(backing) == 1, (svc["metadata"]["name"], [p.name for p in backing])
+        assert backing[0].serves_http, f"{svc['metadata']['name']} sends requests to {backing[0].name}"
         ports = {p["name"] for p in service_container(backing[0])["ports"]}
         assert svc["spec"]["type"] == "ClusterIP"
         assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
@@ -408,22 +482,32 @@ def serve_flags() -> set[str]:
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_container_args_are_real_serve_flags(name, serve_flags):
-    for dep in deployments(name):
-        args = service_container(dep)["args"]
+    for dep in templates(name):
+        c = service_container(dep)
+        args = c["args"]
         assert args[0] == "serve"
         used = [a for a in args if a.startswith("--")]
         assert set(used) <= serve_flags, f"not flags of `openrl-service serve`: {set(used) - serve_flags}"
-        assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
-        for var in env_of(service_container(dep)):
+        assert len(used) == len(set(used)), f"{dep.name}: a flag given twice (the last one wins): {used}"
+        if dep.serves_http:
+            assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
+        for var in env_of(c):
             if var.startswith("OPENRL_"):
                 assert var in env_variables(), f"{var} is not a setting"
+        # $(VAR) is expanded by the kubelet only when VAR is in the container's environment; otherwise
+        # serve gets the literal text
+        defined = set(env_of(c)) | dep.injected_variables
+        for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(args)):
+            assert ref in defined, f"{dep.name}: $({ref}) in the args is set by nothing"
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_hub_api_url_is_the_hub_the_policy_lets_through(name):
     objs = overlay(name)
     (policy,) = [p for p in of_kind(objs, "NetworkPolicy") if p["metadata"]["name"] == "openrl-service"]
-    for dep in of_kind(objs, "Deployment"):
+    for dep in pod_templates(objs):
+        if not dep.serves_http:
+            continue  # a worker node authenticates nobody
         url = urlsplit(flag(service_container(dep)["args"], "--hub-api-url"))
         assert url.hostname == f"hub.{HUB_NAMESPACE}.svc.cluster.local" and url.port == 8081
         assert url.path == "/hub/api"

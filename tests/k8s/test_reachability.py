@@ -24,18 +24,25 @@ from tests.k8s._k8s import (
     of_kind,
     overlay,
     own_values,
+    pod_templates,
 )
 from tests.k8s.netpol import Cluster, External, Pod, allowed, chart_policies, match_labels, user_pod_labels
 
 INTERNET = External("internet", "1.1.1.1")
 GOOGLE_API = External("storage.googleapis.com", "142.250.74.27")
 METADATA = External("metadata server", "169.254.169.254")
-GCSFUSE_OVERLAYS = [o for o in OVERLAYS if o in ("gke-gpu-l4", "gke-gpu-h100", "gke-spot", "two-model")]
+GCSFUSE_OVERLAYS = [
+    o
+    for o in OVERLAYS
+    if o
+    in ("gke-gpu-l4", "gke-gpu-h100", "gke-spot", "two-model", "gke-gpu-a3-8xh100", "gke-gpu-lws-2x8xh100")
+]
 
 
 def build(objs: list[dict], values: dict) -> tuple[Cluster, dict[str, Pod], list[Pod]]:
     """A cluster with the hub release, its user pods, the monitoring collector, kube-dns, strangers,
-    and one pod per rendered OpenRL Deployment."""
+    and one pod per rendered OpenRL pod template (a Deployment's; a LeaderWorkerSet's leader and
+    worker, with the labels its controller adds)."""
     pods = {
         "hub": Pod("hub", HUB_NAMESPACE, {**match_labels("hub", HUB_RELEASE)}, "10.8.0.2", {"http": 8081}),
         "proxy": Pod(
@@ -67,20 +74,9 @@ def build(objs: list[dict], values: dict) -> tuple[Cluster, dict[str, Pod], list
         "neighbour": Pod("debug", SERVICE_NAMESPACE, {"run": "debug"}, "10.8.2.9", {}),
     }
     services = []
-    for i, dep in enumerate(of_kind(objs, "Deployment")):
-        tmpl = dep["spec"]["template"]
-        ports = {
-            p["name"]: p["containerPort"] for c in tmpl["spec"]["containers"] for p in c.get("ports", [])
-        }
-        services.append(
-            Pod(
-                dep["metadata"]["name"],
-                SERVICE_NAMESPACE,
-                tmpl["metadata"]["labels"],
-                f"10.8.3.{i + 2}",
-                ports,
-            )
-        )
+    for i, tmpl in enumerate(pod_templates(objs)):
+        ports = {p["name"]: p["containerPort"] for c in tmpl.spec["containers"] for p in c.get("ports", [])}
+        services.append(Pod(tmpl.name, SERVICE_NAMESPACE, tmpl.labels, f"10.8.3.{i + 2}", ports))
     policies = of_kind(objs, "NetworkPolicy") + chart_policies(values, HUB_RELEASE, HUB_NAMESPACE)
     namespaces = {
         HUB_NAMESPACE: {},
@@ -103,10 +99,14 @@ def test_the_three_intended_paths_are_open(world):
     name, cluster, pods, services = world
     assert services
     for svc in services:
+        assert allowed(cluster, svc, pods["dns"], 53, "UDP"), f"{name}: {svc.name} has no DNS"
+        if "http" not in svc.ports:
+            # a group's worker node serves nobody and asks the hub nothing
+            assert not allowed(cluster, svc, pods["hub"], 8081), f"{name}: {svc.name} reaches the hub"
+            continue
         assert allowed(cluster, pods["user"], svc, 8000), f"{name}: user pod cannot reach {svc.name}:8000"
         assert allowed(cluster, svc, pods["hub"], 8081), f"{name}: {svc.name} cannot reach the hub API"
         assert allowed(cluster, pods["collector"], svc, 8000), f"{name}: Prometheus cannot scrape {svc.name}"
-        assert allowed(cluster, svc, pods["dns"], 53, "UDP"), f"{name}: {svc.name} has no DNS"
 
 
 def test_nothing_else_reaches_the_service(world):

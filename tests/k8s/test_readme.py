@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.k8s._k8s import K8S, OVERLAYS, ROOT, containers, flag, of_kind, overlay, render
+from tests.k8s._k8s import K8S, OVERLAYS, ROOT, containers, flag, of_kind, overlay, pod_templates, render
 
 README = (K8S / "README.md").read_text()
 KUSTOMIZE_PATHS = sorted(set(re.findall(r"kubectl (?:apply -k|kustomize) (k8s/[\w./-]+)", README)))
@@ -21,7 +21,7 @@ def test_every_kustomize_path_in_the_readme_exists_and_renders(path):
     assert (ROOT / path / "kustomization.yaml").is_file(), (
         f"k8s/README.md names {path}, which has no kustomization"
     )
-    assert of_kind(render(path), "Deployment")
+    assert pod_templates(render(path)), f"{path} renders no Deployment and no LeaderWorkerSet"
 
 
 def test_every_overlay_is_documented():
@@ -34,10 +34,10 @@ def test_secret_command_matches_the_mounted_file():
     assert m, "k8s/README.md does not show how to create the API-key Secret"
     namespace, name, key = m.groups()
     for o in OVERLAYS:
-        for dep in of_kind(overlay(o), "Deployment"):
-            assert dep["metadata"]["namespace"] == namespace
+        for dep in pod_templates(overlay(o)):
+            assert dep.workload["metadata"]["namespace"] == namespace
             c = containers(dep)[-1]
-            volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+            volumes = {v["name"]: v for v in dep.spec["volumes"]}
             keys_file = flag(c["args"], "--api-keys-file")
             (mount,) = [m for m in c["volumeMounts"] if keys_file.startswith(m["mountPath"] + "/")]
             assert volumes[mount["name"]]["secret"]["secretName"] == name
@@ -54,8 +54,8 @@ def test_workload_identity_member_is_the_service_account():
             s["metadata"]["name"] == sa and s["metadata"]["namespace"] == namespace
             for s in of_kind(objs, "ServiceAccount")
         )
-        for dep in of_kind(objs, "Deployment"):
-            assert dep["spec"]["template"]["spec"]["serviceAccountName"] == sa
+        for dep in pod_templates(objs):
+            assert dep.spec["serviceAccountName"] == sa
 
 
 def test_bucket_sed_hits_every_bucket_literal():
