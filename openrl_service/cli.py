@@ -182,8 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
             args,
             settings,
             models,
-            socket.socket(fileno=int(os.environ["OPENRL_LISTEN_FD"])),
-            os.environ["OPENRL_URL"],
+            socket.socket(fileno=int(os.environ["OPENRL_GROUP_LISTEN_FD"])),
+            os.environ["OPENRL_GROUP_URL"],
             None,
         )
     try:  # the port first: the lock never names a port this process does not hold (--port 0: any free)

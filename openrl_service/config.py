@@ -118,6 +118,7 @@ class Settings:
     devices: list[str] = field(default_factory=list)
     group_timeout_s: float = 120.0
     group_max_restarts: int = 5
+    group_log_commands: bool = False  # OPENRL_GROUP_LOG_COMMANDS: each rank logs every command it runs
     # OPENRL_VLLM_TP / --vllm-tp: vLLM's tensor_parallel_size; OPENRL_SAMPLER_DEVICES /
     # --sampler-devices: GPUs for vLLM apart from the training group's (default: colocated on them)
     vllm_tp: int = 1

@@ -113,6 +113,7 @@ class EngineCollector:
         sampler = getattr(svc, "sampler", None)
         yield from _sampler_families(sampler.stats() if sampler is not None else {})
         yield from _full_run_families(svc)
+        yield from _group_families(svc)
 
         if self.tenant is None:
             return
@@ -135,6 +136,29 @@ class EngineCollector:
             sampled.add_metric([rid], t.tokens["sampled"])
             run_ops.add_metric([rid], t.ops)
         yield from (busy, trained, sampled, run_ops)
+
+
+def _group_families(svc: TrainingService):
+    """The torch.distributed group serving the models (world size 1: one device, no group)."""
+    group = getattr(svc, "group", None)
+    yield GaugeMetricFamily(
+        "openrl_world_size", "Ranks (devices) serving each model", value=svc.settings.world_size
+    )
+    if group is None:
+        return
+    memory = GaugeMetricFamily(
+        "openrl_rank_memory_bytes",
+        "What each rank holds on its device (CUDA allocated; on CPU ranks the process's RSS), as of "
+        "its last command",
+        labels=["rank"],
+    )
+    busy = CounterMetricFamily(
+        "openrl_rank_busy_seconds", "Seconds each rank spent on the group's commands", labels=["rank"]
+    )
+    for rank, stats in sorted(dict(group.rank_stats).items()):
+        memory.add_metric([str(rank)], stats["memory_bytes"])
+        busy.add_metric([str(rank)], stats["busy_s"])
+    yield from (memory, busy)
 
 
 def _full_run_families(svc: TrainingService):

@@ -65,6 +65,8 @@ class Group:
         self._last = time.monotonic()
         self._closed = False
         self.cpu: Any = None  # the gloo group objects travel on
+        self.busy_s = 0.0  # seconds spent on commands (rank 0: its own part of them)
+        self.rank_stats: dict[int, dict] = {}  # rank 0: each rank's busy_s and memory_bytes, last seen
 
     # -- joining ---------------------------------------------------------------------------------
     @classmethod
@@ -104,26 +106,37 @@ class Group:
             except Exception as e:  # noqa: BLE001  (a rank gone: the group cannot go on)
                 self.fail(f"sending {name}", e)
             self.sent += 1
-            mine: tuple
+            error: BaseException | None = None
+            result = None
+            t0 = time.monotonic()
             try:
                 result = local()
-                mine = ("ok", None)
             except BaseException as e:  # noqa: BLE001
                 error = e
-                result = None
-                mine = ("error", type(e).__name__, str(e))
+            self.busy_s += time.monotonic() - t0
             try:
-                outcomes = self._gather(mine)
+                outcomes = self._gather(self._outcome(None if error is None else error))
             except Exception as e:  # noqa: BLE001
                 self.fail(f"gathering the ranks' outcomes of {name}", e)
             self._last = time.monotonic()
+        for r, o in enumerate(outcomes):
+            self.rank_stats[r] = o["stats"]
         others = outcomes[1:]
-        if mine[0] == "ok" and all(o[0] == "ok" for o in others):
-            return result, [o[1] for o in others]
-        if mine[0] == "error" and all(o[0] == "error" and o[1] == mine[1] for o in others):
+        if error is None and all(o["error"] is None for o in others):
+            return result, [o["result"] for o in others]
+        mine = None if error is None else type(error).__name__
+        if error is not None and all(o["error"] is not None and o["error"][0] == mine for o in others):
             raise error  # every rank met the same error: as on one device
-        self.fail(f"{name}: the ranks disagree", RuntimeError(f"outcomes {[o[:2] for o in outcomes]}"))
+        what = [o["error"] and o["error"][0] for o in outcomes]
+        self.fail(f"{name}: the ranks disagree", RuntimeError(f"errors by rank: {what}"))
         raise AssertionError  # unreachable
+
+    def _outcome(self, error: BaseException | None, result: Any = None) -> dict:
+        return {
+            "result": result,
+            "error": None if error is None else (type(error).__name__, str(error)),
+            "stats": {"busy_s": self.busy_s, "memory_bytes": device_memory_bytes(self.device)},
+        }
 
     def ping_when_idle(self, every_s: float) -> None:
         """A thread: a ping whenever nothing was sent for ``every_s`` (see the module's Liveness)."""
@@ -160,11 +173,16 @@ class Group:
             except Exception as e:  # noqa: BLE001
                 self.fail("waiting for rank 0's next command", e)
             name, payload = box
+            log.debug("rank %d: %s %s", self.rank, name, payload.get("key", ""))
+            t0 = time.monotonic()
             try:
-                outcome: tuple = ("ok", execute(name, payload))
+                result = execute(name, payload)
+                error = None
             except BaseException as e:  # noqa: BLE001
                 log.exception("rank %d: %s failed", self.rank, name)
-                outcome = ("error", type(e).__name__, str(e))
+                result, error = None, e
+            self.busy_s += time.monotonic() - t0
+            outcome = self._outcome(error, result)
             try:
                 self._gather(outcome)
             except Exception as e:  # noqa: BLE001
@@ -206,3 +224,14 @@ class Group:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_GROUP_FAILED)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """What this rank holds on its device: CUDA's allocated bytes, or on the CPU the process's RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

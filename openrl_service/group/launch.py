@@ -158,8 +158,8 @@ class Supervisor:
             }
             pass_fds: tuple[int, ...] = ()
             if rank == 0 and self.listen_fd is not None:
-                env["OPENRL_LISTEN_FD"] = str(self.listen_fd)
-                env["OPENRL_URL"] = self.url or ""
+                env["OPENRL_GROUP_LISTEN_FD"] = str(self.listen_fd)
+                env["OPENRL_GROUP_URL"] = self.url or ""
                 pass_fds = (self.listen_fd,)
             self.children[rank] = subprocess.Popen(
                 self.argv, env=env, pass_fds=pass_fds, preexec_fn=die_with_parent

@@ -18,7 +18,8 @@ def follower_main(settings) -> int:
     0 (its drain ends with a ``stop`` to every rank); the supervisor's death kills this process."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(name)s: %(message)s")
+    if settings.group_log_commands:  # every command a rank executes, in the log
+        log.setLevel(logging.DEBUG)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     group = Group.join(timeout_s=settings.group_timeout_s)

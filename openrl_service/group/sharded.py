@@ -42,10 +42,10 @@ from openrl_service.training.weights import RunWeights, run_tensors
 
 def _fsdp():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    return init_device_mesh, fully_shard, DTensor, distribute_tensor
+    return init_device_mesh, fully_shard, DTensor, distribute_tensor, FSDPModule
 
 
 _MESH: dict[str, object] = {}
@@ -190,7 +190,7 @@ def _build(trainer, group, spec, source: dict | None, layout: dict | None) -> Tr
     receives its shard (weights, and where given gradients and optimizer state)."""
     from transformers import AutoModelForCausalLM
 
-    _, fully_shard, _, distribute_tensor = _fsdp()
+    _, fully_shard, _, distribute_tensor, FSDPModule = _fsdp()
     base = trainer.base
     dev = base.device
     with torch.device("meta"):
@@ -199,8 +199,10 @@ def _build(trainer, group, spec, source: dict | None, layout: dict | None) -> Tr
     for layer in layers(module):
         fully_shard(layer, mesh=m)
     fully_shard(module, mesh=m)
-    module.set_gradient_divide_factor(1.0)  # sums, as on one device
-    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for unit in module.modules():  # each shard group's own setting (the root's is not inherited)
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)  # sums over the ranks, as on one device
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     module.to_empty(device=dev)
     own = base_tensors(base)
     trained = set(base.router.full_names(spec))

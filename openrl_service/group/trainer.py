@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from openrl_service.errors import UserError
+from openrl_service.training.full import _gib
 from openrl_service.training.trainer import (
     DatumArrays,
     ForwardResult,
@@ -140,6 +141,7 @@ class GroupTrainer(Trainer):
         self.group = group
         self._next_key = 0
         self._sharded: dict[int, int] = {}  # sharded full runs' keys -> bytes each holds per device
+        self._gone: set[int] = set()  # keys every rank has dropped
 
     def new_key(self) -> int:
         key, self._next_key = self._next_key, self._next_key + 1
@@ -156,6 +158,12 @@ class GroupTrainer(Trainer):
     def _key(self, state: TrainState) -> int:
         if state.group_key is None:
             self.keep(state, self.new_key())
+        if state.group_key in self._gone:
+            # its session finished and every rank let it go (at world size 1 an op queued before the
+            # finish still runs on the orphaned tensors; here they are gone from the other ranks)
+            raise UserError(
+                "model_id: this run's session has finished; its ops no longer run", field="model_id"
+            )
         return state.group_key
 
     # -- runs ------------------------------------------------------------------------------------
@@ -174,8 +182,8 @@ class GroupTrainer(Trainer):
                 f"{self.group.world_size}, plus {_gib(transient)} for FSDP's all-gathers); the full runs' "
                 f"share of each device is {_gib(budget)} (OPENRL_FULL_RUN_BUDGET_BYTES) and "
                 f"{_gib(used)} of it is held by {len(self._sharded)} sharded full runs, which stay on "
-                "their devices",
-                field="rank",
+                "their devices; train a LoRA (rank >= 1), or use more devices",
+                field="lora_config.rank",
             )
 
     def make_room_for(self, spec) -> None:
@@ -262,6 +270,8 @@ class GroupTrainer(Trainer):
 
     def gather(self, weights, *, state: TrainState | None = None, with_state: bool) -> dict:
         """A sharded run's tensors, whole, on rank 0 (collective; module docstring)."""
+        if weights.key in self._gone:
+            raise UserError("model_id: this run's session has finished", field="model_id")
         got, _ = self.group.call(
             "gather",
             {"model": self.base.name, "key": weights.key, "with_state": with_state},
@@ -289,6 +299,7 @@ class GroupTrainer(Trainer):
 
     def _drop(self, key: int) -> None:
         self._sharded.pop(key, None)
+        self._gone.add(key)
         self.group.call("drop", {"key": key}, lambda: None)
 
     # -- forward / backward -----------------------------------------------------------------------
@@ -389,7 +400,3 @@ def _put_state(trainer: Trainer, p: dict, old: TrainState | None) -> TrainState:
     state.steps = p["steps"]
     state.pending_backward = p["pending"]
     return state
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
