@@ -86,6 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
             from openrl_service.sampling.factory import resolve_sampler
 
             resolve_sampler("vllm")  # vLLM missing: say so now, not after the model loads
+        if settings.vllm_tp != 1 or settings.sampler_devices:
+            _check_sampler_layout(settings)
         number(
             settings.drain_grace_s,
             "--drain-grace-s",
@@ -158,14 +160,17 @@ def _serve(args: argparse.Namespace) -> int:
 
         return follower_main(settings)
     supervising = settings.world_size > 1 and rank is None
-    if supervising:
-        from openrl_service.group.launch import layout, supervise
+    if rank is None and (settings.world_size != 1 or settings.nnodes != 1 or settings.devices):
+        from openrl_service.group.launch import layout
 
         try:
             layout(settings)
         except ValueError as e:
             print(f"openrl-service: {e}", file=sys.stderr)
             return 2
+    if supervising:
+        from openrl_service.group.launch import supervise
+
         if settings.node_rank > 0:  # a node that serves no HTTP: its ranks follow node 0's rank 0
             return supervise(settings, _rank_argv(args), sock=None, url=None)
     if settings.no_auth and not settings.loopback:
@@ -221,6 +226,23 @@ def _serve(args: argparse.Namespace) -> int:
         finally:
             lock.release()
     return _serve_app(args, settings, models, sock, url, lock)
+
+
+def _check_sampler_layout(settings) -> None:
+    """--vllm-tp / --sampler-devices against the sampler and the devices (ValueError naming them)."""
+    import torch
+
+    from openrl_service.group.launch import layout
+    from openrl_service.sampling.factory import resolve_sampler
+    from openrl_service.sampling.parallel import check_parallel
+
+    training = layout(settings).devices if settings.world_size > 1 else [settings.device or "cuda:0"]
+    check_parallel(
+        settings,
+        sampler=resolve_sampler(settings.sampler),
+        training_devices=training,
+        cuda=torch.cuda.is_available(),
+    )
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

@@ -72,20 +72,24 @@ class Group:
     @classmethod
     def join(cls, *, timeout_s: float) -> Group:
         """Join the group `serve` started this process in (OPENRL_RANK, OPENRL_WORLD_SIZE,
-        OPENRL_LOCAL_RANK, OPENRL_GROUP_STORE host:port, OPENRL_GROUP_GENERATION,
+        OPENRL_LOCAL_RANK, OPENRL_GROUP_STORE ``file:PATH`` or ``host:port``, OPENRL_GROUP_GENERATION,
         OPENRL_GROUP_DEVICE): blocks until every rank has joined or the timeout passes."""
         rank = int(os.environ["OPENRL_RANK"])
         world = int(os.environ["OPENRL_WORLD_SIZE"])
         local_rank = int(os.environ.get("OPENRL_LOCAL_RANK", rank))
-        host, _, port = os.environ["OPENRL_GROUP_STORE"].rpartition(":")
+        where = os.environ["OPENRL_GROUP_STORE"]
         generation = os.environ.get("OPENRL_GROUP_GENERATION", "0")
         device = torch.device(os.environ.get("OPENRL_GROUP_DEVICE") or "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-        # each incarnation of the group meets under its own prefix: keys of a failed one never mix in
-        store = dist.PrefixStore(f"generation-{generation}/", store)
+        if where.startswith("file:"):  # one node: a file of its own per generation
+            store = dist.FileStore(where.removeprefix("file:"), world)
+        else:
+            host, _, port = where.rpartition(":")
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            # each incarnation meets under its own prefix: keys of a failed one never mix in
+            store = dist.PrefixStore(f"generation-{generation}/", store)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=None

@@ -5,10 +5,13 @@ Like torchrun's agent, `serve` itself runs no model: on each node it starts one 
 OPENRL_RANK set. Rank 0 (node 0) serves HTTP on the socket the supervisor bound, so the port stays the
 same across restarts; the supervisor also holds the data dir's lock for as long as it runs.
 
-Rendezvous. Node 0's supervisor binds the group's TCPStore: on one node on 127.0.0.1 port 0 (the
-kernel picks it, the ranks are told; never a guessed free port), across nodes on ``--master-port``
-(the other nodes' supervisors and ranks connect to ``--master-addr``). Each incarnation of the group
-(its *generation*, a counter in the store) meets under its own key prefix.
+Rendezvous. On one node the ranks meet in a FileStore in ``<data>/group`` (0700), a new file for each
+incarnation of the group (its *generation*), and talk over loopback only (GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME ``lo`` unless set): no port of the group is reachable from another host. Across
+nodes node 0's supervisor binds a TCPStore on ``--master-port`` (the other nodes' supervisors and ranks
+connect to ``--master-addr``), which holds the generation counter; each generation meets under its own
+key prefix. That port and the ranks' own are unauthenticated: keep them inside the group's network
+(the LeaderWorkerSet overlay's NetworkPolicy does; docs/security.md).
 
 Faults. When any rank of this node exits while the service is not stopping (kill -9, a collective that
 failed or timed out: group/comm.py), the supervisor moves the store's generation on and kills its other
@@ -26,12 +29,14 @@ import ctypes
 import datetime
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("openrl.group")
 
@@ -115,18 +120,27 @@ class Supervisor:
         self.url = url
         self.stopping = False
         self.children: dict[int, subprocess.Popen] = {}
-        self.store = None
+        self.store = None  # across nodes: the TCPStore holding the generation
+        self.address = ""
 
     def _connect_store(self):
+        """Across nodes: node 0 binds the TCPStore on --master-port, the others connect. On one node
+        there is no network rendezvous at all: each generation meets in a file of the data dir."""
         import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.settings.group_timeout_s)
         s = self.settings
+        if self.shape.nnodes == 1:
+            self.folder = Path(s.data_dir) / "group"
+            shutil.rmtree(self.folder, ignore_errors=True)  # a killed predecessor's files
+            self.folder.mkdir(mode=0o700, parents=True)
+            self._generation = 0
+            return
+        timeout = datetime.timedelta(seconds=s.group_timeout_s)
         if self.shape.node_rank == 0:
-            host, port = (s.master_addr or "127.0.0.1"), (s.master_port if self.shape.nnodes > 1 else 0)
-            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+            store = dist.TCPStore(
+                s.master_addr, s.master_port, is_master=True, wait_for_workers=False, timeout=timeout
+            )
             store.set("generation", "0")
-            self.address = f"{host}:{store.port}"
         else:
             deadline = time.monotonic() + s.group_timeout_s
             while True:
@@ -137,11 +151,25 @@ class Supervisor:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(1)
-            self.address = f"{s.master_addr}:{s.master_port}"
+        self.address = f"{s.master_addr}:{s.master_port}"
         self.store = store
 
     def generation(self) -> int:
+        if self.store is None:
+            return self._generation
         return int(self.store.get("generation"))
+
+    def _next_generation(self, generation: int) -> None:
+        if self.store is None:
+            self._generation = generation + 1
+            return
+        with contextlib.suppress(Exception):
+            self.store.compare_set("generation", str(generation), str(generation + 1))
+
+    def _rendezvous(self, generation: int) -> str:
+        if self.store is not None:
+            return self.address
+        return f"file:{self.folder / f'store-{generation}'}"
 
     def _start(self, generation: int) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.shape.per_node)
@@ -151,11 +179,14 @@ class Supervisor:
                 "OPENRL_RANK": str(rank),
                 "OPENRL_LOCAL_RANK": str(local),
                 "OPENRL_WORLD_SIZE": str(self.shape.world_size),
-                "OPENRL_GROUP_STORE": self.address,
+                "OPENRL_GROUP_STORE": self._rendezvous(generation),
                 "OPENRL_GROUP_GENERATION": str(generation),
                 "OPENRL_GROUP_DEVICE": self.shape.devices[local],
                 "OPENRL_TORCH_THREADS": os.environ.get("OPENRL_TORCH_THREADS") or str(threads),
             }
+            if self.shape.nnodes == 1:  # one node: the ranks talk over loopback only
+                for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                    env.setdefault(var, "lo")
             pass_fds: tuple[int, ...] = ()
             if rank == 0 and self.listen_fd is not None:
                 env["OPENRL_GROUP_LISTEN_FD"] = str(self.listen_fd)
@@ -191,7 +222,7 @@ class Supervisor:
             started = time.monotonic()
             print(
                 f"openrl-service: starting ranks {self.shape.ranks.start}-{self.shape.ranks.stop - 1} of "
-                f"{self.shape.world_size} (generation {generation}, rendezvous {self.address})",
+                f"{self.shape.world_size} (generation {generation}, rendezvous {self._rendezvous(generation)})",
                 flush=True,
             )
             self._start(generation)
@@ -225,8 +256,7 @@ class Supervisor:
             if failed and not self.stopping:
                 why = ", ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(failed.items()))
                 print(f"openrl-service: {why}: restarting the group", file=sys.stderr, flush=True)
-                with contextlib.suppress(Exception):
-                    self.store.compare_set("generation", str(generation), str(generation + 1))
+                self._next_generation(generation)
                 self._kill_all()
                 return None
             if exited or failed:  # a shutdown under way: the others follow within a minute
@@ -234,7 +264,7 @@ class Supervisor:
                 if time.monotonic() - clean_since > 60:
                     self._kill_all()
                     return exited.get(0, 1) if self.shape.node_rank == 0 else 0
-            if self.shape.nnodes > 1 and not exited and time.monotonic() - last_check > 1.0:
+            if self.store is not None and not exited and time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 if not self._store_alive():  # node 0 is gone: stopped or dead
                     self._kill_all()

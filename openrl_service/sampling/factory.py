@@ -79,9 +79,11 @@ def make_sampler(base: BaseModel, settings) -> CountingSampler:
     torch_sampler = TorchSampler(base)
     if choice == "torch":
         return CountingSampler(torch_sampler, "torch")
+    from openrl_service.sampling.parallel import vllm_parallel_args
     from openrl_service.sampling.vllm_sampler import VLLMSampler, trainer_reserve_bytes
 
     s = settings
+    parallel, worker_env = vllm_parallel_args(s)
     sampler = VLLMSampler(
         base,
         data_dir=Path(s.data_dir),
@@ -94,5 +96,7 @@ def make_sampler(base: BaseModel, settings) -> CountingSampler:
         gpu_memory_utilization=s.vllm_gpu_memory_utilization,
         trainer_bytes=trainer_reserve_bytes(base, s.max_sampler_snapshot_bytes),
         fallback=torch_sampler,
+        parallel=parallel,
+        worker_env=worker_env,
     )
     return CountingSampler(sampler, "vllm")

@@ -201,7 +201,11 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.5,
         trainer_bytes: int = 0,
         fallback: TorchSampler | None = None,
+        parallel: dict | None = None,
+        worker_env: dict | None = None,
     ):
+        """``parallel``: EngineArgs of its tensor parallelism, ``worker_env`` its worker processes'
+        environment (sampling/parallel.py)."""
         # before vLLM is first imported: its engine core in this process (it dies with us), quiet logs
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -270,7 +274,8 @@ class VLLMSampler:
             args["enable_chunked_prefill"] = False
             args["max_num_batched_tokens"] = max(max_len, 8192)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gb))))
-        self.engine = _start_engine(args)
+        args.update(parallel or {})
+        self.engine = _start_engine(args, worker_env or {})
         self.tokenizer = self.engine.get_tokenizer()
         self._loras: OrderedDict[tuple[int, int], _Lora] = OrderedDict()  # (uid, version) -> LoRA, LRU
         self._uids = itertools.count(1)
@@ -535,8 +540,22 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=True)
 
 
-def _start_engine(args: dict):
-    """vLLM's engine in this process, leaving the trainer's torch threads and the RNGs as they were."""
+def _start_engine(args: dict, worker_env: dict | None = None):
+    """vLLM's engine in this process, leaving the trainer's torch threads and the RNGs as they were
+    (``worker_env``: set while it starts, for the worker processes a parallel engine spawns)."""
+    saved = {k: os.environ.get(k) for k in worker_env or {}}
+    os.environ.update(worker_env or {})
+    try:
+        return _start(args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _start(args: dict):
     threads = torch.get_num_threads()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # else vLLM drops torch to 1 thread
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -297,3 +298,77 @@ def _answers(s: Served) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+def test_the_group_listens_on_loopback_only(world2):
+    """On one node the ranks meet in a file of the data dir and talk over loopback: apart from the
+    HTTP port (here bound to loopback too), nothing of the group is reachable from another host."""
+    procs = [psutil.Process(world2.proc.pid), *ranks_of(world2)]
+    listening = [
+        c.laddr for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening  # gloo's own sockets at least
+    assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
+    assert (
+        not list((world2.data_dir / "group").glob("store-*"))
+        or oct((world2.data_dir / "group").stat().st_mode & 0o777) == "0o700"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--world-size", "0"], "--world-size (OPENRL_WORLD_SIZE) must be between 1 and 1024; got 0"),
+        (["--world-size", "3", "--nnodes", "2"], "--nnodes (OPENRL_NNODES) must divide --world-size 3"),
+        (["--world-size", "2", "--nnodes", "2"], "--master-addr and --master-port"),
+        (["--world-size", "2", "--devices", "cpu"], "names 1 devices; this node runs 2 ranks"),
+        (["--world-size", "2", "--devices", "tpu:0,tpu:1"], "'tpu:0' is not cpu or cuda:N"),
+        (
+            ["--vllm-tp", "2", "--sampler", "torch"],
+            "--vllm-tp 2 shards vLLM's model over 2 GPUs, but the sampler is torch",
+        ),
+        (["--vllm-tp", "0"], "--vllm-tp (OPENRL_VLLM_TP) must be between 1 and 64; got 0"),
+        (
+            ["--sampler-devices", "cuda:1", "--sampler", "torch"],
+            "--sampler-devices (OPENRL_SAMPLER_DEVICES) places vLLM's workers",
+        ),
+    ],
+)
+def test_a_bad_group_or_sampler_layout_is_refused_at_start_naming_the_flag(tmp_path, flags, says):
+    from tests._support.serve import cli
+
+    argv, env = cli("serve", "--data-dir", str(tmp_path), "--port", "0", *flags)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert not (tmp_path / "group").exists()  # refused before any rank started
+
+
+def test_vllm_tensor_parallel_layouts():
+    """What `--vllm-tp` and `--sampler-devices` give vLLM, and the layouts refused (vLLM itself needs
+    GPUs: bench/gpu_check.sh runs TP 1 against TP N there)."""
+    from openrl_service.config import from_env
+    from openrl_service.sampling.parallel import check_parallel, vllm_parallel_args
+
+    s = from_env({}, vllm_tp=2)
+    assert vllm_parallel_args(s) == (
+        {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        {},
+    )
+    apart = from_env({}, vllm_tp=2, sampler_devices=["cuda:4", "cuda:5"])
+    assert vllm_parallel_args(apart)[1] == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert vllm_parallel_args(from_env({})) == ({}, {})
+    check_parallel(apart, sampler="vllm", training_devices=["cuda:0", "cuda:1"], cuda=True)
+    check_parallel(s, sampler="vllm", training_devices=["cuda:0", "cuda:1"], cuda=True)  # colocated
+    with pytest.raises(ValueError, match="needs CUDA GPUs; on the CPU vLLM runs one worker"):
+        check_parallel(s, sampler="vllm", training_devices=["cpu"], cuda=False)
+    with pytest.raises(ValueError, match=r"overlaps the training group's devices \(cuda:1\)"):
+        overlap = from_env({}, vllm_tp=2, sampler_devices=["cuda:1", "cuda:2"])
+        check_parallel(overlap, sampler="vllm", training_devices=["cuda:0", "cuda:1"], cuda=True)
+    with pytest.raises(ValueError, match="names 1 GPUs; --vllm-tp is 2"):
+        check_parallel(
+            from_env({}, vllm_tp=2, sampler_devices=["cuda:3"]),
+            sampler="vllm",
+            training_devices=[],
+            cuda=True,
+        )
