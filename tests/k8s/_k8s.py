@@ -112,6 +112,12 @@ class PodTemplate:
         return self.role != "worker"
 
     @property
+    def owns_data_dir(self) -> bool:
+        """Node rank 0 (a Deployment's pod, a group's leader) holds the data dir and its lock; a
+        worker's ranks get all state from rank 0, so its data dir is scratch (an emptyDir)."""
+        return self.role != "worker"
+
+    @property
     def injected_variables(self) -> frozenset[str]:
         """Variables the controller sets in every container (what $(VAR) in args may name)."""
         return LWS_VARIABLES if self.workload["kind"] == "LeaderWorkerSet" else frozenset()

@@ -181,20 +181,45 @@ def test_group_pods_reach_each_other_on_the_rendezvous_and_nccl_ports_only():
     assert not allowed(cluster, pods["neighbour"], pods["worker"], NCCL_PORT)
 
 
-def test_group_pods_share_a_read_write_many_data_dir():
+def data_volume(pod) -> dict:
+    """The volume mounted at the pod's --data-dir."""
+    c = pod.container()
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == flag(c["args"], "--data-dir")]
+    assert not mount.get("readOnly"), f"{pod.name}: the data dir must be writable"
+    (volume,) = [v for v in pod.spec["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def test_leader_owns_the_data_volume_and_the_worker_has_scratch():
+    """Rank 0, on the leader, alone reads and writes the journal, checkpoints and run files (the
+    leader's supervisor holds the lock) and sends the other ranks what they need: the leader mounts
+    the data PVC, one pod on one node (ReadWriteOnce is enough), and the worker's data dir, at the same
+    path, is a bounded emptyDir for its small caches."""
     objs = overlay(GROUP)
     _, leader, worker = group()
     claims = {p["metadata"]["name"]: p for p in of_kind(objs, "PersistentVolumeClaim")}
-    used = set()
-    for pod in (leader, worker):
-        c = pod.container()
-        data_dir = flag(c["args"], "--data-dir")
-        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == data_dir]
-        (volume,) = [v for v in pod.spec["volumes"] if v["name"] == mount["name"]]
-        used.add(volume["persistentVolumeClaim"]["claimName"])
-    assert len(used) == 1, "the ranks of one group read one data dir"
-    (claim,) = used
-    assert claims[claim]["spec"]["accessModes"] == ["ReadWriteMany"], "two nodes mount it at once"
+    assert flag(leader.container()["args"], "--data-dir") == flag(worker.container()["args"], "--data-dir")
+
+    claim = claims[data_volume(leader)["persistentVolumeClaim"]["claimName"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"], "one pod writes it: no Filestore needed"
+
+    scratch = data_volume(worker)
+    assert set(scratch) == {"name", "emptyDir"}, f"the worker's data dir is {scratch}"
+    assert scratch["emptyDir"].get("medium") != "Memory", "caches on disk, not in the memory limit"
+    assert quantity(scratch["emptyDir"]["sizeLimit"]) > 0, (
+        "bounded: a runaway cache evicts the pod, not the node"
+    )
+    assert not [v for v in worker.spec["volumes"] if "persistentVolumeClaim" in v], (
+        "the worker mounts no claim: a second node cannot attach the leader's ReadWriteOnce volume"
+    )
+    # the worker's disk-backed emptyDirs fit its ephemeral-storage limit, or the kubelet evicts the
+    # pod (and LWS recreates the group) before any of them reaches its own sizeLimit
+    disk = sum(
+        quantity(v["emptyDir"]["sizeLimit"])
+        for v in worker.spec["volumes"]
+        if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+    )
+    assert disk < quantity(worker.container()["resources"]["limits"]["ephemeral-storage"])
 
 
 def test_group_waits_in_its_kueue_queue_for_all_its_gpus():

@@ -240,7 +240,9 @@ def test_pods_run_as_non_root_with_a_read_only_root(name):
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
         data_dir = flag(c["args"], "--data-dir")
-        assert data_dir in mounts and "persistentVolumeClaim" in volumes[mounts[data_dir]["name"]]
+        assert data_dir in mounts
+        data = volumes[mounts[data_dir]["name"]]
+        assert ("persistentVolumeClaim" if dep.owns_data_dir else "emptyDir") in data, dep.name
         assert not mounts[data_dir].get("readOnly")
         assert "/tmp" in mounts and "emptyDir" in volumes[mounts["/tmp"]["name"]]
         env = env_of(c)
