@@ -36,7 +36,7 @@ LABEXT_LINK := $(VENV)/share/jupyter/labextensions/$(LABEXT_NAME)
 SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter.json
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo demo-sdk demo-real recipe-sql test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load bench-full-sql bench-scale fuzz conformance serve clean
+.PHONY: help venv demo demo-sdk demo-real recipe-sql test lint format pytest test-real bench bench-packing bench-sampling bench-sweep bench-load bench-full-sql bench-scale bench-devices fuzz conformance serve clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -223,6 +223,9 @@ images: $(STAMP) $(LABEXT) podman ## build the CPU service and notebook images, 
 
 image-check: images $(CHP) ## run them as the cluster would: the cpu overlay's container spec + the SDK, a restart, SIGTERM; a hub spawns the notebook image and a kernel trains
 	$(TEST_ENV) OPENRL_IMAGE_CHECK=1 $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/images
+
+bench-devices: $(STAMP) ## serve at world size 1 vs --world-size 2 (CPU ranks, gloo): s/step of LoRA and full runs, the memory a full run adds per rank, loss agreement (~3 min)
+	$(BIN)/python bench/devices.py $(BENCH_ARGS)
 
 bench-scale: images ## the service image in a 7.3 GiB container: 3 full fine-tunes of a 180M model take turns with 2 LoRA runs, kill -9 mid-spill and mid-snapshot; memory, /healthz, turns, exact losses (BENCH_ARGS=--short: 30M, < 4 min)
 	$(BIN)/python bench/scale.py $(BENCH_ARGS)

@@ -20,6 +20,12 @@
 # --fetch; needs the internet, ~9 MiB into the ignored .whl/) and add carry=[".whl"] to the run:
 # this script installs them into /tmp/site before the check.
 #
+# Several GPUs (one machine with N of them; the machines lent here have one at most, so this has not run
+# here): `bench/gpu_check.sh --gpus N` runs bench/devices.py: `serve` at world size 1 against
+# `--world-size N --devices cuda:0..N-1` (NCCL), s/step, the memory a full run adds per rank and the
+# largest loss difference, then (vLLM installed) greedy samples of one adapter at vLLM TP 1 against
+# TP N. It needs the service's own dependencies (fastapi, uvicorn, tinker...): the repo's venv.
+#
 # Here, without a GPU: `bench/gpu_check.sh --smoke` runs every section on the CPU with tiny sizes
 # (.venv's python, a 2-layer hidden-64 Qwen2); its figures say nothing about performance.
 #
@@ -40,6 +46,11 @@ ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --smoke) MODE=smoke ;;
+        --gpus)  # several GPUs: bench/devices.py (world size 1 vs N with NCCL, vLLM TP 1 vs TP N)
+            shift
+            exec timeout "${GPU_CHECK_TIMEOUT_S:-1200}" "${PYTHON:-python3}" "$ROOT/bench/devices.py" --gpus "$1" \
+                --json "${OUT:-$ROOT/bench/results}/devices.json"
+            ;;
         --fetch) exec bash "$ROOT/bench/gpu_wheels.sh" ;;
         -h | --help)
             sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'

@@ -485,6 +485,8 @@ class ServiceDashboard(_LiveDashboard):
             parts.append(f"{html.escape(util.label or 'utilisation')} {util.value:.0%}")
         if util.fused_share:
             parts.append(f"fused {float(util.fused_share):.0%}")
+        if len(util.devices) > 1:  # a model served by several devices: each one's share
+            parts.append("devices " + html.escape(per_device(util.devices)))
         if util.queue_depth is not None:
             parts.append(f"queue {html.escape(str(util.queue_depth))}")
         table = "".join(
@@ -527,6 +529,13 @@ class ServiceDashboard(_LiveDashboard):
             if util.value is not None
             else "no telemetry yet"
         )
+        if len(util.devices) > 1:
+            usage += f" (devices {per_device(util.devices)})"
         names = ", ".join(self._run_label(r) for r in live)
         plain = f"openrl service: {plural(len(live), 'run')} ({names}); {usage}"
         return plain, f"<div>{html.escape(plain)}</div>"
+
+
+def per_device(devices: list[dict]) -> str:
+    """``rank 0 45% · rank 1 40%``: each device's busy share of the last telemetry window."""
+    return " · ".join(f"rank {d.get('rank', '?')} {float(d.get('busy') or 0.0):.0%}" for d in devices)

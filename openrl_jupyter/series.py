@@ -105,6 +105,7 @@ class Utilisation:
         self.value: float | None = None
         self.queue_depth: int | None = None
         self.fused_share: float | None = None
+        self.devices: list[dict] = []  # each device of a group serving the model (rank, busy share)
         self.times: list[float] = []
         self.total: list[float] = []
         self.by_run: dict[str, list[float]] = {}
@@ -120,6 +121,7 @@ class Utilisation:
         self.value = value
         self.queue_depth = tick.get("queue_depth")
         self.fused_share = tick.get("fused_share")
+        self.devices = [d for d in tick.get("devices") or [] if isinstance(d, dict)]
         for run_id in shares:
             self.by_run.setdefault(run_id, [0.0] * len(self.times))
         self.times.append(float(t))

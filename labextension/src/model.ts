@@ -30,6 +30,8 @@ export class OpenRLModel {
   /** Device utilisation from the latest telemetry tick (0..1) or from health. */
   utilization: number | null = null;
   utilizationLabel = 'device';
+  /** Each device of a group serving the model (world size > 1): rank and busy share (0..1). */
+  devices: { rank: number; busy: number }[] = [];
   /** Reward values seen per run (oldest first) for the sparklines. */
   rewards = new Map<string, number[]>();
   loaded = false;
@@ -195,6 +197,11 @@ export class OpenRLModel {
         this._ticking = true;
         this.utilization = value;
         this.utilizationLabel = util?.label ?? 'device';
+      }
+      if (Array.isArray(data.devices)) {
+        this.devices = data.devices
+          .filter((d: any) => d && typeof d.busy === 'number')
+          .map((d: any) => ({ rank: Number(d.rank), busy: d.busy }));
       }
       const shares = data.runs;
       if (shares && typeof shares === 'object') {

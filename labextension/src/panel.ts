@@ -168,6 +168,12 @@ export class OpenRLPanel extends Widget {
         }`
       ]
     ];
+    if (this.model.devices.length > 1) {
+      facts.push([
+        'Devices',
+        this.model.devices.map(d => `rank ${d.rank} ${percent(d.busy)}`).join(' · ')
+      ]);
+    }
     for (const [k, v] of facts) {
       dl.append(h('dt', '', k), h('dd', `jp-OpenRL-fact-${k.split(' ')[0].toLowerCase()}`, v));
     }

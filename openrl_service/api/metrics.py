@@ -142,7 +142,9 @@ def _group_families(svc: TrainingService):
     """The torch.distributed group serving the models (world size 1: one device, no group)."""
     group = getattr(svc, "group", None)
     yield GaugeMetricFamily(
-        "openrl_world_size", "Ranks (devices) serving each model", value=svc.settings.world_size
+        "openrl_world_size",
+        "Ranks (devices) serving each model",
+        value=group.world_size if group is not None else 1,
     )
     if group is None:
         return

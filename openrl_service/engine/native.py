@@ -1010,6 +1010,7 @@ class NativeRuns:
         total = sum(busy.values())
         mine = {r: v for r, v in busy.items() if (self.runs.get(r) and self.runs[r].run.tenant == tenant)}
         engine_busy = {"label": "engine busy", "value": min(1.0, total / window_s)}
+        group = getattr(self.svc, "group", None)  # several devices serving the model
         nvml = self._nvml.read()
         memory = None
         if nvml is not None:
@@ -1025,6 +1026,8 @@ class NativeRuns:
             "window_s": window_s,
             "utilisation": nvml or engine_busy,
             "engine_busy": engine_busy["value"],
+            # each device of the model's group (world size > 1): its busy share of the window
+            "devices": group.devices(window_s) if group is not None else [],
             "memory": memory,
             "runs": {r: v / total for r, v in mine.items()} if total else {},
             # share of the engine's busy time spent in fused calls (several runs' ops in one pass)

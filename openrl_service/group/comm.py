@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 log = logging.getLogger("openrl.group")
 
 EXIT_GROUP_FAILED = 75  # a collective failed or the ranks disagreed: restart the group
+HISTORY_S = 120.0  # how far back rank 0 keeps the ranks' busy times (telemetry ticks look 5 s back)
 
 
 class GroupFailed(RuntimeError):
@@ -67,6 +69,7 @@ class Group:
         self.cpu: Any = None  # the gloo group objects travel on
         self.busy_s = 0.0  # seconds spent on commands (rank 0: its own part of them)
         self.rank_stats: dict[int, dict] = {}  # rank 0: each rank's busy_s and memory_bytes, last seen
+        self.history: deque[tuple[float, list[float]]] = deque()  # rank 0: (time, each rank's busy_s)
 
     # -- joining ---------------------------------------------------------------------------------
     @classmethod
@@ -123,8 +126,12 @@ class Group:
             except Exception as e:  # noqa: BLE001
                 self.fail(f"gathering the ranks' outcomes of {name}", e)
             self._last = time.monotonic()
+        now = time.monotonic()
         for r, o in enumerate(outcomes):
             self.rank_stats[r] = o["stats"]
+        self.history.append((now, [o["stats"]["busy_s"] for o in outcomes]))
+        while len(self.history) > 2 and now - self.history[1][0] > HISTORY_S:
+            self.history.popleft()
         others = outcomes[1:]
         if error is None and all(o["error"] is None for o in others):
             return result, [o["result"] for o in others]
@@ -141,6 +148,25 @@ class Group:
             "error": None if error is None else (type(error).__name__, str(error)),
             "stats": {"busy_s": self.busy_s, "memory_bytes": device_memory_bytes(self.device)},
         }
+
+    def devices(self, window_s: float) -> list[dict]:
+        """Rank 0: each rank's share of the last ``window_s`` spent on commands, and its memory."""
+        history = list(self.history)
+        if not history:
+            return []
+        now = time.monotonic()
+        _, last = history[-1]
+        before = [h for h in history if h[0] <= now - window_s]
+        start_t, start = before[-1] if before else history[0]  # busy times as the window opened
+        span = max(now - start_t, 1e-9)
+        return [
+            {
+                "rank": r,
+                "busy": min(1.0, max(0.0, (last[r] - start[r]) / span)),
+                "memory_bytes": self.rank_stats.get(r, {}).get("memory_bytes"),
+            }
+            for r in range(len(last))
+        ]
 
     def ping_when_idle(self, every_s: float) -> None:
         """A thread: a ping whenever nothing was sent for ``every_s`` (see the module's Liveness)."""

@@ -176,6 +176,20 @@ def test_lora_and_full_runs_train_to_the_losses_of_one_device(reference, world2)
     close(reference["native"], native(world2.url))
     metrics = httpx.get(f"{world2.url}/metrics").text
     assert "openrl_world_size 2" in metrics
+    for rank in (0, 1):  # each device's memory and busy time
+        assert f'openrl_rank_memory_bytes{{rank="{rank}"}}' in metrics
+        assert f'openrl_rank_busy_seconds_total{{rank="{rank}"}}' in metrics
+    # the notebook's live telemetry: each device's busy share while a run trains
+    with Client(world2.url, token=ALICE_KEY) as c:
+        run = c.create_run(name="busy", rank=8, seed=4)
+        for k in range(3):
+            got = c.sample(run["run_id"], ["abc"], num_samples=4, max_tokens=8, seed=k, temperature=1.0)
+            c.train_step(
+                run["run_id"], [{"sample_id": x["sample_id"], "advantage": 1.0} for x in got["samples"]]
+            )
+        tick = next(e for e in c.events() if e.get("type") == "tick")
+    assert [d["rank"] for d in tick["devices"]] == [0, 1]
+    assert all(0.0 < d["busy"] <= 1.0 and d["memory_bytes"] > 0 for d in tick["devices"]), tick["devices"]
 
 
 def test_checkpoints_load_across_world_sizes(reference, world2, tmp_path, tiny_model_dir):
@@ -226,20 +240,33 @@ def test_a_full_run_that_fits_only_when_sharded(tmp_path, tiny_model_dir):
 
 
 def test_kill_9_of_a_rank_restarts_the_group_and_loses_nothing(reference, tmp_path, tiny_model_dir):
-    with serving(tmp_path / "d", tiny_model_dir, "--world-size", "2") as s:
+    """A LoRA run and a full run train at world size 2; rank 1 is killed mid-way and the group comes back
+    with the journal replayed; then the same data dir serves at world size 1 and both runs go on."""
+    data = tmp_path / "d"
+    with serving(data, tiny_model_dir, "--world-size", "2") as s:
+        port = int(s.url.rsplit(":", 1)[1])
         sc = tinker.ServiceClient(base_url=s.url, api_key=ALICE_KEY)
-        tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
-        losses = []
+        runs = {
+            "lora": sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0),
+            "full": sc.create_lora_training_client(base_model="openrl/tiny", rank=0, seed=0),
+        }
+        got: dict[str, list[float]] = {"lora": [], "full": []}
         for k in range(3):
             if k == 2:
                 old = rank_pid(s, 1)
                 os.kill(old, signal.SIGKILL)
                 _wait(lambda old=old: _restarted(s, old), 60, "the group to restart")
-            fb = tc.forward_backward(batch(k, 3 + k % 2), "cross_entropy")
-            step = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            losses += [float(fb.result().metrics["loss:sum"]), float(step.metrics["grad_norm:mean"])]
-        close(reference["lora"][0][:6], losses)
+            for kind, tc in runs.items():
+                fb = tc.forward_backward(batch(k, 3 + k % 2), "cross_entropy")
+                step = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+                got[kind] += [float(fb.result().metrics["loss:sum"]), float(step.metrics["grad_norm:mean"])]
+        for kind in runs:
+            close(reference[kind][0][:6], got[kind])
         assert "restarting the group" in s.stderr
+    with serving(data, tiny_model_dir, port=port):  # the same data dir at world size 1
+        for kind, tc in runs.items():
+            last = float(tc.forward_backward(batch(0, 1), "cross_entropy").result().metrics["loss:sum"])
+            close(reference[kind][0][6:], [last])
 
 
 def _restarted(s: Served, old: int) -> bool:
