@@ -85,7 +85,9 @@ class Served:
 
         top = psutil.Process(self.proc.pid)
         procs = top.children() or [top]
-        return [p.memory_info().rss for p in sorted(procs, key=lambda p: int(p.environ().get("OPENRL_RANK", 0)))]
+        return [
+            p.memory_info().rss for p in sorted(procs, key=lambda p: int(p.environ().get("OPENRL_RANK", 0)))
+        ]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -182,7 +184,9 @@ def main() -> None:
         print(f"{'run':<6} {'s/step w1':>10} {'s/step wN':>10} {'ratio':>6} {'max rel loss diff':>18}")
         for kind in ("lora", "full"):
             one, many = results[1][kind], results[world][kind]
-            diff = max(abs(x - y) / max(abs(x), 1e-9) for x, y in zip(one["losses"], many["losses"], strict=True))
+            diff = max(
+                abs(x - y) / max(abs(x), 1e-9) for x, y in zip(one["losses"], many["losses"], strict=True)
+            )
             print(
                 f"{kind:<6} {one['s_per_step']:>10.3f} {many['s_per_step']:>10.3f} "
                 f"{many['s_per_step'] / one['s_per_step']:>6.2f} {diff:>18.2e}"
@@ -201,7 +205,9 @@ def main() -> None:
 
                 tp1 = greedy_tp(a.model, 1, root / "tp1", [])
                 tpn = greedy_tp(a.model, a.gpus, root / f"tp{a.gpus}", [])
-                same = sum(x == y for s1, sn in zip(tp1, tpn, strict=True) for x, y in zip(s1, sn, strict=False))
+                same = sum(
+                    x == y for s1, sn in zip(tp1, tpn, strict=True) for x, y in zip(s1, sn, strict=False)
+                )
                 total = sum(len(s) for s in tp1)
                 print(f"\nvLLM greedy, the same adapter: TP 1 vs TP {a.gpus}: {same}/{total} tokens agree")
                 results["tp"] = {"agree": same, "total": total}
