@@ -519,8 +519,17 @@ def test_service_dashboard_draws_each_run_and_stacks_utilisation(sent, timers):
         feed.emit(tick(1_700_000_001.0, 0.95, {"r1": 0.5, "r2": 0.5}) | {"fused_share": 0.25})
         timers.advance_to(1.0)
         assert "fused 25%" in dash.header.value
+        assert "devices" not in dash.header.value  # one device: nothing more to say
+        two = [
+            {"rank": 0, "busy": 0.8, "memory_bytes": 1 << 30},
+            {"rank": 1, "busy": 0.7, "memory_bytes": 1 << 30},
+        ]
+        feed.emit(tick(1_700_000_001.2, 0.95, {"r1": 0.5, "r2": 0.5}) | {"devices": two})
+        timers.advance_to(2.0)
+        assert "devices rank 0 80% · rank 1 70%" in dash.header.value  # a model served by a group
+        assert "(devices rank 0 80% · rank 1 70%)" in dash._repr_mimebundle_()["text/html"]
         feed.emit(run_event("deleted", "r2"))
-        timers.advance_to(1.5)
+        timers.advance_to(3.0)
         assert "1 run<" in dash.header.value
         assert "beta (deleted)" in [t.name for t in dash.fig.data]
         assert "1 run (alpha)" in dash._repr_mimebundle_()["text/html"]
