@@ -269,6 +269,24 @@ def test_kill_9_of_a_rank_restarts_the_group_and_loses_nothing(reference, tmp_pa
             close(reference[kind][0][6:], [last])
 
 
+def test_a_hung_rank_is_caught_by_the_collective_timeout_and_the_group_restarts(tmp_path, tiny_model_dir):
+    """Rank 1 stopped (SIGSTOP, as a hang): rank 0's next collective waits OPENRL_GROUP_TIMEOUT_S, gives
+    up, and the whole group is started again; the acknowledged run goes on where it was."""
+    env = {"OPENRL_GROUP_TIMEOUT_S": "15"}
+    with serving(tmp_path / "d", tiny_model_dir, "--world-size", "2", env=env) as s:
+        sc = tinker.ServiceClient(base_url=s.url, api_key=ALICE_KEY)
+        tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=0)
+        first = float(tc.forward_backward(batch(0, 3), "cross_entropy").result().metrics["loss:sum"])
+        hung = rank_pid(s, 1)
+        os.kill(hung, signal.SIGSTOP)
+        t0 = time.monotonic()
+        again = float(tc.forward_backward(batch(0, 3), "cross_entropy").result().metrics["loss:sum"])
+        assert time.monotonic() - t0 >= 10  # it waited for the timeout, not less
+        assert again == pytest.approx(first, rel=1e-6)  # no optim_step between: the same loss
+        assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+        assert "restarting the group" in s.stderr
+
+
 def _restarted(s: Served, old: int) -> bool:
     try:
         return rank_pid(s, 1) != old and httpx.get(f"{s.url}/readyz", timeout=2).status_code == 200
