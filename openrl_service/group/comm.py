@@ -203,7 +203,8 @@ class Group:
             except Exception as e:  # noqa: BLE001
                 self.fail("waiting for rank 0's next command", e)
             name, payload = box
-            log.debug("rank %d: %s %s", self.rank, name, payload.get("key", ""))
+            what = payload.get("key", f"{len(payload['items'])} items" if "items" in payload else "")
+            log.debug("rank %d: %s %s", self.rank, name, what)
             t0 = time.monotonic()
             try:
                 result = execute(name, payload)

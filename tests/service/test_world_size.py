@@ -105,8 +105,12 @@ def two_fused(url: str) -> list[float]:
     sc = tinker.ServiceClient(base_url=url, api_key=ALICE_KEY)
     a = sc.create_lora_training_client(base_model="openrl/tiny", rank=4, seed=1)
     b = sc.create_lora_training_client(base_model="openrl/tiny", rank=8, seed=2)
+    busy = sc.create_sampling_client(base_model="openrl/tiny")
+    long = types.SamplingParams(max_tokens=256, temperature=1.0, seed=0)
     out = []
     for k in range(2):
+        # the device kept busy while both calls queue: they run as one fused pass when it is free
+        busy.sample(types.ModelInput.from_ints(list(b"abc")), 16, long)
         fa, fb = (
             a.forward_backward(batch(k, 2), "cross_entropy"),
             b.forward_backward(batch(k + 1, 3), "cross_entropy"),
@@ -116,6 +120,13 @@ def two_fused(url: str) -> list[float]:
         out += [float(fa.result().metrics["loss:sum"]), float(fb.result().metrics["loss:sum"])]
     sc.close("success").result()
     return out
+
+
+def fused_ops(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("openrl_fused_ops_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def native(url: str) -> list[float]:
@@ -172,7 +183,9 @@ def test_lora_and_full_runs_train_to_the_losses_of_one_device(reference, world2)
         losses, _, sampled = train(world2.url, rank, 3)
         close(reference[kind][0], losses)  # the last one is a batch of a single datum
         assert sampled == reference[kind][2]  # greedy samples of the trained weights, on rank 0
+    fused_before = fused_ops(world2.url)
     close(reference["fused"], two_fused(world2.url))
+    assert fused_ops(world2.url) > fused_before  # the two runs' calls shared passes, split over the ranks
     close(reference["native"], native(world2.url))
     metrics = httpx.get(f"{world2.url}/metrics").text
     assert "openrl_world_size 2" in metrics
