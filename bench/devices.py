@@ -126,12 +126,27 @@ def run(served: Served, rank: int, steps: int) -> dict:
         losses.append(float(fb.result().metrics["loss:sum"]))
         times.append(time.perf_counter() - t0)
     after = served.rank_rss()
+    held = state_bytes(served.url)
     sc.close("success").result()
     return {
         "s_per_step": statistics.median(times[1:] or times),
         "losses": losses,
         "added_rss": [a - b for a, b in zip(after, before, strict=True)],
+        "state_bytes": held,
     }
+
+
+def state_bytes(url: str) -> list[int]:
+    """Each rank's bytes of run state (weights, gradients, optimizer; a sharded run's shard), from
+    /metrics openrl_rank_run_state_bytes (world size > 1 only)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("openrl_rank_run_state_bytes{"):
+            rank = int(line.split('rank="')[1].split('"')[0])
+            out[rank] = int(float(line.split()[-1]))
+    return [out[r] for r in sorted(out)]
 
 
 def greedy_tp(model: str, tp: int, data: Path, devices: list[str]) -> list[list[int]]:
@@ -191,13 +206,20 @@ def main() -> None:
                 f"{kind:<6} {one['s_per_step']:>10.3f} {many['s_per_step']:>10.3f} "
                 f"{many['s_per_step'] / one['s_per_step']:>6.2f} {diff:>18.2e}"
             )
+        mib = 1 << 20
+        held = results[world]["full"]["state_bytes"]
+        whole = sum(held)
+        print(
+            f"\na full run's state (weights, gradients, AdamW) per rank at world {world}: "
+            + ", ".join(f"{x / mib:.0f} MiB ({x / whole:.2f})" for x in held)
+            + f" of {whole / mib:.0f} MiB, all of which one device holds at world 1"
+        )
         one = results[1]["full"]["added_rss"][0]
         per = results[world]["full"]["added_rss"]
-        mib = 1 << 20
         print(
-            f"\nmemory a full run adds (RSS): world 1 {one / mib:.0f} MiB; world {world} per rank "
+            f"resident memory a full run added (RSS, the allocator keeps what FSDP's all-gathers freed): "
+            f"world 1 {one / mib:.0f} MiB; world {world} per rank "
             + ", ".join(f"{x / mib:.0f} MiB" for x in per)
-            + f" (ratio {max(per) / max(one, 1):.2f})"
         )
         if a.gpus > 1 and shutil.which("nvidia-smi"):
             try:

@@ -157,10 +157,17 @@ def _group_families(svc: TrainingService):
     busy = CounterMetricFamily(
         "openrl_rank_busy_seconds", "Seconds each rank spent on the group's commands", labels=["rank"]
     )
+    held = GaugeMetricFamily(
+        "openrl_rank_run_state_bytes",
+        "Bytes of the runs' weights, gradients and optimizer state each rank holds (a sharded full "
+        "run's shard), as of its last command",
+        labels=["rank"],
+    )
     for rank, stats in sorted(dict(group.rank_stats).items()):
         memory.add_metric([str(rank)], stats["memory_bytes"])
         busy.add_metric([str(rank)], stats["busy_s"])
-    yield from (memory, busy)
+        held.add_metric([str(rank)], stats.get("state_bytes", 0))
+    yield from (memory, busy, held)
 
 
 def _full_run_families(svc: TrainingService):

@@ -68,6 +68,7 @@ class Group:
         self._closed = False
         self.cpu: Any = None  # the gloo group objects travel on
         self.busy_s = 0.0  # seconds spent on commands (rank 0: its own part of them)
+        self.held: Callable[[], int] | None = None  # bytes of the runs' state this rank holds
         self.rank_stats: dict[int, dict] = {}  # rank 0: each rank's busy_s and memory_bytes, last seen
         self.history: deque[tuple[float, list[float]]] = deque()  # rank 0: (time, each rank's busy_s)
 
@@ -146,7 +147,11 @@ class Group:
         return {
             "result": result,
             "error": None if error is None else (type(error).__name__, str(error)),
-            "stats": {"busy_s": self.busy_s, "memory_bytes": device_memory_bytes(self.device)},
+            "stats": {
+                "busy_s": self.busy_s,
+                "memory_bytes": device_memory_bytes(self.device),
+                "state_bytes": self.held() if self.held is not None else 0,
+            },
         }
 
     def devices(self, window_s: float) -> list[dict]:

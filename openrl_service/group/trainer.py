@@ -24,6 +24,7 @@ gathered there first.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,22 @@ def _combine(items: list[FusedItem], world: int, parts: list[list[Any]]) -> list
     return out
 
 
+def state_bytes(states) -> int:
+    """Bytes of run state this rank holds: weights, gradients and optimizer state (a sharded run's
+    local shards only)."""
+    total = 0
+    for st in states:
+        tensors = [t for p in st.adapter.parameters() for t in (p, p.grad) if t is not None]
+        if st.optimizer is not None:
+            tensors += [
+                v for per in st.optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor)
+            ]
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            total += local.numel() * local.element_size()
+    return total
+
+
 class GroupTrainer(Trainer):
     """Rank 0's trainer of one model in a group: the same interface as :class:`Trainer`; what changes a
     run's tensors is sent to every rank (module docstring)."""
@@ -140,6 +157,8 @@ class GroupTrainer(Trainer):
         super().__init__(base, **kw)
         self.group = group
         self._next_key = 0
+        self._live: weakref.WeakValueDictionary[int, TrainState] = weakref.WeakValueDictionary()
+        group.held = lambda: state_bytes(list(self._live.values()))
         self._sharded: dict[int, int] = {}  # sharded full runs' keys -> bytes each holds per device
         self._gone: set[int] = set()  # keys every rank has dropped
 
@@ -150,6 +169,7 @@ class GroupTrainer(Trainer):
     def keep(self, state: TrainState, key: int) -> None:
         """``state`` is known to every rank as ``key``; when it leaves, every rank drops it."""
         state.group_key = key
+        self._live[key] = state
         state.adapter.on_leave = lambda: self._drop(key)
         if getattr(state.adapter, "sharded", False):
             state.adapter.trainer = self  # its reads gather through this trainer's group
@@ -340,6 +360,7 @@ class Follower:
         self.group = group
         self.trainers = trainers
         self.states: dict[int, TrainState] = {}
+        group.held = lambda: state_bytes(list(self.states.values()))
 
     def execute(self, name: str, p: dict) -> Any:
         if name in ("ping", "stop"):

@@ -245,6 +245,13 @@ def test_a_full_run_that_fits_only_when_sharded(tmp_path, tiny_model_dir):
         sc = tinker.ServiceClient(base_url=s.url, api_key=ALICE_KEY)
         tc = sc.create_lora_training_client(base_model="openrl/tiny", rank=0, seed=0)
         assert tc.forward_backward(batch(0, 2), "cross_entropy").result().metrics["loss:sum"] > 0
+        # each device holds half the run: weights and gradients, 4 + 4 bytes a parameter, no AdamW yet
+        held = {}
+        for line in httpx.get(f"{s.url}/metrics").text.splitlines():
+            if line.startswith("openrl_rank_run_state_bytes{"):
+                held[line.split('rank="')[1][0]] = float(line.split()[-1])
+        assert sum(held.values()) == pytest.approx(n * 8, rel=0.02), held
+        assert held["0"] == pytest.approx(held["1"], rel=0.05), held
         with pytest.raises(Exception) as second:  # the first holds the share: the numbers say so
             sc.create_lora_training_client(base_model="openrl/tiny", rank=0, seed=1).get_info()
         message = str(second.value)
