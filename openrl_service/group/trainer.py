@@ -72,13 +72,12 @@ def run_part(trainer: Trainer, group, items: list[FusedItem]) -> list[ForwardRes
         for it in items
     ]
     train = [it.state for it in mine if not it.forward_only and it.state is not None]
-    sharded = [st for st in train if getattr(st.adapter, "sharded", False)]
     replicated = [st for st in train if not getattr(st.adapter, "sharded", False)]
     todo = [k for k, it in enumerate(mine) if it.data]
     results: list[ForwardResult | None] = [None] * len(items)
     with accumulating_grads(train):
-        if sharded or any(getattr(it.state.adapter, "sharded", False) for it in mine if it.state is not None):
-            it = mine[0]  # a full run never shares a pass: one item
+        if any(getattr(it.state.adapter, "sharded", False) for it in mine if it.state is not None):
+            it = mine[0]  # a full run never shares a pass: one item, every rank in every pass
             n = len(items[0].data)
             passes = max(
                 len(
