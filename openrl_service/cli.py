@@ -168,6 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"openrl-service: {e}", file=sys.stderr)
             return 2
+        if settings.world_size == 1 and settings.devices:  # one rank: its device is the model's
+            settings.device = settings.devices[0]
     if supervising:
         from openrl_service.group.launch import supervise
 
