@@ -23,6 +23,7 @@ from openrl_common.files import write_atomic
 from openrl_service import config as cfg
 from openrl_service.checks import number
 from openrl_service.group.comm import env_rank
+from openrl_service.group.launch import add_arguments as add_group_arguments
 from openrl_service.kube import KubeSettings, load_api_client
 from openrl_service.lifecycle import Lifecycle
 from openrl_service.storage.layout import LayoutError
@@ -87,55 +88,21 @@ def _serve(args: argparse.Namespace) -> int:
 
             resolve_sampler("vllm")  # vLLM missing: say so now, not after the model loads
         if settings.vllm_tp != 1 or settings.sampler_devices:
-            _check_sampler_layout(settings)
-        number(
-            settings.drain_grace_s,
-            "--drain-grace-s",
-            0,
-            86400,
-            setting="OPENRL_DRAIN_GRACE_S",
-            error=ValueError,
-        )
-        number(
-            settings.snapshot_interval_s,
-            "--snapshot-interval-s",
-            0,
-            86400,
-            setting="OPENRL_SNAPSHOT_INTERVAL_S",
-            error=ValueError,
-        )
-        number(
-            settings.hub_cache_ttl_s,
-            "--hub-cache-ttl-s",
-            0,
-            3600,
-            setting="OPENRL_HUB_CACHE_TTL_S",
-            error=ValueError,
-        )
-        number(
-            settings.hub_failed_lookups_per_min,
-            "--hub-failed-lookups-per-min",
-            1,
-            1_000_000,
-            setting="OPENRL_HUB_FAILED_LOOKUPS_PER_MIN",
-            error=ValueError,
-        )
-        number(
-            settings.hub_user_recheck_s,
-            "--hub-user-recheck-s",
-            0,
-            3600,
-            setting="OPENRL_HUB_USER_RECHECK_S",
-            error=ValueError,
-        )
-        number(
-            settings.minted_key_ttl_s,
-            "--minted-key-ttl-s",
-            1,
-            10 * 365 * 86400,
-            setting="OPENRL_MINTED_KEY_TTL_S",
-            error=ValueError,
-        )
+            from openrl_service.sampling.factory import resolve_sampler
+            from openrl_service.sampling.parallel import check_layout
+
+            check_layout(settings, resolve_sampler(settings.sampler))
+        for name, flag_name, lo, hi in (  # each named by its flag and its variable (OPENRL_<NAME>)
+            ("drain_grace_s", "--drain-grace-s", 0, 86400),
+            ("snapshot_interval_s", "--snapshot-interval-s", 0, 86400),
+            ("hub_cache_ttl_s", "--hub-cache-ttl-s", 0, 3600),
+            ("hub_failed_lookups_per_min", "--hub-failed-lookups-per-min", 1, 1_000_000),
+            ("hub_user_recheck_s", "--hub-user-recheck-s", 0, 3600),
+            ("minted_key_ttl_s", "--minted-key-ttl-s", 1, 10 * 365 * 86400),
+        ):
+            number(
+                getattr(settings, name), flag_name, lo, hi, setting=f"OPENRL_{name.upper()}", error=ValueError
+            )
         if settings.hub_api_url and not settings.hub_api_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"--hub-api-url (OPENRL_HUB_API_URL) must be an http(s) URL such as "
@@ -228,23 +195,6 @@ def _serve(args: argparse.Namespace) -> int:
         finally:
             lock.release()
     return _serve_app(args, settings, models, sock, url, lock)
-
-
-def _check_sampler_layout(settings) -> None:
-    """--vllm-tp / --sampler-devices against the sampler and the devices (ValueError naming them)."""
-    import torch
-
-    from openrl_service.group.launch import layout
-    from openrl_service.sampling.factory import resolve_sampler
-    from openrl_service.sampling.parallel import check_parallel
-
-    training = layout(settings).devices if settings.world_size > 1 else [settings.device or "cuda:0"]
-    check_parallel(
-        settings,
-        sampler=resolve_sampler(settings.sampler),
-        training_devices=training,
-        cuda=torch.cuda.is_available(),
-    )
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -666,46 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="auto (default): vLLM where CUDA and vllm are installed, else torch (OPENRL_SAMPLER)",
     )
-    g = s.add_argument_group("Several devices per model (OPENRL_WORLD_SIZE, …; see docs/architecture.md)")
-    g.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks of the torch.distributed group serving each model, one process per device, across "
-        "every node (default 1; OPENRL_WORLD_SIZE)",
-    )
-    g.add_argument(
-        "--devices",
-        default=None,
-        help="this node's devices, one per rank: cuda:0,cuda:1,… (default: every visible GPU, else CPU "
-        "ranks on gloo; OPENRL_DEVICES)",
-    )
-    g.add_argument(
-        "--nnodes", type=int, default=None, help="nodes the group spans (default 1; OPENRL_NNODES)"
-    )
-    g.add_argument(
-        "--node-rank", type=int, default=None, help="this node's place, 0 serves HTTP (OPENRL_NODE_RANK)"
-    )
-    g.add_argument(
-        "--master-addr",
-        default=None,
-        help="with several nodes: node 0's address, where the group meets (OPENRL_MASTER_ADDR)",
-    )
-    g.add_argument(
-        "--master-port",
-        type=int,
-        default=None,
-        help="with several nodes: the port node 0 binds for the group's rendezvous (OPENRL_MASTER_PORT)",
-    )
-    g.add_argument(
-        "--vllm-tp", type=int, default=None, help="vLLM's tensor_parallel_size (default 1; OPENRL_VLLM_TP)"
-    )
-    g.add_argument(
-        "--sampler-devices",
-        default=None,
-        help="GPUs for vLLM apart from the training group's: cuda:2,cuda:3 (default: colocated; "
-        "OPENRL_SAMPLER_DEVICES)",
-    )
+    add_group_arguments(s)
     v = s.add_argument_group("vLLM sampler (--sampler vllm/auto; OPENRL_VLLM_*)")
     v.add_argument("--vllm-gpu-memory-utilization", type=float, help="GPU memory fraction for vLLM (0.5)")
     v.add_argument("--vllm-kv-cache-gb", type=float, help="CPU: vLLM's KV cache in GiB (1)")

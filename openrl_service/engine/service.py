@@ -186,7 +186,8 @@ class TrainingService(Registry):
                 {"name": n, "spec": e.spec, "microbatch_tokens": m.trainer.microbatch_tokens}
                 for (n, m), e in zip(models.items(), s.model_entries(), strict=True)
             ]
-            group.call("setup", {"models": wire}, lambda: None)
+            group.form(wire)
+            group.formed()
             group.ping_when_idle(max(1.0, s.group_timeout_s / 4))
         self.models = models
 
@@ -203,7 +204,7 @@ class TrainingService(Registry):
                 f"world size {s.world_size} (OPENRL_WORLD_SIZE): the group's ranks are started by "
                 "`openrl-service serve --world-size N`"
             )
-        self.group = Group.join(timeout_s=s.group_timeout_s)
+        self.group = Group.from_env(timeout_s=s.group_timeout_s)  # formed once the models are loaded
         return self.group
 
     def _plan_memory(self, models: dict[str, ServedModel]) -> None:

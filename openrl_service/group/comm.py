@@ -23,6 +23,7 @@ the channel longer than the timeout while rank 0 is alive.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -38,6 +39,7 @@ import torch.distributed as dist
 log = logging.getLogger("openrl.group")
 
 EXIT_GROUP_FAILED = 75  # a collective failed or the ranks disagreed: restart the group
+SETUP_TIMEOUT_S = 3600.0  # how long ranks wait for each other's models to load (a big model's minutes)
 HISTORY_S = 120.0  # how far back rank 0 keeps the ranks' busy times (telemetry ticks look 5 s back)
 
 
@@ -74,34 +76,66 @@ class Group:
 
     # -- joining ---------------------------------------------------------------------------------
     @classmethod
-    def join(cls, *, timeout_s: float) -> Group:
-        """Join the group `serve` started this process in (OPENRL_RANK, OPENRL_WORLD_SIZE,
-        OPENRL_LOCAL_RANK, OPENRL_GROUP_STORE ``file:PATH`` or ``host:port``, OPENRL_GROUP_GENERATION,
-        OPENRL_GROUP_DEVICE): blocks until every rank has joined or the timeout passes."""
+    def from_env(cls, *, timeout_s: float) -> Group:
+        """This process's place in the group `serve` started it in (OPENRL_RANK, OPENRL_WORLD_SIZE,
+        OPENRL_LOCAL_RANK, OPENRL_GROUP_DEVICE), before it forms (:meth:`form`)."""
         rank = int(os.environ["OPENRL_RANK"])
-        world = int(os.environ["OPENRL_WORLD_SIZE"])
-        local_rank = int(os.environ.get("OPENRL_LOCAL_RANK", rank))
-        where = os.environ["OPENRL_GROUP_STORE"]
-        generation = os.environ.get("OPENRL_GROUP_GENERATION", "0")
         device = torch.device(os.environ.get("OPENRL_GROUP_DEVICE") or "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=timeout_s)
+        return cls(
+            rank=rank,
+            world_size=int(os.environ["OPENRL_WORLD_SIZE"]),
+            local_rank=int(os.environ.get("OPENRL_LOCAL_RANK", rank)),
+            device=device,
+            timeout_s=timeout_s,
+        )
+
+    def form(self, models: list[dict] | None = None) -> list[dict]:
+        """Meet the other ranks (OPENRL_GROUP_STORE ``file:PATH`` or ``host:port``, a key prefix per
+        OPENRL_GROUP_GENERATION) and form the process group. Loading models is not bounded by the
+        collectives' timeout: rank 0 loads its models first and posts them (``models``); the others
+        wait for that post (:data:`SETUP_TIMEOUT_S`), load the same, and say so; the process group
+        forms once every rank has. Returns the models rank 0 posted."""
+        where = os.environ["OPENRL_GROUP_STORE"]
+        generation = os.environ.get("OPENRL_GROUP_GENERATION", "0")
+        setup = datetime.timedelta(seconds=max(self.timeout_s, SETUP_TIMEOUT_S))
         if where.startswith("file:"):  # one node: a file of its own per generation
-            store = dist.FileStore(where.removeprefix("file:"), world)
+            store = dist.FileStore(where.removeprefix("file:"), self.world_size)
         else:
             host, _, port = where.rpartition(":")
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=setup)
             # each incarnation meets under its own prefix: keys of a failed one never mix in
             store = dist.PrefixStore(f"generation-{generation}/", store)
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        store.set_timeout(setup)
+        if self.rank == 0:
+            store.set("models", json.dumps(models or []))
+        else:
+            store.wait(["models"])
+            models = json.loads(store.get("models"))
+        self._store = store
+        return models or []
+
+    def formed(self) -> None:
+        """After :meth:`form` (and, on ranks > 0, loading the models): the process group."""
+        store = self._store
+        store.add("loaded", 1)
+        deadline = time.monotonic() + max(self.timeout_s, SETUP_TIMEOUT_S)
+        while store.add("loaded", 0) < self.world_size:  # every rank has loaded its models
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the group's ranks did not all load their models in {SETUP_TIMEOUT_S:g} s"
+                )
+            time.sleep(0.05)
+        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=None
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
-        group = cls(rank=rank, world_size=world, local_rank=local_rank, device=device, timeout_s=timeout_s)
-        group.cpu = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
-        log.info("rank %d of %d joined the group (generation %s) on %s", rank, world, generation, device)
-        return group
+        self.cpu = dist.new_group(backend="gloo", timeout=timeout) if self.device.type == "cuda" else None
+        self._last = time.monotonic()
+        log.info("rank %d of %d joined the group on %s", self.rank, self.world_size, self.device)
 
     # -- rank 0 --------------------------------------------------------------------------------------
     def call(self, name: str, payload: dict, local: Callable[[], Any]) -> tuple[Any, list[Any]]:

@@ -84,6 +84,14 @@ def layout(settings) -> Layout:
             "--master-addr and --master-port (OPENRL_MASTER_ADDR/PORT) are needed with --nnodes > 1: "
             "node 0's address and the port it binds for the group's rendezvous"
         )
+    if not 5 <= settings.group_timeout_s <= 86400:
+        raise ValueError(
+            f"OPENRL_GROUP_TIMEOUT_S must be between 5 and 86400; got {settings.group_timeout_s:g}"
+        )
+    if not 0 <= settings.group_max_restarts <= 1000:
+        raise ValueError(
+            f"OPENRL_GROUP_MAX_RESTARTS must be between 0 and 1000; got {settings.group_max_restarts}"
+        )
     per_node = world // nnodes
     devices = list(settings.devices)
     if not devices:
@@ -293,3 +301,49 @@ def supervise(settings, argv: list[str], *, sock: socket.socket | None, url: str
         fd = sock.fileno()
         os.set_inheritable(fd, True)
     return Supervisor(settings, shape, argv, listen_fd=fd, url=url).run()
+
+
+def add_arguments(parser) -> None:
+    """`serve`'s flags for several devices (and vLLM's parallelism), OPENRL_WORLD_SIZE and the rest."""
+    g = parser.add_argument_group(
+        "Several devices per model (OPENRL_WORLD_SIZE, …; see docs/architecture.md)"
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks of the torch.distributed group serving each model, one process per device, across "
+        "every node (default 1; OPENRL_WORLD_SIZE)",
+    )
+    g.add_argument(
+        "--devices",
+        default=None,
+        help="this node's devices, one per rank: cuda:0,cuda:1,… (default: every visible GPU, else CPU "
+        "ranks on gloo; OPENRL_DEVICES)",
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=None, help="nodes the group spans (default 1; OPENRL_NNODES)"
+    )
+    g.add_argument(
+        "--node-rank", type=int, default=None, help="this node's place, 0 serves HTTP (OPENRL_NODE_RANK)"
+    )
+    g.add_argument(
+        "--master-addr",
+        default=None,
+        help="with several nodes: node 0's address, where the group meets (OPENRL_MASTER_ADDR)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="with several nodes: the port node 0 binds for the group's rendezvous (OPENRL_MASTER_PORT)",
+    )
+    g.add_argument(
+        "--vllm-tp", type=int, default=None, help="vLLM's tensor_parallel_size (default 1; OPENRL_VLLM_TP)"
+    )
+    g.add_argument(
+        "--sampler-devices",
+        default=None,
+        help="GPUs for vLLM apart from the training group's: cuda:2,cuda:3 (default: colocated; "
+        "OPENRL_SAMPLER_DEVICES)",
+    )

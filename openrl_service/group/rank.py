@@ -1,4 +1,4 @@
-"""A rank other than 0: join the group, load the models when rank 0 says, then follow its commands."""
+"""A rank other than 0: load the models rank 0 posts, form the group, then follow rank 0's commands."""
 
 from __future__ import annotations
 
@@ -22,31 +22,23 @@ def follower_main(settings) -> int:
         log.setLevel(logging.DEBUG)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    group = Group.join(timeout_s=settings.group_timeout_s)
-    follower: Follower | None = None
-
-    def execute(name: str, payload: dict):
-        nonlocal follower
-        if name == "setup":
-            follower = Follower(group, load_trainers(settings, group, payload))
-            return None
-        if follower is None:
-            return None  # a ping before the models are up
-        return follower.execute(name, payload)
-
-    group.follow(execute)
+    group = Group.from_env(timeout_s=settings.group_timeout_s)
+    models = group.form()  # waits for rank 0's models, then loads the same here
+    follower = Follower(group, load_trainers(settings, group, models))
+    group.formed()
+    group.follow(follower.execute)
     log.info("rank %d: stopped by rank 0", group.rank)
     return 0
 
 
-def load_trainers(settings, group: Group, payload: dict) -> dict:
-    """The same models as rank 0 (``payload["models"]``: its entries and its trainers' micro-batch
-    size), on this rank's device, each with a plain :class:`Trainer`."""
+def load_trainers(settings, group: Group, models: list[dict]) -> dict:
+    """The same models as rank 0 (``models``: its entries and its trainers' micro-batch size), on this
+    rank's device, each with a plain :class:`Trainer`."""
     from openrl_service.models.loading import load_base_model
     from openrl_service.training.trainer import Trainer
 
     trainers = {}
-    for m in payload["models"]:
+    for m in models:
         base = load_base_model(
             m["spec"], data_dir=settings.data_dir, name=m["name"], device=str(group.device)
         )

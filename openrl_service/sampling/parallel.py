@@ -78,3 +78,13 @@ def vllm_parallel_args(settings) -> tuple[dict, dict]:
             tp,
         )
     return args, env
+
+
+def check_layout(settings, sampler: str) -> None:
+    """--vllm-tp / --sampler-devices against the sampler (resolved) and the group's devices, at start."""
+    import torch
+
+    from openrl_service.group.launch import layout
+
+    training = layout(settings).devices if settings.world_size > 1 else [settings.device or "cuda:0"]
+    check_parallel(settings, sampler=sampler, training_devices=training, cuda=torch.cuda.is_available())

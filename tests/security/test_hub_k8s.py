@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s._k8s import OVERLAYS, containers, env_of, flag, of_kind, overlay, own_values
+from tests.k8s._k8s import OVERLAYS, containers, env_of, flag, overlay, own_values, pod_templates
 
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_every_service_deployment_reads_its_hub_token_from_the_optional_secret(name):
-    deployments = of_kind(overlay(name), "Deployment")
-    assert deployments, name
-    for dep in deployments:
-        (c,) = [c for c in containers(dep) if c["name"] == "openrl-service"]
+    # the pods that serve HTTP: a Deployment's, or a LeaderWorkerSet's leader (its workers serve none)
+    serving = [t for t in pod_templates(overlay(name)) if t.role in ("deployment", "leader")]
+    assert serving, name
+    for pod in serving:
+        (c,) = [c for c in containers(pod) if c["name"] == "openrl-service"]
         assert flag(c["args"], "--hub-api-url").startswith("http://hub.")  # the token is read only then
         ref = env_of(c)["JUPYTERHUB_API_TOKEN"]
         assert "value" not in ref, "a hub token written into the manifest"

@@ -394,6 +394,10 @@ def test_the_group_listens_on_loopback_only(world2):
         ),
         (["--vllm-tp", "0"], "--vllm-tp (OPENRL_VLLM_TP) must be between 1 and 64; got 0"),
         (
+            ["--world-size", "2", "env:OPENRL_GROUP_TIMEOUT_S=1"],
+            "OPENRL_GROUP_TIMEOUT_S must be between 5 and 86400; got 1",
+        ),
+        (
             ["--sampler-devices", "cuda:1", "--sampler", "torch"],
             "--sampler-devices (OPENRL_SAMPLER_DEVICES) places vLLM's workers",
         ),
@@ -402,7 +406,9 @@ def test_the_group_listens_on_loopback_only(world2):
 def test_a_bad_group_or_sampler_layout_is_refused_at_start_naming_the_flag(tmp_path, flags, says):
     from tests._support.serve import cli
 
-    argv, env = cli("serve", "--data-dir", str(tmp_path), "--port", "0", *flags)
+    given = dict(f.removeprefix("env:").split("=", 1) for f in flags if f.startswith("env:"))
+    flags = [f for f in flags if not f.startswith("env:")]
+    argv, env = cli("serve", "--data-dir", str(tmp_path), "--port", "0", *flags, env=given)
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert says in done.stderr
