@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openrl_common.datadirs import CHALLENGE_RE, readyz_proof
 from openrl_service.api.admin import AdminKey, TenantAdmin, build_admin_router, write_admin_key
+from openrl_service.api.anthropic import build_anthropic_router, is_anthropic_path
+from openrl_service.api.anthropic import error_response as anthropic_error
 from openrl_service.api.auth import AuthMiddleware, KeyRing, redact_access_log
 from openrl_service.api.http import json_response
 from openrl_service.api.hub import build_hub_router
@@ -174,6 +176,7 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     app.include_router(build_admin_router(admin))
     for router in build_openai_routers(svc, svc.inference):
         app.include_router(router)
+    app.include_router(build_anthropic_router(svc, svc.inference))
 
     @app.get("/healthz")
     async def healthz():
@@ -195,6 +198,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
 
     @app.exception_handler(ApiError)
     async def service_error(request: Request, exc: ApiError):
+        if is_anthropic_path(request.url.path):
+            return anthropic_error(exc.status_code, exc.message)
         if is_openai_path(request.url.path):
             return api_error_response(exc)
         resp = json_response(exc.to_json(), status=exc.status_code)
@@ -208,6 +213,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if is_anthropic_path(request.url.path):
+            return anthropic_error(400, f"{where}: {first.get('msg', 'invalid request')}")
         if is_openai_path(request.url.path):
             return error_response(400, f"{where}: {first.get('msg', 'invalid request')}", where)
         return json_response(
@@ -217,6 +224,8 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if is_anthropic_path(request.url.path):
+            return anthropic_error(exc.status_code, str(exc.detail))
         if is_openai_path(request.url.path):
             return error_response(exc.status_code, str(exc.detail), None)
         return json_response({"error": str(exc.detail), "category": "user"}, status=exc.status_code)

@@ -114,6 +114,10 @@ def tokenizer_folder(svc: TrainingService, base: BaseModel | None = None) -> Pat
     or a cache the mirror fills."""
     base = base or svc.require_ready()
     source = str(base.source)
+    safe = base.name.replace("/", "--")
+    if base.tools_template:  # the folder's template lacks the tools block the service installed
+        digest = hashlib.sha256(base.tokenizer.chat_template.encode()).hexdigest()[:12]
+        return _save_tokenizer(base, Path(svc.settings.data_dir) / "hub" / f"{safe}-tools-{digest}")
     if tiny_variant(source):
         folder = Path(svc.settings.data_dir) / "models" / tiny_folder_name(tiny_variant(source))
         if (folder / "tokenizer_config.json").is_file():
@@ -122,7 +126,6 @@ def tokenizer_folder(svc: TrainingService, base: BaseModel | None = None) -> Pat
         folder = Path(source).expanduser()
         if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
             return folder
-    safe = base.name.replace("/", "--")
     return _save_tokenizer(base, Path(svc.settings.data_dir) / "hub" / safe)
 
 

@@ -16,6 +16,7 @@ decoded (the engine decodes a batch at a time, fused with other runs); ``presenc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -29,6 +30,7 @@ from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
+from openrl_service.api import chat
 from openrl_service.api.http import read_json, tenant
 from openrl_service.api.openai_replies import (
     Decoded,
@@ -36,6 +38,7 @@ from openrl_service.api.openai_replies import (
     chat_logprobs,
     completion_choices,
     completion_chunks,
+    sse,
     usage_of,
 )
 from openrl_service.checks import integer, number
@@ -116,9 +119,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     if body.get("logit_bias"):
         raise UserError("logit_bias is not supported by this service", field="logit_bias")
     if chat:
-        if body.get("tools") or body.get("functions"):
-            field = "tools" if body.get("tools") else "functions"
-            raise UserError(f"{field}: tool calling is not supported by this service", field=field)
+        if body.get("functions") or body.get("function_call"):
+            field = "functions" if body.get("functions") else "function_call"
+            raise UserError(f"{field} is OpenAI's deprecated form: send tools and tool_choice", field=field)
         fmt = body.get("response_format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise UserError(
@@ -193,39 +196,6 @@ def _logprobs_k(body: dict, chat: bool, limit: int) -> int | None:
     if k is None or k is False:
         return None
     return integer(k, "logprobs", 0, min(MAX_LOGPROBS, limit), setting="OPENRL_MAX_TOPK")
-
-
-def _chat_text(messages: Any) -> list[dict]:
-    """Messages with string content (text parts joined), checked."""
-    if not isinstance(messages, list) or not messages:
-        raise UserError("messages must be a non-empty list of {role, content}", field="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise UserError(f"messages[{i}] must be an object with a string role", field=f"messages[{i}]")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise UserError(
-                        f"messages[{i}].content[{j}]: only text parts are supported by this service",
-                        field=f"messages[{i}].content",
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise UserError(
-                f"messages[{i}].content must be a string or text parts", field=f"messages[{i}].content"
-            )
-        out.append({"role": m["role"], "content": content})
-    return out
 
 
 def _prompt_items(body: dict, base: Any) -> list:
@@ -328,14 +298,18 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
             ]
 
         jobs = await prompts.off_loop(checked_jobs)
-        outs = await _run(svc, inference, who, target, jobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": target.id}
+        if body.get("stream") and k is None:
+            live = Live(jobs)
+            rec = await _submit(svc, inference, who, target, live.jobs)
+            return _stream(_live_completions(svc, head, live, rec, n, tok, echo, _include_usage(body)))
+        outs = await _run(svc, inference, who, target, jobs)
         # detokenising thousands of choices is work too: off the event loop
         choices, completion_tokens = await prompts.off_loop(
             lambda: completion_choices(jobs, outs, tok, n, k, echo)
         )
         usage = usage_of(sum(len(j.prompt) for j in jobs), completion_tokens)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": target.id}
         if body.get("stream"):
             return _stream(completion_chunks(head, choices, usage, tok, _include_usage(body)))
         for c in choices:
@@ -345,9 +319,10 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
 
     @r.post("/chat/completions", operation_id=op_id("chat_completions"))
     async def chat_completions(request: Request):
-        """Chat: ``messages`` through the model's chat template, ``n``, ``max_tokens`` /
+        """Chat: ``messages`` through the model's chat template, ``tools`` + ``tool_choice`` (auto, none,
+        required, a named function; calls come back as ``tool_calls``), ``n``, ``max_tokens`` /
         ``max_completion_tokens`` (default: as many as fit), ``temperature``, ``top_p``, ``stop``,
-        ``seed``, ``logprobs`` + ``top_logprobs`` (0-20), ``stream``."""
+        ``seed``, ``logprobs`` + ``top_logprobs`` (0-20), ``stream`` (tokens as they are decoded)."""
         body = await read_json(request, max_body)
         who = tenant(request)
         target = await run_in_threadpool(inference.resolve, who, body.get("model"))
@@ -355,51 +330,53 @@ def _router(svc: TrainingService, inference: Inference, prefix: str) -> APIRoute
         tok = base.tokenizer
         params, n = _params(body, svc, target, chat=True)
         k = _logprobs_k(body, True, svc.limits.max_topk)
-        messages = _chat_text(body.get("messages"))
+        messages = chat.openai_messages(body.get("messages"))
+        tools = chat.checked_tools(body.get("tools"))
+        mode, name = chat.tool_choice(body.get("tool_choice"), tools)
         if not getattr(tok, "chat_template", None):
             raise UserError(
                 f"model: {base.name} has no chat template; use /completions with a prompt", field="model"
             )
+        if body.get("stream") and k is not None and tools and mode != "none":
+            raise UserError(
+                "logprobs: a streamed reply with tools carries no logprobs here; leave one out",
+                field="logprobs",
+            )
         prompts.check_messages(base, messages, "messages")
-        prompt = await prompts.off_loop(lambda: _chat_prompt(messages, tok, base.name))
+        prompts.check_text(base, len(orjson.dumps(tools)), "tools")
+        prompt = await prompts.off_loop(lambda: chat.render(base, messages, tools, mode, name))
         job = inference.check(
             target,
-            prompt,
+            prompt.tokens,
             n,
-            SampleJob(prompt=prompt, num_samples=n, params=params, adapter=None, topk_sample_logprobs=k or 0),
+            SampleJob(
+                prompt=prompt.tokens, num_samples=n, params=params, adapter=None, topk_sample_logprobs=k or 0
+            ),
             prompt_field="messages",
         )
-        (out,) = await _run(svc, inference, who, target, [job])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        decoded = await prompts.off_loop(lambda: [Decoded(seq, tok, job.params, k) for seq in out.sequences])
-        usage = usage_of(len(prompt), sum(d.generated for d in decoded))
         head = {"id": rid, "object": "chat.completion", "created": created, "model": target.id}
         if body.get("stream"):
             head["object"] = "chat.completion.chunk"
+            if k is None:
+                live = Live([job])
+                rec = await _submit(svc, inference, who, target, live.jobs)
+                return _stream(_live_chat(svc, head, live, rec, prompt, n, tok, _include_usage(body)))
+            (out,) = await _run(svc, inference, who, target, [job])
+            decoded = await prompts.off_loop(
+                lambda: [Decoded(seq, tok, job.params, k) for seq in out.sequences]
+            )
+            usage = usage_of(len(prompt.tokens), sum(d.generated for d in decoded))
             return _stream(chat_chunks(head, decoded, usage, tok, k, _include_usage(body)))
+        (out,) = await _run(svc, inference, who, target, [job])
+        decoded = await prompts.off_loop(lambda: [Decoded(seq, tok, job.params, k) for seq in out.sequences])
+        usage = usage_of(len(prompt.tokens), sum(d.generated for d in decoded))
         choices = await prompts.off_loop(
-            lambda: [
-                {
-                    "index": j,
-                    "message": {"role": "assistant", "content": d.text, "refusal": None},
-                    "logprobs": None if k is None else chat_logprobs(d, tok),
-                    "finish_reason": d.finish_reason,
-                }
-                for j, d in enumerate(decoded)
-            ]
+            lambda: [_chat_choice(j, d, prompt, tok, k) for j, d in enumerate(decoded)]
         )
         return _json({**head, "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(svc)})
 
     return r
-
-
-def _chat_prompt(messages: list[dict], tok: Any, model: str) -> list[int]:
-    """The chat template's text for ``messages``, tokenised (on a worker thread)."""
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # noqa: BLE001 - the template refused these messages (roles, order)
-        raise UserError(f"messages: {model}'s chat template refused them: {e}", field="messages") from None
-    return list(tok.encode(text, add_special_tokens=False))
 
 
 def _seeded(params: SamplingParams, i: int) -> SamplingParams:
@@ -407,14 +384,18 @@ def _seeded(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + 7_919 * i) % 2**62)
 
 
-async def _run(
+async def _submit(
     svc: TrainingService, inference: Inference, who: str, target: Target, jobs: list[SampleJob]
-) -> list[SampleOutput]:
-    """Queue the jobs as one op and wait for its outputs (503 if the worker dies or the service drains).
-    A checkpoint's files are hashed first, on a pool thread, not on the device worker that loads them."""
+):
+    """Queue the jobs as one op (a full queue is a 429 here, before any reply is sent). A checkpoint's
+    files are hashed first, on a pool thread, not on the device worker that loads them."""
     if target.ref is not None and not inference.cached(who, target):
         await prompts.off_loop(lambda: svc.verify_checkpoint(who, target.ref.path))
-    rec = inference.submit(who, target, jobs)
+    return inference.submit(who, target, jobs)
+
+
+async def _wait(svc: TrainingService, rec) -> list[SampleOutput]:
+    """The op's outputs (503 if the worker dies or the service drains)."""
     try:
         while not await svc.futures.wait(rec, 1.0):
             if svc.futures.held:
@@ -425,6 +406,59 @@ async def _run(
         return rec.result
     finally:
         svc.futures.drop(rec)
+
+
+async def _run(
+    svc: TrainingService, inference: Inference, who: str, target: Target, jobs: list[SampleJob]
+) -> list[SampleOutput]:
+    """Queue the jobs as one op and wait for its outputs."""
+    return await _wait(svc, await _submit(svc, inference, who, target, jobs))
+
+
+class Live:
+    """Tokens as the sampler chooses them, for a streamed reply: each job's ``on_token`` puts
+    (job, row, token) on a queue the reply's generator reads on the event loop."""
+
+    def __init__(self, jobs: list[SampleJob]):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs = [dataclasses.replace(j, on_token=self._hook(i)) for i, j in enumerate(jobs)]
+
+    def _hook(self, i: int):
+        def on_token(row: int, token: int) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, row, token))
+
+        return on_token
+
+    async def tokens(self, svc: TrainingService, rec) -> AsyncIterator[list[tuple[int, int, int]]]:
+        """Batches of (job, row, token) as they come, until the op is done; then ``self.outputs``."""
+        done = asyncio.ensure_future(_wait(svc, rec))
+        try:
+            while True:
+                getter = asyncio.ensure_future(self.queue.get())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in finished:
+                    getter.cancel()
+                    break
+                batch = [getter.result()]
+                while not self.queue.empty():
+                    batch.append(self.queue.get_nowait())
+                yield batch
+            rest = []
+            while not self.queue.empty():
+                rest.append(self.queue.get_nowait())
+            if rest:
+                yield rest
+            self.outputs = done.result()
+        finally:
+            done.cancel()
+
+
+def stream_error(e: BaseException) -> bytes:
+    """An error after the reply began (OpenAI's shape, as its SDK reads it from the stream)."""
+    if isinstance(e, ApiError):
+        return sse(error_payload(e.status_code, e.message, e.field))
+    return sse(error_payload(500, f"sampling failed: {type(e).__name__}", None))
 
 
 def _include_usage(body: dict) -> bool:
@@ -484,3 +518,127 @@ def _models(svc: TrainingService, who: str) -> list[dict]:
             }
         )
     return data
+
+
+# -- chat replies -----------------------------------------------------------------------------------
+def _tool_calls(calls: list, with_index: bool = False) -> list[dict]:
+    return [
+        {
+            **({"index": i} if with_index else {}),
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments_json()},
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+def _chat_choice(j: int, d: Decoded, prompt: chat.ChatPrompt, tok: Any, k: int | None) -> dict:
+    content, calls, finish = chat.reply_parts(d.text, d.finish_reason, prompt)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = _tool_calls(calls)
+    return {
+        "index": j,
+        "message": message,
+        "logprobs": None if k is None else chat_logprobs(d, tok),
+        "finish_reason": finish,
+    }
+
+
+async def _live_chat(
+    svc: TrainingService,
+    head: dict,
+    live: Live,
+    rec,
+    prompt: chat.ChatPrompt,
+    n: int,
+    tok: Any,
+    with_usage: bool,
+) -> AsyncIterator[bytes]:
+    """Each choice's content as it is decoded (what may yet be a stop string or a tool call held
+    back), then its tool calls, its finish_reason, usage and [DONE]; an error mid-reply as an event."""
+    params = live.jobs[0].params
+
+    def chunk(j: int, delta: dict, finish: str | None = None) -> bytes:
+        return sse(
+            {**head, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        )
+
+    gates = [chat.LiveText(tok, params, prompt) for _ in range(n)]
+    for j in range(n):
+        yield chunk(j, {"role": "assistant", "content": ""})
+    try:
+        async for batch in live.tokens(svc, rec):
+            touched = []
+            for _, row, token in batch:
+                gates[row].add(token)
+                if row not in touched:
+                    touched.append(row)
+            for j in touched:
+                text = (
+                    await prompts.off_loop(gates[j].ready) if len(gates[j].tokens) > 256 else gates[j].ready()
+                )
+                if text:
+                    yield chunk(j, {"content": text})
+        (out,) = live.outputs
+        decoded = await prompts.off_loop(lambda: [Decoded(seq, tok, params, None) for seq in out.sequences])
+        for j, d in enumerate(decoded):
+            content, calls, finish = chat.reply_parts(d.text, d.finish_reason, prompt)
+            rest = gates[j].rest(content or "")
+            if rest:
+                yield chunk(j, {"content": rest})
+            if calls:
+                yield chunk(j, {"tool_calls": _tool_calls(calls, with_index=True)})
+            yield chunk(j, {}, finish)
+        if with_usage:
+            usage = usage_of(len(prompt.tokens), sum(d.generated for d in decoded))
+            yield sse({**head, "choices": [], "usage": usage})
+    except Exception as e:  # noqa: BLE001 - the reply has begun: the error goes in the stream
+        yield stream_error(e)
+    yield b"data: [DONE]\n\n"
+
+
+async def _live_completions(
+    svc: TrainingService, head: dict, live: Live, rec, n: int, tok: Any, echo: bool, with_usage: bool
+) -> AsyncIterator[bytes]:
+    """Each choice's text as it is decoded (after its echoed prompt), then finish reasons, usage, [DONE]."""
+
+    def chunk(index: int, text: str, finish: str | None = None) -> bytes:
+        return sse(
+            {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+        )
+
+    jobs = live.jobs
+    gates = {(i, r): chat.LiveText(tok, job.params, None) for i, job in enumerate(jobs) for r in range(n)}
+    if echo:
+        for i, job in enumerate(jobs):
+            text = await prompts.off_loop(lambda job=job: tok.decode(job.prompt, skip_special_tokens=True))
+            for r in range(n):
+                yield chunk(i * n + r, text)
+    try:
+        async for batch in live.tokens(svc, rec):
+            touched = []
+            for i, row, token in batch:
+                gates[(i, row)].add(token)
+                if (i, row) not in touched:
+                    touched.append((i, row))
+            for key in touched:
+                text = gates[key].ready()
+                if text:
+                    yield chunk(key[0] * n + key[1], text)
+        completion_tokens = 0
+        for i, (job, out) in enumerate(zip(jobs, live.outputs, strict=True)):
+            for r, seq in enumerate(out.sequences):
+                d = await prompts.off_loop(lambda seq=seq, job=job: Decoded(seq, tok, job.params, None))
+                completion_tokens += d.generated
+                rest = gates[(i, r)].rest(d.text)
+                if rest:
+                    yield chunk(i * n + r, rest)
+                yield chunk(i * n + r, "", d.finish_reason)
+        if with_usage:
+            usage = usage_of(sum(len(j.prompt) for j in jobs), completion_tokens)
+            yield sse({**head, "choices": [], "usage": usage})
+    except Exception as e:  # noqa: BLE001 - the reply has begun: the error goes in the stream
+        yield stream_error(e)
+    yield b"data: [DONE]\n\n"

@@ -15,6 +15,7 @@ import torch
 
 from openrl_service.models.smollm import SMOLLM2_DEFAULTS, SMOLLM2_MODEL_NAME, ensure_smollm2, is_smollm2
 from openrl_service.models.tiny import TINY_DEFAULTS, ensure_tiny_model, tiny_folder_name, tiny_variant
+from openrl_service.models.tools_template import tool_family
 from openrl_service.training.lora import AdapterRouter, TargetModule, inject_lora
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class BaseModel:
     # the most one sampling batch may take (OPENRL_SAMPLE_BATCH_BYTES, sampling/budget.py); set at setup
     sample_batch_bytes: int | None = None
     sampled_by_torch: bool = True  # False: vLLM samples it (and schedules its own memory)
+    # the format its chat template writes tool calls in (openrl_common.toolcalls.FAMILIES), None: no tools;
+    # tools_template: the service installed the Hermes tools block (models/tools_template.py)
+    tool_family: str | None = None
+    tools_template: bool = False
 
     @property
     def weights_sha256(self) -> str:
@@ -143,6 +148,8 @@ def load_base_model(
             model_name = folder.name
     if name:
         model_name = name
+    own_template = getattr(tok, "chat_template", None)
+    family = tool_family(tok)
     model.to(dev)
     model.eval()
     router = AdapterRouter()
@@ -177,6 +184,8 @@ def load_base_model(
         defaults=defaults,
         folder=folder,
         digest=digest,
+        tool_family=family,
+        tools_template=tok.chat_template != own_template,
     )
 
 

@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from openrl_service.models.tools_template import with_tools
+
 TINY_MODEL_NAME = "openrl/tiny"
 TINY_WIDE_MODEL_NAME = "openrl/tiny-wide"
 SCALE_30M_MODEL_NAME = "openrl/scale-30m"
@@ -68,7 +70,8 @@ TINY_DEFAULTS = {
     "temperature": 1.0,
 }
 
-CHAT_TEMPLATE = (
+# ChatML, with the Hermes tools block (tools_template.py) for conversations that offer or use tools
+CHAT_TEMPLATE = with_tools(
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"

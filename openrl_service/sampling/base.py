@@ -9,6 +9,7 @@ jobs with different adapters (cross-run batching) in one batched generate. The t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,9 @@ class SampleJob:
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     first_row: int = 0  # its samples are rows first_row.. of a bigger job (a split call): their seeds
+    # called on the sampling thread with (row, token) as each token is chosen, for streamed replies;
+    # a backend that decodes a batch at once (vLLM's offline engine) never calls it
+    on_token: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

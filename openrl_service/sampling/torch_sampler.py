@@ -133,6 +133,8 @@ class TorchSampler:
                 tok = chosen_l[j]
                 tokens[r].append(tok)
                 logprobs[r].append(chosen_lp_l[j])
+                if job.on_token is not None:
+                    job.on_token(job.first_row + r, tok)
                 if job.topk_sample_logprobs:
                     topk_rows[r].append((top_ids[j], top_vals[j]))
                 if tok in stop_ids or (
@@ -244,6 +246,8 @@ class TorchSampler:
                 tok = chosen_l[a]
                 tokens[i].append(tok)
                 logprobs[i].append(chosen_lp_l[a])
+                if job.on_token is not None:
+                    job.on_token(job.first_row + rows[i][1], tok)
                 if a in tops:
                     topk_rows[i].append(tops[a])
                 if tok in stop_ids[rows[i][0]] or (
