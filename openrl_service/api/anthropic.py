@@ -12,6 +12,7 @@ Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -107,7 +108,8 @@ def openai_form(body: dict) -> tuple[list[dict], list[dict], Any]:
                     {
                         "id": str(block.get("id") or f"toolu_{i}_{j}"),
                         "type": "function",
-                        "function": {"name": block["name"], "arguments": block.get("input", {})},
+                        # as the equivalent OpenAI request sends them: a JSON string
+                        "function": {"name": block["name"], "arguments": _json_text(block.get("input", {}))},
                     }
                 )
             elif kind == "tool_result" and m["role"] == "user":
@@ -165,6 +167,11 @@ def openai_form(body: dict) -> tuple[list[dict], list[dict], Any]:
     return messages, tools, choice
 
 
+def _json_text(value: Any) -> str:
+    """JSON as the chat template's ``tojson`` writes it (and ``json.dumps`` with ensure_ascii off)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _sampling_body(body: dict) -> dict:
     """The OpenAI-form sampling fields of an Anthropic body (``max_tokens`` is required there)."""
     if body.get("max_tokens") is None:
@@ -172,8 +179,11 @@ def _sampling_body(body: dict) -> dict:
     out = {
         k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed") if body.get(k) is not None
     }
-    if body.get("stop_sequences") is not None:
-        out["stop"] = body["stop_sequences"]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise UserError("stop_sequences must be a list of non-empty strings", field="stop_sequences")
+        out["stop"] = stops
     return out
 
 
@@ -194,8 +204,10 @@ def build_anthropic_router(svc: TrainingService, inference: Inference) -> APIRou
             try:
                 params, _ = _params(_sampling_body(body), svc, target, chat=True)
             except UserError as e:
-                if e.field == "stop":
-                    e.field = "stop_sequences"
+                if e.field == "stop":  # the limit on how many, under its Anthropic name
+                    raise UserError(
+                        e.message.replace("stop", "stop_sequences", 1), field="stop_sequences"
+                    ) from None
                 raise
         messages, raw_tools, raw_choice = openai_form(body)
         messages = chat.openai_messages(messages)

@@ -4,7 +4,8 @@ front of it, so ``apply_chat_template(messages, tools=...)`` offers the tools an
 results. Conversations without tools render exactly as the model's own template renders them.
 
 The installed part follows the layout of Qwen2.5's tools block (the tools as JSON lines inside
-``<tools>`` in the system turn; calls as ``<tool_call>`` JSON in the assistant turn; results as
+``<tools>`` in the system turn; calls as ``<tool_call>`` JSON in the assistant turn (arguments given as a JSON string written verbatim, as
+an object through ``tojson``); results as
 ``<tool_response>`` in a user turn), written for ChatML's turn markers.
 """
 
@@ -53,8 +54,9 @@ HERMES_CHATML = (
     "{%- for call in m.tool_calls -%}"
     "{%- set fn = call.function if call.function is defined else call -%}"
     "{%- if m.content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    '{{- \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' + (fn.arguments | tojson) '
-    "+ '}\\n</tool_call>' -}}"
+    '{{- \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' -}}'
+    "{%- if fn.arguments is string -%}{{- fn.arguments -}}{%- else -%}{{- fn.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"

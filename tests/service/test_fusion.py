@@ -10,6 +10,7 @@ AdamW in float64 from its gradient) and ``TorchSampler.sample_many``
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -331,3 +332,33 @@ def test_row_routing_equals_each_adapter_alone(base, layout):
         with torch.no_grad(), base.router.use(adapter):
             alone = base.model(input_ids=ids[r : r + 1], use_cache=False).logits[0]
         torch.testing.assert_close(mixed[r], alone, rtol=RTOL, atol=1e-5)
+
+
+def test_streamed_tokens_are_each_rows_tokens_in_order_alone_and_batched(base):
+    """``on_token`` hears every chosen token, row by row, in order: what a streamed reply sends as it
+    decodes (one job alone, several jobs in one batch, and a job split over batches)."""
+    sampler = TorchSampler(base)
+    heard: dict[tuple[int, int], list[int]] = {}
+
+    def hook(j):
+        return lambda row, tok: heard.setdefault((j, row), []).append(tok)
+
+    jobs = [
+        dataclasses.replace(j, on_token=hook(i))
+        for i, j in enumerate(jobs_for(adapters_for_sampling(base), temperature=1.0, seed=7))
+    ]
+    (alone,) = [sampler.sample(jobs[0])]
+    assert {k: v for k, v in heard.items() if k[0] == 0} == {
+        (0, r): s.tokens for r, s in enumerate(alone.sequences)
+    }
+    heard.clear()
+    mixed = sampler.sample_many(jobs)
+    assert heard == {(j, r): s.tokens for j, out in enumerate(mixed) for r, s in enumerate(out.sequences)}
+    heard.clear()
+    saved, base.sample_batch_bytes = base.sample_batch_bytes, 1  # every row a batch of its own
+    try:
+        split = sampler.sample_many([jobs[2]])
+    finally:
+        base.sample_batch_bytes = saved
+    assert len(split[0].sequences) == 3  # rows keep their numbers across the pieces
+    assert heard == {(2, r): s.tokens for r, s in enumerate(split[0].sequences)}
