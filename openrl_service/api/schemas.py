@@ -211,8 +211,22 @@ class MintKey(Body):
 
 
 class TrainSample(Body):
-    sample_id: str
+    """One sample (``sample_id``), or an episode's turns in order (``episode``: their sample ids,
+    environment tokens between them trained at weight 0), with its advantage."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["sample_id"]}, {"required": ["episode"]}]}
+    )
+
+    sample_id: str | None = None
+    episode: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     advantage: Num()
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.sample_id is None) == (self.episode is None):
+            raise ValueError("give sample_id (one sample) or episode (its turns' sample ids), not both")
+        return self
 
 
 def _loss_config_schema(loss: str) -> dict:
@@ -556,7 +570,11 @@ class Bodies:
             def _some(self):
                 return at_least_one_layer(self, "train_attn")
 
-        TextPrompt = Str(1) | Annotated[list[ChatMessage], Field(min_length=1)]  # text, or chat messages
+        class TokenPrompt(Body):
+            tokens: Annotated[list[Token], Field(min_length=1)]
+
+        # text, chat messages, or token ids as they are ({"tokens": [...]}: an environment's observation)
+        TextPrompt = Str(1) | Annotated[list[ChatMessage], Field(min_length=1)] | TokenPrompt
 
         class NativeSample(SamplingFields):
             prompts: Sized(TextPrompt, lim.max_datums, "OPENRL_MAX_DATUMS", min_items=1)

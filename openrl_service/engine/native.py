@@ -52,6 +52,7 @@ import anyio
 import numpy as np
 import orjson
 
+from openrl_common.episodes import episode_layout
 from openrl_common.protocol import RL_LOSSES, control_problem
 from openrl_service.checks import integer, number
 from openrl_service.engine.events import EVENTS_SCHEMA_VERSION, EventBus
@@ -653,7 +654,14 @@ class NativeRuns:
                 self.sample_counts[self.samples.pop(sid).tenant] -= 1
 
     # -- sampling -------------------------------------------------------------------------------
-    def _encode(self, tok: Any, prompt: Any, i: int, chat: bool) -> list[int]:
+    def _encode(self, tok: Any, prompt: Any, i: int, chat: bool, vocab: int = 0) -> list[int]:
+        if isinstance(prompt, dict) and isinstance(prompt.get("tokens"), list):  # as they are
+            ids = prompt["tokens"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise UserError(
+                    f"prompts[{i}].tokens must be token ids in [0, {vocab})", field=f"prompts[{i}].tokens"
+                )
+            return list(ids)
         if isinstance(prompt, str):
             if chat and getattr(tok, "chat_template", None):
                 ids = tok.apply_chat_template(
@@ -676,7 +684,7 @@ class NativeRuns:
             text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return list(tok.encode(text, add_special_tokens=False))
         raise UserError(
-            f"prompts[{i}] must be a string or a list of chat messages ({{role, content}})",
+            f"prompts[{i}] must be a string, a list of chat messages ({{role, content}}) or {{tokens}}",
             field=f"prompts[{i}]",
         )
 
@@ -714,7 +722,7 @@ class NativeRuns:
             params = self.svc.checks.sampling_params(raw, base)
             jobs = []
             for i, p in enumerate(prompts):
-                toks = self._encode(base.tokenizer, p, i, bool(chat))
+                toks = self._encode(base.tokenizer, p, i, bool(chat), base.vocab_size)
                 if not toks:
                     raise UserError(f"prompts[{i}] encodes to no tokens", field=f"prompts[{i}]")
                 # each prompt checked as the Tinker path checks it (limits, context, vocabulary)
@@ -821,40 +829,50 @@ class NativeRuns:
         optimizer = body.get("optimizer")
         adam = adam_of({} if optimizer is None else optimizer, base.defaults)
         data = []
+        action_tokens = env_tokens = 0
         for i, item in enumerate(items):
             where = f"samples[{i}]"
             if not isinstance(item, dict):
                 raise UserError(f"{where} must be an object {{sample_id, advantage}}", field=where)
-            if not isinstance(item.get("sample_id"), str):
-                raise UserError(
-                    f"{where}.sample_id must be a string (a sample id from /sample); "
-                    f"got {repr(item.get('sample_id'))[:200]}",
-                    field=f"{where}.sample_id",
-                )
-            stored = self.samples.get(item.get("sample_id"))
-            if stored is None or stored.tenant != tenant or stored.run_id != run_id:
-                raise NotFound(
-                    f"{where}.sample_id {item.get('sample_id')!r} is unknown for this run "
-                    f"(samples are kept {SAMPLE_TTL_S:.0f} s)",
-                    field=f"{where}.sample_id",
-                )
             adv = number(item.get("advantage"), f"{where}.advantage")
-            if not stored.tokens:
-                continue
-            full = stored.prompt + stored.tokens
-            n_prompt = len(stored.prompt) - 1
-            data.append(
-                DatumArrays(
-                    np.asarray(full[:-1], dtype=np.int64),
-                    {
-                        "target_tokens": np.asarray(full[1:], dtype=np.int64),
-                        "logprobs": np.asarray([0.0] * n_prompt + list(stored.logprobs), dtype=np.float32),
-                        "advantages": np.asarray(
-                            [0.0] * n_prompt + [float(adv)] * len(stored.tokens), dtype=np.float32
-                        ),
-                    },
+            if "episode" in item:  # a multi-turn episode: its turns' samples, in order
+                ids = item["episode"]
+                if not isinstance(ids, list) or not ids:
+                    raise UserError(
+                        f"{where}.episode must be a non-empty list of sample ids", field=f"{where}.episode"
+                    )
+                named = [(f"{where}.episode[{k}]", sid) for k, sid in enumerate(ids)]
+            else:
+                named = [(f"{where}.sample_id", item.get("sample_id"))]
+            turns = []
+            for at, sid in named:
+                if not isinstance(sid, str):
+                    raise UserError(
+                        f"{at} must be a string (a sample id from /sample); got {repr(sid)[:200]}", field=at
+                    )
+                stored = self.samples.get(sid)
+                if stored is None or stored.tenant != tenant or stored.run_id != run_id:
+                    raise NotFound(
+                        f"{at} {sid!r} is unknown for this run (samples are kept {SAMPLE_TTL_S:.0f} s)",
+                        field=at,
+                    )
+                turns.append((stored.prompt, stored.tokens, stored.logprobs))
+            layout = episode_layout(turns, float(adv))
+            action_tokens += layout.action_tokens
+            env_tokens += layout.env_tokens
+            for seq in layout.sequences:
+                if not any(seq.advantages) and not layout.action_tokens:
+                    continue  # nothing sampled: nothing to train
+                data.append(
+                    DatumArrays(
+                        np.asarray(seq.tokens[:-1], dtype=np.int64),
+                        {
+                            "target_tokens": np.asarray(seq.tokens[1:], dtype=np.int64),
+                            "logprobs": np.asarray(seq.logprobs[1:], dtype=np.float32),
+                            "advantages": np.asarray(seq.advantages[1:], dtype=np.float32),
+                        },
+                    )
                 )
-            )
         if not data:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
         self.svc.checks.validate_datums(data, loss, base)
@@ -866,6 +884,7 @@ class NativeRuns:
             "config": config,
             "adam": adam,
             "idem": idem,
+            "counts": [action_tokens, env_tokens],
         }
         return await self._intent("train_step", inputs, nr)
 
@@ -898,6 +917,9 @@ class NativeRuns:
             "clip_fraction": st.get("clipped", 0) / n if st and "clipped" in st else 0.0,
             "grad_norm": metrics["grad_norm:mean"],
             "learning_rate": adam.learning_rate,
+            # the model's tokens trained with the advantages; the environment's, trained at weight 0
+            "action_tokens": (inputs.get("counts") or [None, None])[0],
+            "env_tokens": (inputs.get("counts") or [None, None])[1],
             "snapshot": nr.steps,
         }
         self.events.publish(tenant, {"event": "step", **reply})

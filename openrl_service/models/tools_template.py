@@ -104,14 +104,7 @@ def tool_family(tok: Any) -> str | None:
         if "<|im_start|>" not in template:
             log.info("the chat template ignores tools and is not ChatML: no tool calls for this model")
             return None
-        tok.chat_template = (
-            _uses_tools()
-            + "{%- if tooling.on -%}"
-            + HERMES_CHATML
-            + "{%- else -%}"
-            + template
-            + "{%- endif -%}"
-        )
+        tok.chat_template = with_tools(template)
         template = tok.chat_template
     rendered = _render(tok, _PROBE_CALL, [_PROBE_TOOL]) or ""
     return detect_family(rendered, template)

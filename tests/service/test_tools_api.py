@@ -345,3 +345,28 @@ def test_bad_tools_on_v1_are_a_400_naming_the_field(server):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=TINY, messages=ASK, max_tokens=4, **extra)
         assert field in e.value.body["message"], e.value.body
+
+
+def test_a_chatml_template_that_ignores_tools_gets_the_hermes_block_and_renders_as_before_without():
+    """SmolLM2's template (ChatML, tools ignored): the service installs the tools block in front of it;
+    conversations without tools render byte for byte as before. A template in another format that
+    ignores tools has no tool format here (its /v1 tools requests are refused naming the field)."""
+    from openrl_service.models import tiny
+    from openrl_service.models.tools_template import tool_family
+
+    tok = tiny._build_tokenizer()
+    tok.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+        "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    plain = [{"role": "user", "content": "hi"}]
+    before = tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    assert tool_family(tok) == "hermes"
+    assert tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True) == before
+    offered = tok.apply_chat_template(plain, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in offered and '"name": "get_weather"' in offered and offered.endswith(before)
+    called = tok.apply_chat_template(AFTER, tools=TOOLS, tokenize=False)
+    assert CALL in called and "<tool_response>\nsunny, 21 C\n</tool_response>" in called
+
+    tok.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    assert tool_family(tok) is None
