@@ -332,6 +332,22 @@ def train_step(
     return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
 
 
+def render(messages: list[dict], tools: list | None = None, model: str | None = None) -> Call:
+    """Chat messages (and tools) as the model's template renders them: ``{tokens, stop_tokens,
+    tool_family}`` (an environment's next observation)."""
+    body: dict[str, Any] = {"messages": messages}
+    if tools:
+        body["tools"] = tools
+    if model:
+        body["model"] = model
+    return Call("POST", f"{API}/render", json=body)
+
+
+def decode(tokens: list[int], model: str | None = None) -> Call:
+    """Token ids as the model's text (``{text}``)."""
+    return Call("POST", f"{API}/decode", json={"tokens": tokens, **({"model": model} if model else {})})
+
+
 def save(run_id: str, name: str, **fields: Any) -> Call:
     """Save the run's weights as checkpoint ``name``; returns its tinker:// path."""
     return Call("POST", f"{API}/runs/{run_id}/checkpoints", json={"name": name, **fields}, field="path")
@@ -409,6 +425,8 @@ REQUESTS: dict[str, Callable[..., Call]] = {
         control,
         sample,
         train_step,
+        render,
+        decode,
         save,
         checkpoints,
         add_metrics,

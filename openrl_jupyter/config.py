@@ -15,6 +15,7 @@ from typing import Any
 from openrl_common.checks import integer, number
 from openrl_common.protocol import RL_LOSSES
 from openrl_jupyter._exceptions import UsageError
+from openrl_jupyter.env import envs
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
 from openrl_jupyter.trackers import parse as parse_trackers
 
@@ -42,6 +43,11 @@ class TrainConfig:
     overlap: int = 0
     extra: dict = field(default_factory=dict)
     reward_fn: RewardVersion | None = None  # train(reward=<function>): pinned to this run
+    # env runs (train(env=...)): ``reward`` names the environment, ``reward_fn`` pins a factory
+    env: bool = False
+    max_turns: int = 8
+    max_episode_tokens: int = 2048
+    step_timeout_s: float = 60.0
     log: tuple[str, ...] = ()  # experiment trackers (openrl_jupyter/trackers.py): wandb, mlflow, tensorboard
 
 
@@ -100,8 +106,12 @@ def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
 def make_config(
     defaults: dict,
     *,
-    reward: str | Callable,
+    reward: str | Callable | None = None,
     prompts: Any,
+    env: str | Callable | None = None,
+    max_turns: int | None = None,
+    max_episode_tokens: int | None = None,
+    step_timeout_s: float | None = None,
     model: str | None = None,
     steps: int = 60,
     group: int | None = None,
@@ -121,7 +131,25 @@ def make_config(
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument and its limit)."""
     fixed: RewardVersion | None = None
-    if callable(reward):
+    if env is not None:
+        if reward is not None:
+            raise UsageError("give reward or env, not both: an environment's steps give the rewards")
+        if callable(env):
+            name = getattr(env, "__name__", "") or "env"
+            fixed = RewardVersion(
+                "lambda" if name == "<lambda>" else name, 1, env, False, False, "environment"
+            )
+            reward = fixed.name
+        elif isinstance(env, str):
+            envs.latest(env)  # unknown → a UsageError naming %%openrl env
+            reward = env
+        else:
+            raise UsageError(
+                f"env must be a registered environment's name or a factory (prompt, info); got {env!r}"
+            )
+    elif reward is None:
+        raise UsageError("train needs reward= (a reward's name or a function) or env= (an environment)")
+    elif callable(reward):
         fixed = pinned(reward)  # this run's own: the registry's named rewards stay as they are
         reward = fixed.name
     elif not isinstance(reward, str):
@@ -152,6 +180,24 @@ def make_config(
         )
     if group < 2:
         raise UsageError("group must be at least 2: advantages compare samples of the same prompt")
+    context = int(defaults.get("max_context_length") or 2048)
+    max_turns = integer(8 if max_turns is None else max_turns, "max_turns", 1, 256, error=UsageError)
+    max_episode_tokens = integer(
+        context if max_episode_tokens is None else max_episode_tokens,
+        "max_episode_tokens",
+        2,
+        context,
+        setting="the model's context",
+        error=UsageError,
+    )
+    step_timeout_s = number(
+        60.0 if step_timeout_s is None else step_timeout_s,
+        "step_timeout_s",
+        0,
+        86_400,
+        lo_open=True,
+        error=UsageError,
+    )
     extra: dict = {}
     if user_metadata:
         if not isinstance(user_metadata, Mapping) or not all(isinstance(k, str) for k in user_metadata):
@@ -165,6 +211,10 @@ def make_config(
         log=parse_trackers(log),
         reward=reward,
         reward_fn=fixed,
+        env=env is not None,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        step_timeout_s=float(step_timeout_s),
         prompts=loaded,
         steps=steps,
         group=group,

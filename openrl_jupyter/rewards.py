@@ -44,6 +44,7 @@ class RewardVersion:
     fn: Callable[..., Any]
     per_group: bool
     is_async: bool
+    kind: str = "reward"  # or "environment" (openrl_jupyter/env.py): the same versioning and failures
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Scored:
             n=len(self.errors),
             paused=self.all_failed,
             traceback=self.traceback,
+            kind=self.version.kind,
         )
 
 
@@ -108,18 +110,19 @@ class RewardFailure:
     n: int
     paused: bool  # every sample failed: the run paused on this step
     traceback: str | None = None  # the user's frames only
+    kind: str = "reward"  # "environment": an episode raised
 
     @property
     def headline(self) -> str:
         return (
-            f"openrl run {self.run!r}: reward {self.reward} v{self.version} failed on "
+            f"openrl run {self.run!r}: {self.kind} {self.reward} v{self.version} failed on "
             f"{self.failed} of {self.n} samples at step {self.step}: {self.error}"
         )
 
     @property
     def consequence(self) -> str:
         if self.paused:
-            return "the run is paused: fix the reward, then run.resume() (run.wait() raises RunPaused)"
+            return f"the run is paused: fix the {self.kind}, then run.resume() (run.wait() raises RunPaused)"
         return "those samples are left out of the update; the run goes on"
 
     def text(self) -> str:
@@ -144,7 +147,7 @@ class RewardFailure:
         )
         return (
             f"<div class='openrl-reward-failure' style='{FAILURE_BOX}'>"
-            f"<b>reward {e(self.reward)} v{self.version} failed</b> on {self.failed} of {self.n} samples"
+            f"<b>{e(self.kind)} {e(self.reward)} v{self.version} failed</b> on {self.failed} of {self.n} samples"
             f" at step {self.step} of run <b>{e(self.run)}</b>: <code>{e(self.error)}</code>"
             f"<br>{e(self.consequence)}"
             "<table style='margin:4px 0'>"
@@ -159,7 +162,11 @@ class RewardFailure:
 
 
 class RewardRegistry:
-    def __init__(self) -> None:
+    """Versions by name: rewards (``registry``), or environments (``kind="environment"``: factories,
+    openrl_jupyter/env.py)."""
+
+    def __init__(self, kind: str = "reward") -> None:
+        self.kind = kind
         self._versions: dict[str, list[RewardVersion]] = {}
         self._lock = threading.Lock()
 
@@ -169,8 +176,13 @@ class RewardRegistry:
         """The next version of ``name`` (``version``: that number, when it is past the newest; a
         detached job's worker keeps the notebook's numbering)."""
         if not isinstance(name, str) or not name.isidentifier():
-            raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")
-        per_group, is_async = _kind(name, fn, per_group)
+            raise UsageError(f"{self.kind} name must be an identifier (letters, digits, _); got {name!r}")
+        if self.kind == "reward":
+            per_group, is_async = _kind(name, fn, per_group)
+        elif not callable(fn):
+            raise UsageError(f"{self.kind} {name}: give a factory (prompt, info) -> environment; got {fn!r}")
+        else:
+            per_group, is_async = False, False
         with self._lock:
             versions = self._versions.setdefault(name, [])
             number = len(versions) + 1
@@ -185,7 +197,7 @@ class RewardRegistry:
                 number = version
             elif versions:
                 number = versions[-1].version + 1
-            v = RewardVersion(name, number, fn, per_group, is_async)
+            v = RewardVersion(name, number, fn, per_group, is_async, self.kind)
             versions.append(v)
         return v
 
@@ -194,8 +206,9 @@ class RewardRegistry:
             versions = self._versions.get(name)
             if not versions:
                 known = ", ".join(sorted(self._versions)) or "none yet"
+                cell = "reward" if self.kind == "reward" else "env"
                 raise UsageError(
-                    f"unknown reward {name!r} (registered: {known}); define it with %%openrl reward {name}"
+                    f"unknown {self.kind} {name!r} (registered: {known}); define it with %%openrl {cell} {name}"
                 )
             return versions[-1]
 

@@ -50,6 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from openrl_jupyter import rollouts
 from openrl_jupyter._exceptions import (
     NotFoundError,
     OpenRLError,
@@ -62,6 +63,7 @@ from openrl_jupyter._exceptions import (
 )
 from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
+from openrl_jupyter.env import envs
 from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
 from openrl_jupyter.run_state import (  # noqa: F401 - RunState, heartbeat_interval and stopped_from_outside are imported from here too
     ACTIVE,
@@ -130,6 +132,7 @@ class Run:
         self._report_lock: asyncio.Lock | None = None
         self._cell = CellOutput()  # where a reward failure is shown at once: the cell that started it
         self._trackers: Trackers | None = None  # W&B, MLflow, TensorBoard (config.log)
+        self._episodes: list = []  # an environment run's newest step's episodes
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -561,6 +564,8 @@ class Run:
 
     async def _prepare(self, client, step: int, prompts: list[dict]) -> PreparedStep:
         """Sample, score and compute advantages: everything of a step before its update."""
+        if self.config.env:
+            return await self._prepare_episodes(client, step, prompts)
         t0 = time.time()
         version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
         out, prompts, off_policy = await self._draw(client, step, prompts)
@@ -582,6 +587,49 @@ class Run:
             times=(t0, t_sampled, time.time()),
             key=uuid.uuid4().hex,
         )
+
+    async def _prepare_episodes(self, client, step: int, prompts: list[dict]) -> PreparedStep:
+        """An environment run's step: every prompt's episodes played, then their advantages."""
+        cfg = self.config
+        t0 = time.time()
+        version: RewardVersion = cfg.reward_fn or envs.latest(cfg.reward)
+        seed = None if cfg.seed is None else (cfg.seed * 100_003 + step * 1_009) % 2**31
+        episodes = await rollouts.play(
+            client=client,
+            session=self.session,
+            run_id=self.run_id,
+            model=cfg.model or self.session.model,
+            version=version,
+            prompts=prompts,
+            group=cfg.group,
+            sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": seed},
+            limits=rollouts.Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
+        )
+        t_played = time.time()
+        texts = [prompts[ep.row]["prompt"] for ep in episodes]
+        scored = self._shown(
+            rollouts.scored(episodes, version), version, step, texts, [ep.transcript for ep in episodes]
+        )
+        with self._lock:
+            self._episodes = episodes
+        return PreparedStep(
+            step=step,
+            version=version,
+            n=len(episodes),
+            scored=scored,
+            chosen=rollouts.chosen_episodes(episodes, cfg.normalize_std),
+            off_policy=0,
+            next_prompts=None,
+            times=(t0, t_played, time.time()),
+            key=uuid.uuid4().hex,
+            extra=rollouts.step_metrics(episodes),
+        )
+
+    def episodes(self) -> list:
+        """The newest step's episodes (an environment run): each one's turns (observation, sampled
+        tokens and text, reward, metrics), total reward and why it ended."""
+        with self._lock:
+            return list(self._episodes)
 
     async def _draw(self, client, step: int, prompts: list[dict]) -> tuple[dict, list[dict], int]:
         """This step's samples (and their prompts), taken from the prefetch when ``overlap`` drew them
@@ -617,6 +665,12 @@ class Run:
         scored = await score(version, texts, completions, infos, groups=groups, pool=self._runner.pool)
         if scored.stdout:
             self._log(scored.stdout.rstrip("\n"))
+        return self._shown(scored, version, step, texts, completions)
+
+    def _shown(
+        self, scored: Scored, version: RewardVersion, step: int, texts: list[str], completions: list[str]
+    ) -> Scored:
+        """Keep and show a step's samples (or episodes); show a failure at once; pause if all failed."""
         kept = [
             {"step": step, "prompt": p, "completion": c, "reward": r, "error": e}
             for p, c, r, e in zip(texts, completions, scored.rewards, scored.errors, strict=True)

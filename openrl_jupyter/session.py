@@ -74,8 +74,15 @@ class Session:
         kind = "embedded" if self.local else "remote"
         return f"<openrl Session {self.name!r} {kind} {self.url} model={self.model!r}>"
 
-    def train(self, *, reward: Any, prompts: Any, detach: str | None = None, **options: Any) -> Run | Job:
+    def train(
+        self, *, prompts: Any, reward: Any = None, env: Any = None, detach: str | None = None, **options: Any
+    ) -> Run | Job:
         """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
+
+        ``env``: instead of a reward, a registered environment's name (``%%openrl env``) or a factory
+        ``(prompt, info) -> Env | MessageEnv``: each step plays ``group`` multi-turn episodes per prompt
+        and trains on the model's turns (openrl_jupyter/rollouts.py). Its limits: ``max_turns`` (8),
+        ``max_episode_tokens`` (the model's context) and ``step_timeout_s`` (60, per environment call).
 
         ``detach="local"`` (a process of its own that outlives this kernel) or ``"k8s"`` (a
         Kubernetes Job the service submits): the run goes on after the notebook closes; returns a
@@ -95,6 +102,8 @@ class Session:
         if detach is not None:
             from openrl_jupyter.jobs import submit
 
+            if env is not None:
+                options["env"] = env
             return submit(self, "run", detach, reward=reward, prompts=prompts, options=options)
         if self.labels or options.get("user_metadata"):
             options["user_metadata"] = {**self.labels, **(options.get("user_metadata") or {})}
@@ -107,7 +116,7 @@ class Session:
                     f"model {options['model']!r} is not served by {self.url} (it serves {served})"
                 )
         defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
-        config = make_config(defaults, reward=reward, prompts=prompts, **options)
+        config = make_config(defaults, reward=reward, env=env, prompts=prompts, **options)
         config.model = model
         name = config.name
         if name is not None:
@@ -457,7 +466,10 @@ def connect(
     client = Client(url, token=token, guard=local_service.check if local_service is not None else None)
     try:
         models = client.capabilities()
-        served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}
+        served = {  # each model's training defaults, and its context (an episode's token limit)
+            m["model_name"]: {**(m.get("defaults") or {}), "max_context_length": m.get("max_context_length")}
+            for m in models
+        }
         chosen = next(iter(served), None)  # the service's default model
         if model is not None and not local and served:
             chosen = served_name(model, served)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from openrl_jupyter.rewards import RewardVersion, Scored
 
@@ -29,6 +29,9 @@ REPORTED = (  # stored with the run on the service: what an attached view (anoth
     "grad_norm",
     "tokens",
     "elapsed_s",
+    "turns",
+    "tool_calls",
+    "tool_errors",
 )
 
 
@@ -45,6 +48,7 @@ class PreparedStep:
     next_prompts: list[dict] | None  # already being sampled (overlap)
     times: tuple[float, float, float]  # started, sampled, scored
     key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
+    extra: dict = field(default_factory=dict)  # an environment run's episode numbers (turns, tool_calls...)
 
 
 def step_row(pending: PreparedStep, trained: dict, started_at: float) -> dict:
@@ -78,4 +82,5 @@ def step_row(pending: PreparedStep, trained: dict, started_at: float) -> dict:
         "train_s": t_trained - t_scored,
         "time": t_trained,
         "elapsed_s": t_trained - started_at,
+        **pending.extra,
     }

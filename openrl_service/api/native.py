@@ -11,6 +11,8 @@
     POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
     GET    /openrl/v1/runs/{run_id}/checkpoints     list
     POST   /openrl/v1/runs/{run_id}/metrics         client-reported metrics of a step (rewards)
+    POST   /openrl/v1/render                        chat messages (+ tools) → the template's token ids
+    POST   /openrl/v1/decode                        token ids → text
     GET    /openrl/v1/runs/{run_id}/metrics         all of them
     GET    /openrl/v1/events                        SSE: telemetry ticks and run events (schema version 1)
 
@@ -31,12 +33,21 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 
+from openrl_service.api import chat
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
-from openrl_service.api.http import ServiceRoute, answers_while_starting, json_response, new_work, read_model
+from openrl_service.api.http import (
+    ServiceRoute,
+    answers_while_starting,
+    json_response,
+    new_work,
+    read_json,
+    read_model,
+)
 from openrl_service.api.idempotency import idempotent
 from openrl_service.api.schemas import body
 from openrl_service.container import Container
+from openrl_service.engine import prompts
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.job_checks import JOB_META_KEY
 from openrl_service.errors import UserError
@@ -178,6 +189,38 @@ def build_native_router(c: Container) -> APIRouter:
         """Every metrics row stored for the run (none for a Tinker-SDK run: its client keeps them; a
         job's ended run: the rows kept with it)."""
         return json_response({"metrics": native.metrics(tenant(request), run_id)})
+
+    @r.post("/render")
+    async def render(request: Request):
+        """Chat messages (and tools) as the model's chat template renders them, for an environment's
+        next observation: ``{model?, messages, tools?, add_generation_prompt?}`` → ``{tokens,
+        stop_tokens, tool_family}``. The same rendering as /v1/chat/completions."""
+        body = await read_json(request, max_body)
+        base = svc.served(body.get("model"), "model").base
+        messages = chat.openai_messages(body.get("messages"))
+        tools = chat.checked_tools(body.get("tools"))
+        prompts.check_messages(base, messages, "messages")
+        prompts.check_text(base, len(orjson.dumps(tools)), "tools")
+        prompt = await prompts.off_loop(lambda: chat.render(base, messages, tools, "auto" if tools else "none", None))
+        return json_response(
+            {"tokens": prompt.tokens, "stop_tokens": list(base.eos_token_ids), "tool_family": base.tool_family}
+        )
+
+    @r.post("/decode")
+    async def decode(request: Request):
+        """Token ids as text: ``{model?, tokens}`` → ``{text}`` (special tokens kept, as sampled)."""
+        body = await read_json(request, max_body)
+        base = svc.served(body.get("model"), "model").base
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or len(tokens) > base.context_length or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < base.vocab_size for t in tokens
+        ):
+            raise UserError(
+                f"tokens must be a list of at most {base.context_length} token ids in [0, {base.vocab_size})",
+                field="tokens",
+            )
+        text = await prompts.off_loop(lambda: base.tokenizer.decode(tokens, skip_special_tokens=False))
+        return json_response({"text": text})
 
     @r.get("/events", response_class=EventSourceResponse)
     @answers_while_starting  # a stream of live ticks: what recovery restores shows in the next one
