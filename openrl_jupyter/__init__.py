@@ -3,10 +3,12 @@
     %load_ext openrl_jupyter
     %openrl connect --local
 
-or, in plain Python, ``openrl_jupyter.connect(...)``, ``@openrl_jupyter.reward("name")`` and
-``session.train(...)``. It stays light: it imports and works without torch.
+or, in plain Python, ``openrl_jupyter.connect(...)``, ``@openrl_jupyter.reward("name")`` (or
+``@openrl_jupyter.env("name")`` for a multi-turn environment) and ``session.train(...)``. It stays
+light: it imports and works without torch.
 """
 
+from openrl_jupyter import env  # the module; calling it, oj.env(NAME), is the decorator env.env
 from openrl_jupyter._exceptions import (
     AuthenticationError,
     NotFoundError,
@@ -41,6 +43,7 @@ __all__ = [
     "__version__",
     "connect",
     "disconnect",
+    "env",
     "get_session",
     "reward",
 ]

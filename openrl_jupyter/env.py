@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -312,3 +314,14 @@ def env(name: str) -> Callable[[Callable], Callable]:
         return factory
 
     return register
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``openrl_jupyter.env(NAME)`` is :func:`env` (as ``openrl_jupyter.reward(NAME)``
+    is the reward decorator), while ``from openrl_jupyter.env import Env, StepResult`` imports from it."""
+
+    def __call__(self, name: str) -> Callable[[Callable], Callable]:
+        return env(name)
+
+
+sys.modules[__name__].__class__ = _CallableModule

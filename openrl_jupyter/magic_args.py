@@ -140,8 +140,28 @@ def parsers() -> dict[str, MagicArgumentParser]:
         "train",
         "Start a background RL run (--prompts: a notebook variable or a .txt/.jsonl path); returns at once.",
     )
-    t.add_argument("--reward", required=True, help="a reward registered with %%openrl reward NAME")
+    t.add_argument("--reward", default=None, help="a reward registered with %%openrl reward NAME")
+    t.add_argument(
+        "--env", default=None, help="instead of --reward: an environment registered with %%openrl env NAME"
+    )
     t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
+    t.add_argument(
+        "--max-turns", type=int, default=None, dest="max_turns", help="with --env: turns per episode (8)"
+    )
+    t.add_argument(
+        "--max-episode-tokens",
+        type=int,
+        default=None,
+        dest="max_episode_tokens",
+        help="with --env: an episode's tokens, all turns (default: the model's context)",
+    )
+    t.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        dest="step_timeout_s",
+        help="with --env: seconds one environment call may take (60)",
+    )
     t.add_argument("--model", default=None, help="a model the service serves (default: the session's)")
     t.add_argument("--steps", type=int, default=60, help="RL steps to run")
     t.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
@@ -343,6 +363,9 @@ Subcommands (``%openrl VERB --help`` shows each one's options):
 REWARD_CELL = """  %%openrl reward NAME
         run the cell and register its reward(prompt, completion, **info) -> float (or
         reward_group(prompts, completions, infos) -> list) as the next version of NAME"""
+ENV_CELL = """  %%openrl env NAME
+        run the cell and register its env(prompt, info) -> Env | MessageEnv (a factory: a function or
+        a class) as the next version of environment NAME (openrl_jupyter.env)"""
 HELP_OUTRO = "\n\nOptions that pick a connection: --session NAME (the only open one is the default).\n"
 
 
@@ -361,6 +384,7 @@ def help_text(parsers: dict[str, MagicArgumentParser]) -> str:
         parts.append("        " + (parser.description or ""))
         if verb == "connect":
             parts.append(REWARD_CELL)
+            parts.append(ENV_CELL)
     return "\n".join(parts) + HELP_OUTRO
 
 

@@ -168,8 +168,17 @@ class OpenRLMagics(Magics):
     def _train(self, a):
         session = self._session(a.session)
         prompts = self._resolve_prompts(a.prompts)
+        if (a.reward is None) == (a.env is None):
+            raise UsageError("%openrl train takes --reward NAME or --env NAME (one of them)")
+        env_options = {
+            k: getattr(a, k)
+            for k in ("max_turns", "max_episode_tokens", "step_timeout_s")
+            if getattr(a, k) is not None
+        }
         return session.train(
             reward=a.reward,
+            env=a.env,
+            **env_options,
             prompts=prompts,
             model=a.model,
             steps=a.steps,
@@ -501,11 +510,52 @@ class OpenRLMagics(Magics):
                 f"{', '.join(self._parsers)})"
             )
 
+    # -- %%openrl env NAME ----------------------------------------------------------------------------
+    def _env_cell(self, name: str, cell: str):
+        """Run the cell; register its ``env`` (a factory (prompt, info) -> Env | MessageEnv) as the next
+        version of environment ``name``; runs on it pick it up at their next step."""
+        from openrl_jupyter.env import envs
+
+        if not name.isidentifier():
+            raise UsageError(f"environment name must be an identifier (letters, digits, _); got {name!r}")
+        ns = self.shell.user_ns
+        before = ns.get("env")
+        cell = self.shell.transform_cell(cell)
+        filename = self.shell.compile.cache(cell)
+        try:
+            exec(compile(cell, filename, "exec"), ns)  # noqa: S102 - the user's own cell, in the user's kernel
+        except Exception as e:
+            raise RewardCellError(name, e, filename) from None
+        factory = ns.get("env")
+        if factory is before or not callable(factory):
+            raise UsageError(
+                f"the cell defines no environment: write def env(prompt, info) -> Env (or a class env) "
+                f"in the %%openrl env {name} cell"
+            )
+        v = envs.register(name, factory)
+        live = [
+            r.name
+            for s in sessions.sessions().values()
+            for r in s.runs.values()
+            if r.config.env and r.reward_name == name and not r.done
+        ]
+        note = (
+            f"; running {', '.join(live)} pick{'s' if len(live) == 1 else ''} it up at the next step"
+            if live
+            else ""
+        )
+        print(f"openrl: environment {name} v{v.version} registered{note}")
+
     # -- %%openrl reward NAME -------------------------------------------------------------------------
     def _cell(self, line: str, cell: str):
         words = _split(line)
+        if len(words) == 2 and words[0] == "env":
+            return self._env_cell(words[1], cell)
         if len(words) != 2 or words[0] != "reward":
-            raise UsageError("the cell form is %%openrl reward NAME, with a cell that defines reward(...)")
+            raise UsageError(
+                "the cell forms are %%openrl reward NAME (a cell that defines reward(...)) and "
+                "%%openrl env NAME (a cell that defines env(prompt, info))"
+            )
         name = words[1]
         if not name.isidentifier():
             raise UsageError(f"reward name must be an identifier (letters, digits, _); got {name!r}")

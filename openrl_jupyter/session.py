@@ -229,6 +229,67 @@ class Session:
             history += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
         return text
 
+    def evaluate(
+        self,
+        *,
+        env: Any,
+        prompts: Any,
+        checkpoint: str | None = None,
+        greedy: bool = True,
+        group: int = 1,
+        max_tokens: int | None = None,
+        max_turns: int = 8,
+        max_episode_tokens: int | None = None,
+        step_timeout_s: float = 60.0,
+        seed: int = 0,
+    ) -> Evaluation:
+        """Score ``checkpoint`` (a tinker:// training checkpoint; None: the base model) on ``prompts``
+        (held-out rows) with environment ``env`` (a registered name or a factory): ``group`` episodes
+        per row, greedy unless ``greedy=False``. Nothing is trained; the temporary run is deleted."""
+        from openrl_jupyter import rollouts
+        from openrl_jupyter.config import load_prompts, make_config
+        from openrl_jupyter.runner import get_runner
+
+        cfg = make_config(
+            self.defaults,
+            env=env,
+            prompts=prompts,
+            group=max(2, group),  # (checked as a training group; evaluation plays ``group``)
+            max_tokens=max_tokens,
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            step_timeout_s=step_timeout_s,
+        )
+        from openrl_jupyter.env import envs
+
+        version = cfg.reward_fn or envs.latest(cfg.reward)
+        rows = load_prompts(prompts)
+        fields: dict[str, Any] = {"name": f"eval-{version.name}", "seed": seed}
+        if checkpoint is not None:
+            fields["load_from"] = checkpoint
+        if self.model is not None:
+            fields["base_model"] = self.model
+        created = self.client.create_run(**fields)
+
+        async def play() -> list:
+            return await rollouts.play(
+                client=self.async_client(),
+                session=self,
+                run_id=created["run_id"],
+                model=self.model,
+                version=version,
+                prompts=rows,
+                group=group,
+                sampling={"max_tokens": cfg.max_tokens, "temperature": 0.0 if greedy else 1.0, "seed": seed},
+                limits=rollouts.Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
+            )
+
+        try:
+            episodes = get_runner().submit(play()).result()
+        finally:
+            self.client.delete_run(created["run_id"])
+        return Evaluation(checkpoint=checkpoint, env=version.name, episodes=episodes, prompts=rows)
+
     def model_ref(self, model: str) -> str:
         """What the OpenAI-compatible API calls ``model``: a run of this kernel by name becomes a
         checkpoint of its current weights; anything else (a base model, a tinker:// path) is as given."""
@@ -331,6 +392,48 @@ class MintedKey:
             reply.get("name"),
             reply.get("created"),
             Secret(reply["key"]),
+        )
+
+
+@dataclass
+class Evaluation:
+    """What :meth:`Session.evaluate` found: every episode, and their mean reward (failed ones count 0)."""
+
+    checkpoint: str | None
+    env: str
+    episodes: list
+    prompts: list
+
+    @property
+    def reward(self) -> float:
+        return sum(ep.reward or 0.0 for ep in self.episodes) / max(1, len(self.episodes))
+
+    @property
+    def failed(self) -> int:
+        return sum(ep.error is not None for ep in self.episodes)
+
+    def to_pandas(self):
+        """One row per episode: prompt, reward, turns, tool calls, why it ended, error."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            [
+                {
+                    "prompt": self.prompts[ep.row]["prompt"],
+                    "reward": ep.reward,
+                    "stop": ep.stop,
+                    "error": ep.error,
+                    **ep.metrics(),
+                }
+                for ep in self.episodes
+            ]
+        )
+
+    def __repr__(self) -> str:
+        where = self.checkpoint or "the base model"
+        return (
+            f"<openrl Evaluation of {where} on {self.env}: mean reward {self.reward:.3f} over "
+            f"{len(self.episodes)} episodes, {self.failed} failed>"
         )
 
 

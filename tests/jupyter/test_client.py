@@ -39,6 +39,7 @@ def test_public_names_are_pinned():
         "__version__",
         "connect",
         "disconnect",
+        "env",
         "get_session",
         "reward",
     ]

@@ -169,3 +169,23 @@ def test_a_tool_environment_runs_calls_and_shows_malformed_ones_to_the_model():
         assert isinstance(last, MessageStepResult) and last.episode_done and last.reward == 1.0
 
     asyncio.run(play())
+
+
+def test_evaluate_scores_a_checkpoint_greedily_on_held_out_rows(session):
+    run = session.train(env=TwoTurns, prompts=PROMPTS, steps=1, name="to-evaluate", **SMALL)
+    run.wait(300)
+    path = run.save("evaluated")
+    held_out = ["Name a river:", "Say goodbye:"]
+    first = session.evaluate(env=TwoTurns, prompts=held_out, checkpoint=path, max_tokens=8)
+    again = session.evaluate(env=TwoTurns, prompts=held_out, checkpoint=path, max_tokens=8)
+    assert len(first.episodes) == 2 and first.failed == 0
+    # greedy: the same checkpoint plays the same episodes
+    assert [ep.reward for ep in first.episodes] == [ep.reward for ep in again.episodes]
+    assert [[t.tokens for t in ep.turns] for ep in first.episodes] == [
+        [t.tokens for t in ep.turns] for ep in again.episodes
+    ]
+    frame = first.to_pandas()
+    assert list(frame["prompt"]) == held_out and (frame["turns"] == 2).all()
+    assert "mean reward" in repr(first) and path in repr(first)
+    base = session.evaluate(env=TwoTurns, prompts=held_out, max_tokens=8)
+    assert base.checkpoint is None and len(base.episodes) == 2
