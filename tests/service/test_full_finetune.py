@@ -274,21 +274,23 @@ def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny
             got_a.append(step(a, k))
             got_b.append(step(b, k + 1))
         # A snapshot is taken only when something was journaled since the last one, and the last
-        # step's op moved the other run to disk after its records were written: journal one more
-        # request (a sampler on the base model), so the next snapshot sees one run on disk.
-        sc.create_sampling_client(base_model=SPEC["base_model"])
-        spilled = list((data / "spill").glob("*.safetensors"))
-        assert spilled
+        # step's op moved the other run to disk after its records were written (when exactly is the
+        # engine's business): journal one more request (a sampler on the base model) until a snapshot
+        # sees one run on disk.
+        assert wait_for_spill(data)
 
         def linked() -> bool:
             # the journal's snapshot holds both runs, a file each; the one waiting on disk is its
             # spill file under a second name (linked, not copied): a restart restores them
+            spilled = list((data / "spill").glob("*.safetensors"))
             files = list((data / "journal").glob("run-*.tensors"))
-            return len(files) == 2 and {p.stat().st_ino for p in spilled} <= {p.stat().st_ino for p in files}
+            inodes = {p.stat().st_ino for p in files}
+            return bool(spilled) and len(files) == 2 and {p.stat().st_ino for p in spilled} <= inodes
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not linked() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            sc.create_sampling_client(base_model=SPEC["base_model"])
+            time.sleep(0.6)  # past OPENRL_SNAPSHOT_INTERVAL_S
         assert linked(), sorted(p.name for p in (data / "journal").iterdir())
         served.proc.kill()
         served.proc.wait()
@@ -304,6 +306,15 @@ def test_full_runs_taking_turns_resume_exactly_after_kill_9(solo, tmp_path, tiny
     finally:
         served.proc.terminate()
         finish(served)
+
+
+def wait_for_spill(data_dir: Path, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if list((data_dir / "spill").glob("*.safetensors")):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def weights_in(data_dir: Path, tinker_path: str) -> dict[str, torch.Tensor]:
