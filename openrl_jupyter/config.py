@@ -135,9 +135,9 @@ def make_config(
         if reward is not None:
             raise UsageError("give reward or env, not both: an environment's steps give the rewards")
         if callable(env):
-            name = getattr(env, "__name__", "") or "env"
+            label = getattr(env, "__name__", "") or "env"
             fixed = RewardVersion(
-                "lambda" if name == "<lambda>" else name, 1, env, False, False, "environment"
+                "lambda" if label == "<lambda>" else label, 1, env, False, False, "environment"
             )
             reward = fixed.name
         elif isinstance(env, str):

@@ -252,8 +252,10 @@ class Sweep:
             )
         if mode not in ("max", "min"):
             raise UsageError(f"mode must be 'max' (higher metric is better) or 'min'; got {mode!r}")
-        if reward is None and "reward" not in grid:
-            raise UsageError("reward is missing: give reward=... (or a 'reward' list in the grid)")
+        if reward is None and "reward" not in grid and options.get("env") is None:
+            raise UsageError(
+                "reward is missing: give reward=... (or a 'reward' list in the grid), or env=..."
+            )
         if reward is not None and "reward" in grid:
             raise UsageError("give reward=... or a 'reward' list in the grid, not both")
         for key in ("name", "model_name"):

@@ -63,9 +63,17 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
     if session.model is not None and options.get("model") is None:
         options["model"] = session.model
     loaded = load_prompts(prompts)
+    env_label = None
+    if options.get("env") is not None:  # an environment travels by value, as a pinned reward does
+        from openrl_jupyter.env import envs
+
+        env = options["env"]
+        version = envs.latest(env) if isinstance(env, str) else None
+        options["env"] = version.fn if version is not None else env
+        env_label = version.name if version is not None else getattr(env, "__name__", "env")
     if kind == "run":
         config = make_config(session.defaults, reward=reward, prompts=_flat_prompts(loaded), **options)
-        rewards = [reward_entry(reward)]
+        rewards = [reward_entry(reward)] if reward is not None else []
         steps = config.steps
         options["name"] = name  # the run is named after its job
     else:
@@ -75,6 +83,8 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         grid = opts.pop("grid")
         checked = Sweep(session, reward=reward, prompts=_flat_prompts(loaded), grid=grid, name=name, **opts)
         listed = [reward] if reward is not None else list(grid.get("reward") or [])
+        if env_label is not None and reward is None:
+            listed = []
         for r in listed:
             if isinstance(r, str):
                 registry.latest(r)  # unknown → a UsageError naming %%openrl reward
@@ -99,7 +109,7 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
 
     named = sorted({e["name"] for e in rewards if not e["pinned"]})
     meta = {
-        "reward": ", ".join(e["name"] for e in rewards)[:200],
+        "reward": (", ".join(e["name"] for e in rewards) or f"env {env_label}")[:200],
         "named_rewards": ",".join(named)[:200],
         "steps": steps,
         "model": options.get("model"),

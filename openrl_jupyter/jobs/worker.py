@@ -216,7 +216,9 @@ class _Worker:
         self.report("running", pid=os.getpid(), host=socket.gethostname())
         options = dict(body["options"])
         rewards = body["rewards"]
-        if body["kind"] == "run":
+        if body["kind"] == "run" and options.get("env") is not None:  # an environment run
+            self.target = session.train(prompts=body["prompts"], **options)
+        elif body["kind"] == "run":
             r = rewards[0]
             reward = r["fn"] if r["pinned"] else r["name"]
             self.target = session.train(reward=reward, prompts=body["prompts"], **options)

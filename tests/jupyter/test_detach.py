@@ -739,3 +739,46 @@ def test_the_sql_reward_rebuilds_a_database_the_job_does_not_have_from_its_seed(
     kernel_only = tmp_path / "not-in-the-job" / "db.sqlite"  # a path of the notebook's machine
     assert sql_reward("q", example["sql"], **{**example, "db_path": str(kernel_only)}) == 1.0
     assert sql_reward("q", "SELECT 1", **{**example, "db_path": str(kernel_only)}) == 0.0
+
+
+def test_a_detached_run_plays_a_registered_environment_by_value(session, jobs_dir):
+    """An environment registered in this kernel travels to the detached run by value (as a pinned reward
+    does) and its episodes train there: the run's stored rows count the turns."""
+    from openrl_jupyter.env import envs
+
+    ns = dynamic(
+        """
+        from openrl_jupyter.env import Env, ModelInput, StepResult
+
+        class Echo(Env):
+            def __init__(self, prompt, info):
+                self.prompt = list(prompt.encode())
+                self.turn = 0
+
+            async def initial_observation(self):
+                return ModelInput.from_ints(self.prompt), [10]
+
+            async def step(self, action, *, extra=None):
+                self.turn += 1
+                done = self.turn == 2
+                ob = ModelInput.from_ints([]) if done else ModelInput.from_ints(self.prompt + action + [10])
+                return StepResult(len(action) / 10, done, ob, [10])
+        """
+    )
+    name = unique("echo").replace("-", "_")
+    envs.register(name, ns["Echo"])
+    job = session.train(
+        env=name,
+        prompts=PROMPTS,
+        steps=2,
+        name=unique("envjob"),
+        detach="local",
+        batch=1,
+        group=2,
+        max_tokens=4,
+    )
+    job.wait(300)
+    assert job.state == "finished", job.logs()
+    rows = session.client.metrics(job.runs[0])
+    assert [r["step"] for r in rows] == [1, 2] and all(r["turns"] == 2 for r in rows)
+    assert rows[-1]["reward_name"] == "Echo"

@@ -189,3 +189,13 @@ def test_evaluate_scores_a_checkpoint_greedily_on_held_out_rows(session):
     assert "mean reward" in repr(first) and path in repr(first)
     base = session.evaluate(env=TwoTurns, prompts=held_out, max_tokens=8)
     assert base.checkpoint is None and len(base.episodes) == 2
+
+
+def test_a_sweep_takes_an_environment(session):
+    sweep = session.sweep(
+        env=TwoTurns, prompts=PROMPTS, grid={"lr": [1e-4, 3e-4]}, steps=1, save_best=False, **SMALL
+    )
+    sweep.wait(300)
+    assert len(sweep.runs) == 2
+    for run in sweep.runs:
+        assert run.state == RunState.FINISHED and run.history[-1]["turns"] == 2.0
