@@ -258,6 +258,12 @@ class RunDashboard(_LiveDashboard):
             f" · step {self._step}/{total} · <span style='color:{colour}'>{html.escape(self._state)}</span>"
             f" · reward {reward} · mean {html.escape(fmt(self._rows.last().get('reward_mean')))}"
         ]
+        last = self._rows.last()
+        if last.get("turns") is not None:  # an environment run: its episodes' shape
+            lines.append(
+                f"episodes: {fmt(last.get('turns'))} turns · {fmt(last.get('tool_calls'))} tool calls · "
+                f"{fmt(last.get('tool_errors'))} malformed calls (means per episode)"
+            )
         if self._error:
             lines.append(_error_html(self._error))
         if self._action_error:

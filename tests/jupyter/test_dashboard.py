@@ -593,3 +593,11 @@ def test_the_event_feed_survives_a_key_rotation(server):
         feed.close()
     n = calls["n"]
     assert feed._task_future is None and calls["n"] == n  # closed: no reconnecting any more
+
+
+def test_an_environment_runs_episodes_are_summed_up_in_the_header(make_dash, timers):
+    run = FakeRun([row(1, turns=2.5, tool_calls=1.25, tool_errors=0.5)])
+    dash = make_dash(run)
+    assert "episodes: 2.5 turns · 1.25 tool calls · 0.5 malformed calls" in dash.header.value
+    plain = make_dash(FakeRun([row(1)]))
+    assert "episodes:" not in plain.header.value
