@@ -242,10 +242,12 @@ class Session:
         max_episode_tokens: int | None = None,
         step_timeout_s: float = 60.0,
         seed: int = 0,
+        rank: int | None = None,
     ) -> Evaluation:
         """Score ``checkpoint`` (a tinker:// training checkpoint; None: the base model) on ``prompts``
         (held-out rows) with environment ``env`` (a registered name or a factory): ``group`` episodes
-        per row, greedy unless ``greedy=False``. Nothing is trained; the temporary run is deleted."""
+        per row, greedy unless ``greedy=False``; ``rank``: the checkpoint's LoRA rank (default: the
+        model's). Nothing is trained; the temporary run is deleted."""
         from openrl_jupyter import rollouts
         from openrl_jupyter.config import load_prompts, make_config
         from openrl_jupyter.runner import get_runner
@@ -265,6 +267,8 @@ class Session:
         version = cfg.reward_fn or envs.latest(cfg.reward)
         rows = load_prompts(prompts)
         fields: dict[str, Any] = {"name": f"eval-{version.name}", "seed": seed}
+        if rank is not None:
+            fields["rank"] = rank
         if checkpoint is not None:
             fields["load_from"] = checkpoint
         if self.model is not None:
