@@ -137,12 +137,8 @@ class Renderer:
     ``get_stop_sequences``, ``parse_response`` (tinker-cookbook's renderer methods; ``a``-prefixed
     ones for a coroutine). Tool calls are read in the model family's format (openrl_common/toolcalls.py)."""
 
-    def __init__(self, session: Any = None, model: str | None = None):
-        if session is None:
-            from openrl_jupyter.session import get_session
-
-            session = get_session()
-        self.session, self.model = session, model
+    def __init__(self, session: Any, model: str | None = None):
+        self.session, self.model = session, model  # a Session (openrl_jupyter.get_session())
         self._stop: list[int] | None = None
         self.tool_family: str | None = None
 

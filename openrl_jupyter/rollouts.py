@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_jupyter.advantages import group_advantages
-from openrl_jupyter.env import EnvFromMessageEnv, MessageEnv, Renderer, tokens_of
+from openrl_jupyter.env import EnvFromMessageEnv, MessageEnv, Renderer, envs, tokens_of
 from openrl_jupyter.rewards import RewardVersion, Scored
+from openrl_jupyter.steps import PreparedStep
 
 MAX_PROMPTS_PER_CALL = 64  # one sampling call's prompts (the service's OPENRL_MAX_DATUMS is larger)
 
@@ -235,3 +238,40 @@ def step_metrics(episodes: list[Episode]) -> dict[str, float]:
     out.setdefault("tool_calls", 0.0)
     out.setdefault("tool_errors", 0.0)
     return out
+
+
+async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) -> PreparedStep:
+    """An environment run's step before its update (``Run._prepare`` for ``train(env=...)``): every
+    prompt's episodes played, shown as a step's samples are, then their advantages."""
+    cfg = run.config
+    t0 = time.time()
+    version: RewardVersion = cfg.reward_fn or envs.latest(cfg.reward)
+    seed = None if cfg.seed is None else (cfg.seed * 100_003 + step * 1_009) % 2**31
+    episodes = await play(
+        client=client,
+        session=run.session,
+        run_id=run.run_id,
+        model=cfg.model or run.session.model,
+        version=version,
+        prompts=prompts,
+        group=cfg.group,
+        sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": seed},
+        limits=Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
+    )
+    t_played = time.time()
+    texts = [prompts[ep.row]["prompt"] for ep in episodes]
+    shown = run._shown(scored(episodes, version), version, step, texts, [ep.transcript for ep in episodes])
+    with run._lock:
+        run._episodes = episodes
+    return PreparedStep(
+        step=step,
+        version=version,
+        n=len(episodes),
+        scored=shown,
+        chosen=chosen_episodes(episodes, cfg.normalize_std),
+        off_policy=0,
+        next_prompts=None,
+        times=(t0, t_played, time.time()),
+        key=uuid.uuid4().hex,
+        extra=step_metrics(episodes),
+    )

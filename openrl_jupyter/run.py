@@ -10,12 +10,11 @@ Each step, on the shared runner thread (see ``runner.py``):
    step); a function given as ``train(reward=fn)`` is pinned to the run and always used;
 2. samples ``group`` completions for each of ``batch`` prompts from the run's current weights;
 3. scores them in the runner's thread pool (``async def`` rewards on the runner loop);
-4. turns rewards into group-relative advantages (reward − group mean, optionally ÷ group std),
-   leaving failed samples out; a group whose rewards are all equal teaches nothing and is skipped;
+4. turns rewards into group-relative advantages (reward − group mean, optionally ÷ group std);
 5. sends one train step naming the samples; the service computes the importance-sampling loss
    with the sampler's logprobs, so the ratio/KL statistics it returns are honest;
-6. stores the step's reward statistics with the run on the service and notifies listeners
-   (the dashboard).
+6. stores the step's reward statistics with the run on the service and notifies the dashboard.
+   An environment run (``train(env=...)``) plays episodes instead of steps 2-4 (``rollouts.py``).
 
 A step whose samples all fail, or whose service call fails, pauses the run with the error; nothing
 trained is lost and ``resume()`` retries the step (with the newest reward version). A failing reward
@@ -31,10 +30,9 @@ of the service's ``idle_timeout_s`` (at most 2 min apart, and a third of its ``o
 paused run is not reaped as abandoned nor listed as orphaned.
 
 Run control from outside the kernel (the JupyterLab side panel, ``POST /openrl/v1/runs/{id}/control``):
-each heartbeat reports the run's state to the service and reads back its ``control``; before each
-step (and every ``CONTROL_POLL_S`` while paused) the run asks too, so a pause from the panel pauses
-it at its next step, a resume continues it, and a stop ends it (``run.state == "stopped"``,
-``run.stop_reason`` "stopped from the panel", also in its log). Every state change is reported.
+each heartbeat (and, before each step, the run itself) reads the run's ``control`` from the service, so a
+pause from the panel pauses it at its next step, a resume continues it, and a stop ends it
+(``run.stop_reason`` "stopped from the panel"). Every state change is reported.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ from openrl_jupyter._exceptions import (
 )
 from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
-from openrl_jupyter.env import envs
 from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
 from openrl_jupyter.run_state import (  # noqa: F401 - RunState, heartbeat_interval and stopped_from_outside are imported from here too
     ACTIVE,
@@ -564,8 +561,8 @@ class Run:
 
     async def _prepare(self, client, step: int, prompts: list[dict]) -> PreparedStep:
         """Sample, score and compute advantages: everything of a step before its update."""
-        if self.config.env:
-            return await self._prepare_episodes(client, step, prompts)
+        if self.config.env:  # an environment run: episodes instead of samples (rollouts.py)
+            return await rollouts.prepare_step(self, client, step, prompts)
         t0 = time.time()
         version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
         out, prompts, off_policy = await self._draw(client, step, prompts)
@@ -588,46 +585,8 @@ class Run:
             key=uuid.uuid4().hex,
         )
 
-    async def _prepare_episodes(self, client, step: int, prompts: list[dict]) -> PreparedStep:
-        """An environment run's step: every prompt's episodes played, then their advantages."""
-        cfg = self.config
-        t0 = time.time()
-        version: RewardVersion = cfg.reward_fn or envs.latest(cfg.reward)
-        seed = None if cfg.seed is None else (cfg.seed * 100_003 + step * 1_009) % 2**31
-        episodes = await rollouts.play(
-            client=client,
-            session=self.session,
-            run_id=self.run_id,
-            model=cfg.model or self.session.model,
-            version=version,
-            prompts=prompts,
-            group=cfg.group,
-            sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": seed},
-            limits=rollouts.Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
-        )
-        t_played = time.time()
-        texts = [prompts[ep.row]["prompt"] for ep in episodes]
-        scored = self._shown(
-            rollouts.scored(episodes, version), version, step, texts, [ep.transcript for ep in episodes]
-        )
-        with self._lock:
-            self._episodes = episodes
-        return PreparedStep(
-            step=step,
-            version=version,
-            n=len(episodes),
-            scored=scored,
-            chosen=rollouts.chosen_episodes(episodes, cfg.normalize_std),
-            off_policy=0,
-            next_prompts=None,
-            times=(t0, t_played, time.time()),
-            key=uuid.uuid4().hex,
-            extra=rollouts.step_metrics(episodes),
-        )
-
     def episodes(self) -> list:
-        """The newest step's episodes (an environment run): each one's turns (observation, sampled
-        tokens and text, reward, metrics), total reward and why it ended."""
+        """The newest step's episodes (an environment run): turns, reward, why each ended."""
         with self._lock:
             return list(self._episodes)
 
@@ -657,8 +616,7 @@ class Run:
     async def _score(
         self, version: RewardVersion, step: int, prompts: list[dict], samples: list[dict], groups: list
     ) -> Scored:
-        """Score in the runner's pool; keep and show the samples; show a failure at once (the dashboard,
-        and the starting cell: once per reward version, and at every pause); pause if every one failed."""
+        """Score in the runner's pool, then keep and show the samples (``_shown``)."""
         texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
         infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
         completions = [s["text"] for s in samples]
@@ -670,7 +628,8 @@ class Run:
     def _shown(
         self, scored: Scored, version: RewardVersion, step: int, texts: list[str], completions: list[str]
     ) -> Scored:
-        """Keep and show a step's samples (or episodes); show a failure at once; pause if all failed."""
+        """Keep and show a step's samples (or episodes); show a failure at once (the dashboard, and the
+        starting cell: once per reward version, and at every pause); pause if every one failed."""
         kept = [
             {"step": step, "prompt": p, "completion": c, "reward": r, "error": e}
             for p, c, r, e in zip(texts, completions, scored.rewards, scored.errors, strict=True)

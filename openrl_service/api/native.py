@@ -201,9 +201,15 @@ def build_native_router(c: Container) -> APIRouter:
         tools = chat.checked_tools(body.get("tools"))
         prompts.check_messages(base, messages, "messages")
         prompts.check_text(base, len(orjson.dumps(tools)), "tools")
-        prompt = await prompts.off_loop(lambda: chat.render(base, messages, tools, "auto" if tools else "none", None))
+        prompt = await prompts.off_loop(
+            lambda: chat.render(base, messages, tools, "auto" if tools else "none", None)
+        )
         return json_response(
-            {"tokens": prompt.tokens, "stop_tokens": list(base.eos_token_ids), "tool_family": base.tool_family}
+            {
+                "tokens": prompt.tokens,
+                "stop_tokens": list(base.eos_token_ids),
+                "tool_family": base.tool_family,
+            }
         )
 
     @r.post("/decode")
@@ -212,8 +218,12 @@ def build_native_router(c: Container) -> APIRouter:
         body = await read_json(request, max_body)
         base = svc.served(body.get("model"), "model").base
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or len(tokens) > base.context_length or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < base.vocab_size for t in tokens
+        if (
+            not isinstance(tokens, list)
+            or len(tokens) > base.context_length
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < base.vocab_size for t in tokens
+            )
         ):
             raise UserError(
                 f"tokens must be a list of at most {base.context_length} token ids in [0, {base.vocab_size})",

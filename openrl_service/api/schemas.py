@@ -211,22 +211,11 @@ class MintKey(Body):
 
 
 class TrainSample(Body):
-    """One sample (``sample_id``), or an episode's turns in order (``episode``: their sample ids,
-    environment tokens between them trained at weight 0), with its advantage."""
-
-    model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["sample_id"]}, {"required": ["episode"]}]}
-    )
+    """A sample, or an episode's turns in order (their sample ids; engine/native.py checks one is given)."""
 
     sample_id: str | None = None
     episode: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     advantage: Num()
-
-    @model_validator(mode="after")
-    def _one(self):
-        if (self.sample_id is None) == (self.episode is None):
-            raise ValueError("give sample_id (one sample) or episode (its turns' sample ids), not both")
-        return self
 
 
 def _loss_config_schema(loss: str) -> dict:

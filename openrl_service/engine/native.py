@@ -835,6 +835,11 @@ class NativeRuns:
             if not isinstance(item, dict):
                 raise UserError(f"{where} must be an object {{sample_id, advantage}}", field=where)
             adv = number(item.get("advantage"), f"{where}.advantage")
+            if ("episode" in item) == ("sample_id" in item):
+                raise UserError(
+                    f"{where}: give sample_id (one sample) or episode (its turns' sample ids), not both",
+                    field=where,
+                )
             if "episode" in item:  # a multi-turn episode: its turns' samples, in order
                 ids = item["episode"]
                 if not isinstance(ids, list) or not ids:

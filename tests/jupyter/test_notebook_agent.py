@@ -36,7 +36,9 @@ def test_the_agent_notebook_trains_a_tool_environment_and_serves_tool_calls(tmp_
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "openrl: environment weather v1 registered" in text
     # RL played multi-turn episodes with tool calls (the warm start taught the format)
-    m = re.search(r"episodes: ([0-9.]+) turns and ([0-9.]+) tool calls on average; (\d+) episodes trained on", text)
+    m = re.search(
+        r"episodes: ([0-9.]+) turns and ([0-9.]+) tool calls on average; (\d+) episodes trained on", text
+    )
     assert m, text[-3000:]
     assert float(m.group(1)) > 1.0 and float(m.group(2)) > 0.0 and int(m.group(3)) > 0
     assert re.search(r"held-out reward after SFT: [0-9.]+, after RL: [0-9.]+", text)
