@@ -40,6 +40,7 @@ log = logging.getLogger("openrl_service")
 
 PUBLIC_PATHS = {"/healthz", "/readyz", "/api/v1/healthz"}
 SIGNED_PREFIX = "/api/v1/downloads/"
+UPLOAD_PREFIX = "/api/v1/uploads/"  # signed upload URLs (engine/uploads.py): their own bound per file
 METRICS_PATH = "/metrics"  # key optional: an anonymous scrape sets no tenant
 DEFAULT_TENANT = "default"
 
@@ -89,8 +90,11 @@ class RedactDownloadTokens(logging.Filter):
 
 
 def _redact(text: str) -> str:
-    at = text.find(SIGNED_PREFIX)
-    return text if at < 0 else text[: at + len(SIGNED_PREFIX)] + "<token>"
+    for prefix in (SIGNED_PREFIX, UPLOAD_PREFIX):
+        at = text.find(prefix)
+        if at >= 0:
+            return text[: at + len(prefix)] + "<token>"
+    return text
 
 
 def redact_access_log() -> None:
@@ -303,7 +307,8 @@ class AuthMiddleware:
         anonymous_scrape = (
             path == METRICS_PATH and "x-api-key" not in headers and "authorization" not in headers
         )
-        if path not in PUBLIC_PATHS and not path.startswith(SIGNED_PREFIX) and not anonymous_scrape:
+        signed = path.startswith((SIGNED_PREFIX, UPLOAD_PREFIX))
+        if path not in PUBLIC_PATHS and not signed and not anonymous_scrape:
             try:
                 who = await self._authenticate(scope, headers, path)
             except HubUnavailable as e:
@@ -319,6 +324,8 @@ class AuthMiddleware:
             # Long responses (the event stream) ask again before each event: a key revoked (or a hub
             # user deleted) while the stream is open must not keep receiving the tenant's events.
             state["still_authorised"] = functools.partial(self._still, scope, headers, path, who["tenant"])
+        if path.startswith(UPLOAD_PREFIX):  # the route bounds each file by its adapter's exact size
+            return await self.app(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await _error(

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool as off
 
 from openrl_service.api import schemas as S
-from openrl_service.api.http import ServiceRoute, json_response, read_model, tenant
+from openrl_service.api.http import ServiceRoute, json_response, read_json, read_model, tenant
 from openrl_service.api.schemas import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
@@ -166,6 +166,32 @@ def build_rest_router(svc: TrainingService) -> APIRouter:
         return json_response(await off(cat.trace_export, tenant(request), session_id, _base_url(request)))
 
     # -- downloads (signed; no key) ------------------------------------------------------------
+    # -- external weights uploads (Tinker 0.39) and checkpoint search ---------------------------
+    @r.post("/external_weights_upload_start")
+    async def external_weights_upload_start(request: Request):
+        """Start an upload of a PEFT adapter trained elsewhere: signed PUT URLs per file."""
+        body = await read_json(request, max_body)
+        return json_response(await off(cat.uploads.start, tenant(request), body, _base_url(request)))
+
+    @r.put("/uploads/{token}")
+    async def upload_file(token: str, request: Request):
+        """One file of an upload (the signed URL is the authorisation), written as it arrives."""
+        up, name = cat.uploads.target(cat.verify(token, "upload"))
+        size = await cat.uploads.receive(up, name, request.stream())
+        return json_response({"file": name, "size_bytes": size})
+
+    @r.post("/external_weights_upload_finish")
+    async def external_weights_upload_finish(request: Request):
+        """Check the uploaded files against the base model and LoRA config; make the checkpoint."""
+        body = await read_json(request, max_body)
+        return json_response(await off(cat.uploads.finish, tenant(request), body))
+
+    @r.post("/checkpoints/search")
+    async def search_checkpoints(request: Request):
+        """The caller's checkpoints, newest first, filtered and paged by cursor (Tinker 0.39)."""
+        body = await read_json(request, max_body) if await request.body() else {}
+        return json_response(await off(cat.search_checkpoints, tenant(request), body))
+
     @r.get("/downloads/{token}")
     async def download(token: str):
         """A file behind a signed, expiring URL."""

@@ -23,6 +23,7 @@ from openrl_service.checks import integer
 from openrl_service.config import tenant_folder
 from openrl_service.engine.owner import LinkRun
 from openrl_service.engine.service import TrainingService
+from openrl_service.engine.uploads import Uploads
 from openrl_service.errors import Gone, NotFound, UserError
 from openrl_service.storage.checkpoints import (
     CHECKPOINT_TYPE,
@@ -52,6 +53,7 @@ class Catalog:
         self.store = svc.store
         self._secret = secrets.token_bytes(32)
         self.exports = svc.exports
+        self.uploads = Uploads(svc, self._sign)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_json(self, m: dict) -> dict:
@@ -64,6 +66,7 @@ class Catalog:
             "public": bool(m.get("public", False)),
             "user_metadata": m.get("user_metadata") or None,
             "expires_at": iso(m["expires_at"]) if m.get("expires_at") else None,
+            "base_model": m.get("base_model"),  # Tinker 0.39's Checkpoint.base_model
         }
 
     def run_checkpoints(self, tenant: str, run_id: str) -> list[dict]:
@@ -81,6 +84,56 @@ class Catalog:
         everything.sort(key=lambda c: (c["time"], c["tinker_path"]), reverse=True)
         items, cursor = page(everything, limit, offset)
         return {"checkpoints": items, "cursor": cursor}
+
+    def search_checkpoints(self, tenant: str, body: dict) -> dict:
+        """Tinker 0.39's search: the caller's checkpoints, newest first, filtered by type, base model,
+        exact user_metadata pairs and the run's project; a page of ``limit`` (1-200, default 50) and a
+        cursor for the next. Other owners' checkpoints are never visible here (``owner`` "user" finds
+        none; "accessible" is the caller's own)."""
+        limit = integer(body.get("limit", 50), "limit", 1, 200)
+        owner = (body.get("owner") or {"type": "own"}).get("type", "own")
+        if owner not in ("own", "accessible"):
+            return {"checkpoints": [], "next_cursor": None}
+        kind = body.get("checkpoint_type")
+        if kind is not None and kind not in CHECKPOINT_TYPE.values():
+            raise UserError(
+                f"checkpoint_type must be one of {', '.join(CHECKPOINT_TYPE.values())} or null; got {kind!r}",
+                field="checkpoint_type",
+            )
+        meta = body.get("user_metadata") or {}
+        if not isinstance(meta, dict):
+            raise UserError("user_metadata must be an object of string pairs", field="user_metadata")
+        bases, projects, cursor = body.get("base_models"), body.get("project_ids"), body.get("cursor")
+        runs = {r["run_id"]: r for r in self.store.list_runs(tenant)}
+        sessions = {r["session_id"]: r.get("project_id") for r in self._all_sessions(tenant)}
+        found = []
+        for run_id, run in runs.items():
+            project = sessions.get(run.get("session_id"), run.get("project_id")) or "default"
+            if projects is not None and project not in projects:
+                continue
+            for m in self.store.list_checkpoints(tenant, run_id):
+                c = self.checkpoint_json(m)
+                if kind is not None and c["checkpoint_type"] != kind:
+                    continue
+                if bases is not None and c["base_model"] not in bases:
+                    continue
+                if any((c["user_metadata"] or {}).get(k) != v for k, v in meta.items()):
+                    continue
+                found.append(c)
+        found.sort(key=lambda c: (c["time"], c["tinker_path"]), reverse=True)
+        if cursor is not None:
+            if not isinstance(cursor, dict):
+                raise UserError("cursor must be the next_cursor of the previous page", field="cursor")
+            last = (cursor.get("last_created_at"), cursor.get("last_checkpoint_uuid"))
+            found = [c for c in found if (c["time"], c["tinker_path"]) < last]
+        page_ = found[:limit]
+        more = len(found) > limit
+        next_cursor = (
+            {"last_created_at": page_[-1]["time"], "last_checkpoint_uuid": page_[-1]["tinker_path"]}
+            if more
+            else None
+        )
+        return {"checkpoints": page_, "next_cursor": next_cursor}
 
     def ref(self, run_id: str, kind: str, name: str) -> CheckpointRef:
         if kind not in KINDS:
@@ -298,16 +351,23 @@ class Catalog:
         sig = hmac.new(self._secret, raw.encode(), hashlib.sha256).hexdigest()
         return f"{raw}.{sig}"
 
-    def resolve_download(self, token: str) -> tuple[Path, str]:
-        """(file, download name) for a valid, unexpired signed token."""
+    def verify(self, token: str, what: str = "download") -> dict:
+        """The payload of a valid, unexpired signed token (404 for a forged one, 410 once expired)."""
         raw, _, sig = token.partition(".")
         good = hmac.new(self._secret, raw.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()
         # bytes: compare_digest refuses a str with a non-ASCII character (a TypeError, a 500)
         if not sig or not hmac.compare_digest(sig.encode("utf-8", "surrogateescape"), good.encode()):
-            raise NotFound("unknown download link", field="url")
+            raise NotFound(f"unknown {what} link", field="url")
         payload = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
         if time.time() > payload["exp"]:
-            raise Gone("this download link has expired; ask for a new one", field="url")
+            raise Gone(f"this {what} link has expired; ask for a new one", field="url")
+        if (payload.get("what") == "upload") != (what == "upload"):  # a download link uploads nothing
+            raise NotFound(f"unknown {what} link", field="url")
+        return payload
+
+    def resolve_download(self, token: str) -> tuple[Path, str]:
+        """(file, download name) for a valid, unexpired signed token."""
+        payload = self.verify(token)
         tenant = payload["tenant"]
         if payload["what"] == "export":
             folder = self.exports.current(tenant, payload["export"])  # 404 once its checkpoint is gone

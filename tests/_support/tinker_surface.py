@@ -438,8 +438,33 @@ def render_doc(
                 yes, text = "no", f"the check fails ({o.error_type if o else 'not run'})"
             cell = text.replace("|", "\\|")
             lines.append(f"| {client} | `{m}` | {yes} | {cell} |")
-    lines += ["", *OPTIONS_DOC, ""]
+    lines += ["", *OPTIONS_DOC, "", *NEXT_SDK_DOC, ""]
     return "\n".join(lines)
+
+
+# Tinker 0.39 (documented, not on PyPI here): served and tested over HTTP with the documented shapes.
+NEXT_SDK_DOC = [
+    "## Tinker 0.39: tested over HTTP only",
+    "",
+    "The 0.39 SDK is published in Tinker's docs but not installable here, so these are implemented from",
+    "its API reference and driven over HTTP with the documented request and response shapes by",
+    "`tests/service/test_tinker_039.py`; the SDK itself has not called them.",
+    "",
+    "| method | route | what the test checked |",
+    "|---|---|---|",
+    "| `RestClient.external_weights_upload_start` | `POST /api/v1/external_weights_upload_start` | "
+    "`{base_model, lora_config, destination_project_id?}` → `{upload_id, urls, expires}`: a signed PUT URL "
+    "per file (`adapter_model.safetensors`, `adapter_config.json`), bounded by the adapter's size (413) |",
+    "| `RestClient.external_weights_upload_finish` | `POST /api/v1/external_weights_upload_finish` | "
+    "`{upload_id}` → `{tinker_path}` of an `external_weights` checkpoint; an adapter of another rank or "
+    "shape, or a missing file, is a 400 naming it; the checkpoint samples as the original did and a run "
+    "starts from it and trains |",
+    "| `RestClient.search_checkpoints` | `POST /api/v1/checkpoints/search` (the route is not documented; "
+    "named after 0.38's `sessions/search`) | `checkpoint_type`, `base_models`, `user_metadata`, "
+    "`project_ids`, `owner`, `limit` (1-200) and the `next_cursor` paging, newest first; another "
+    "tenant's checkpoints never appear |",
+    "| `Checkpoint.base_model` | every checkpoint listing | the checkpoint's base model |",
+]
 
 
 # The training surface's options beyond the method list: each row names the tests that hold it.

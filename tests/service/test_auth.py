@@ -26,7 +26,7 @@ from tests.conftest import ALICE_KEY, BOB_KEY, TINY
 
 PROTO = "application/x-protobuf"
 PUBLIC = {"/healthz", "/readyz", "/api/v1/healthz"}
-SIGNED = "/api/v1/downloads/"
+SIGNED = ("/api/v1/downloads/", "/api/v1/uploads/")  # signed links: their own authorisation
 KEY_OPTIONAL = {"/metrics"}  # Prometheus scrapes: no key → aggregates only (test_telemetry.py)
 
 
@@ -130,8 +130,8 @@ def test_every_route_but_health_needs_a_key(server):
             for who, c in (("missing", anon), ("wrong", wrong)):
                 r = c.request(method, url, json={} if method == "POST" else None)
                 if path.startswith(SIGNED):
-                    # Signed download links carry their own authorisation: a forged one is unknown.
-                    if r.status_code != 404 or "download link" not in r.json()["error"]:
+                    # Signed download and upload links carry their own authorisation: a forged one is unknown.
+                    if r.status_code != 404 or " link" not in r.json()["error"]:
                         unprotected.append(
                             f"{method} {path} ({who} key): forged link answered {r.status_code}"
                         )
