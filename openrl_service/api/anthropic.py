@@ -59,27 +59,12 @@ def error_response(status: int, message: str) -> Response:
 
 
 # -- the request as a chat ------------------------------------------------------------------------
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for j, block in enumerate(content):
-            if not (
-                isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
-            ):
-                raise UserError(f"{where}[{j}]: only text blocks are supported here", field=where)
-            out.append(block["text"])
-        return "".join(out)
-    raise UserError(f"{where} must be a string or a list of text blocks", field=where)
-
-
 def openai_form(body: dict) -> tuple[list[dict], list[dict], Any]:
     """(messages, tools, tool_choice) in OpenAI's form: what the equivalent /v1 request sends."""
     messages: list[dict] = []
     system = body.get("system")
     if system is not None:
-        messages.append({"role": "system", "content": _text(system, "system")})
+        messages.append({"role": "system", "content": chat.text_of(system, "system")})
     items = body.get("messages")
     if not isinstance(items, list) or not items:
         raise UserError("messages must be a non-empty list of {role, content}", field="messages")
@@ -118,7 +103,7 @@ def openai_form(body: dict) -> tuple[list[dict], list[dict], Any]:
                     {
                         "role": "tool",
                         "tool_call_id": str(block.get("tool_use_id", "")),
-                        "content": _text(result, f"{bw}.content"),
+                        "content": chat.text_of(result, f"{bw}.content"),
                     }
                 )
             else:

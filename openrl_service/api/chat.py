@@ -40,7 +40,9 @@ class ChatPrompt:
     forced: str = ""
 
 
-def _text_of(content: Any, where: str) -> str:
+def text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or text parts joined (``where`` names the content field;
+    the Anthropic API's text blocks are the same shape)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -51,13 +53,10 @@ def _text_of(content: Any, where: str) -> str:
             if not (
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
-                raise UserError(
-                    f"{where}.content[{j}]: only text parts are supported by this service",
-                    field=f"{where}.content",
-                )
+                raise UserError(f"{where}[{j}]: only text parts are supported by this service", field=where)
             parts.append(part["text"])
         return "".join(parts)
-    raise UserError(f"{where}.content must be a string or text parts", field=f"{where}.content")
+    raise UserError(f"{where} must be a string or text parts", field=where)
 
 
 def _arguments(value: Any, where: str) -> dict:
@@ -90,7 +89,7 @@ def openai_messages(messages: Any) -> list[dict]:
             )
         msg: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
-            "content": _text_of(m.get("content"), where),
+            "content": text_of(m.get("content"), f"{where}.content"),
         }
         calls = m.get("tool_calls")
         if calls:
