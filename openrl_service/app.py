@@ -199,7 +199,10 @@ def create_app(settings: Settings, *, service: TrainingService | None = None) ->
     @app.exception_handler(ApiError)
     async def service_error(request: Request, exc: ApiError):
         if is_anthropic_path(request.url.path):
-            return anthropic_error(exc.status_code, exc.message)
+            retry = getattr(exc, "retry_after_s", None)
+            return anthropic_error(
+                exc.status_code, exc.message, 2.0 if retry is None and exc.status_code == 503 else retry
+            )
         if is_openai_path(request.url.path):
             return api_error_response(exc)
         resp = json_response(exc.to_json(), status=exc.status_code)

@@ -13,6 +13,7 @@ Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -54,8 +55,11 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_response(status: int, message: str) -> Response:
-    return Response(orjson.dumps(error_body(status, message)), status, media_type="application/json")
+def error_response(status: int, message: str, retry_after_s: float | None = None) -> Response:
+    resp = Response(orjson.dumps(error_body(status, message)), status, media_type="application/json")
+    if retry_after_s is not None:  # 429 and 503: the SDK waits this long before its retry
+        resp.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return resp
 
 
 # -- the request as a chat ------------------------------------------------------------------------
