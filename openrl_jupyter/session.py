@@ -69,6 +69,7 @@ class Session:
     # put in the user_metadata of every run this session creates ({"openrl.job": id} in a job's worker)
     labels: dict = field(default_factory=dict, repr=False)
     detached: dict[str, Job] = field(default_factory=dict, repr=False)  # this kernel's jobs by name
+    contexts: dict[str, int | None] = field(default_factory=dict, repr=False)  # each model's context length
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
@@ -116,7 +117,8 @@ class Session:
                     f"model {options['model']!r} is not served by {self.url} (it serves {served})"
                 )
         defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
-        config = make_config(defaults, reward=reward, env=env, prompts=prompts, **options)
+        context = {"max_context_length": self.contexts.get(model)} if model in self.contexts else {}
+        config = make_config({**defaults, **context}, reward=reward, env=env, prompts=prompts, **options)
         config.model = model
         name = config.name
         if name is not None:
@@ -253,7 +255,7 @@ class Session:
         from openrl_jupyter.runner import get_runner
 
         cfg = make_config(
-            self.defaults,
+            {**self.defaults, "max_context_length": self.contexts.get(self.model)},
             env=env,
             prompts=prompts,
             group=max(2, group),  # (checked as a training group; evaluation plays ``group``)
@@ -573,10 +575,8 @@ def connect(
     client = Client(url, token=token, guard=local_service.check if local_service is not None else None)
     try:
         models = client.capabilities()
-        served = {  # each model's training defaults, and its context (an episode's token limit)
-            m["model_name"]: {**(m.get("defaults") or {}), "max_context_length": m.get("max_context_length")}
-            for m in models
-        }
+        served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}
+        contexts = {m["model_name"]: m.get("max_context_length") for m in models}
         chosen = next(iter(served), None)  # the service's default model
         if model is not None and not local and served:
             chosen = served_name(model, served)
@@ -602,6 +602,7 @@ def connect(
         _token=token,
         served=served,
         credential=credential,
+        contexts=contexts,
     )
     _sessions[name] = session
     return session

@@ -72,7 +72,10 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         options["env"] = version.fn if version is not None else env
         env_label = version.name if version is not None else getattr(env, "__name__", "env")
     if kind == "run":
-        config = make_config(session.defaults, reward=reward, prompts=_flat_prompts(loaded), **options)
+        context = {"max_context_length": session.contexts.get(session.model)}  # an episode's token limit
+        config = make_config(
+            {**session.defaults, **context}, reward=reward, prompts=_flat_prompts(loaded), **options
+        )
         rewards = [reward_entry(reward)] if reward is not None else []
         steps = config.steps
         options["name"] = name  # the run is named after its job

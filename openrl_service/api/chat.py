@@ -27,8 +27,6 @@ from openrl_common.toolcalls import (
 from openrl_service.errors import UserError
 from openrl_service.sampling.base import SamplingParams
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
 
 @dataclass(frozen=True)
 class ChatPrompt:
@@ -82,11 +80,7 @@ def openai_messages(messages: Any) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise UserError(f"{where} must be an object with a string role", field=where)
-        role = m["role"]
-        if role not in ROLES:
-            raise UserError(
-                f"{where}.role must be one of {', '.join(ROLES)}; got {role[:50]!r}", field=f"{where}.role"
-            )
+        role = m["role"]  # any role the template takes (tool, ipython...): the template decides
         msg: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
             "content": text_of(m.get("content"), f"{where}.content"),

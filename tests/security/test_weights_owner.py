@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -92,7 +93,12 @@ def test_merged_exports_never_carry_a_neighbours_full_fine_tune(tmp_path, tiny_m
     digests = set()
     try:
         with live.client(ALICE_KEY) as http:
-            for path in paths:
+            for i, path in enumerate(paths):
+                # each export starts once bob has taken another step, so they interleave whatever the
+                # machine's speed (his next op is under way while this one is built)
+                deadline = time.monotonic() + 120
+                while len(steps) <= i and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 info, got = export(http, path)
                 digests.add(info["base_weights_sha256"])
                 expected = merged(checkpoint_folder(live.data_dir, path), base)
