@@ -295,19 +295,13 @@ async def _events(
     gate = chat.LiveText(tok, job.params, prompt)
     text_open = False
     try:
-        async for batch in live.tokens(svc, rec):
-            for _, _, token in batch:
-                gate.add(token)
-            new = gate.ready()
-            if new:
-                if not text_open:
-                    yield _event(
-                        "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-                    )
-                    text_open = True
+        async for _, new in live.texts(svc, rec, {(0, 0): gate}):
+            if not text_open:
                 yield _event(
-                    "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": new}}
+                    "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
                 )
+                text_open = True
+            yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": new}})
         (out,) = live.outputs
         reply = await prompts.off_loop(lambda: _reply(out.sequences[0], tok, job, prompt))
         index = 0

@@ -453,6 +453,23 @@ class Live:
         finally:
             done.cancel()
 
+    async def texts(
+        self, svc: TrainingService, rec, gates: dict
+    ) -> AsyncIterator[tuple[tuple[int, int], str]]:
+        """((job, row), new text) as tokens arrive, each row's text through its ``gates[(job, row)]``
+        (a chat.LiveText); a long row's text is decoded off the event loop. Then ``self.outputs``."""
+        async for batch in self.tokens(svc, rec):
+            touched: list[tuple[int, int]] = []
+            for i, row, token in batch:
+                gates[(i, row)].add(token)
+                if (i, row) not in touched:
+                    touched.append((i, row))
+            for key in touched:
+                gate = gates[key]
+                text = await prompts.off_loop(gate.ready) if len(gate.tokens) > 256 else gate.ready()
+                if text:
+                    yield key, text
+
 
 def stream_error(e: BaseException) -> bytes:
     """An error after the reply began (OpenAI's shape, as its SDK reads it from the stream)."""
@@ -565,27 +582,17 @@ async def _live_chat(
             {**head, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         )
 
-    gates = [chat.LiveText(tok, params, prompt) for _ in range(n)]
+    gates = {(0, j): chat.LiveText(tok, params, prompt) for j in range(n)}
     for j in range(n):
         yield chunk(j, {"role": "assistant", "content": ""})
     try:
-        async for batch in live.tokens(svc, rec):
-            touched = []
-            for _, row, token in batch:
-                gates[row].add(token)
-                if row not in touched:
-                    touched.append(row)
-            for j in touched:
-                text = (
-                    await prompts.off_loop(gates[j].ready) if len(gates[j].tokens) > 256 else gates[j].ready()
-                )
-                if text:
-                    yield chunk(j, {"content": text})
+        async for (_, j), text in live.texts(svc, rec, gates):
+            yield chunk(j, {"content": text})
         (out,) = live.outputs
         decoded = await prompts.off_loop(lambda: [Decoded(seq, tok, params, None) for seq in out.sequences])
         for j, d in enumerate(decoded):
             content, calls, finish = chat.reply_parts(d.text, d.finish_reason, prompt)
-            rest = gates[j].rest(content or "")
+            rest = gates[(0, j)].rest(content or "")
             if rest:
                 yield chunk(j, {"content": rest})
             if calls:
@@ -617,16 +624,8 @@ async def _live_completions(
             for r in range(n):
                 yield chunk(i * n + r, text)
     try:
-        async for batch in live.tokens(svc, rec):
-            touched = []
-            for i, row, token in batch:
-                gates[(i, row)].add(token)
-                if (i, row) not in touched:
-                    touched.append((i, row))
-            for key in touched:
-                text = gates[key].ready()
-                if text:
-                    yield chunk(key[0] * n + key[1], text)
+        async for (i, row), text in live.texts(svc, rec, gates):
+            yield chunk(i * n + row, text)
         completion_tokens = 0
         for i, (job, out) in enumerate(zip(jobs, live.outputs, strict=True)):
             for r, seq in enumerate(out.sequences):
