@@ -132,7 +132,8 @@ class ShardedFullWeights(RunWeights):
         )
 
     def detached(self) -> RunWeights:
-        raise NotImplementedError  # never in a fused pass
+        """Only a fused pass asks for this, and full runs never fuse (training/trainer.py)."""
+        raise RuntimeError("a sharded full run never joins a fused pass: full runs are not fused")
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         local = torch.zeros((), dtype=torch.float64)
