@@ -324,10 +324,14 @@ def train_step(
     loss_config: dict | None = None,
     optimizer: dict | None = None,
     idempotency_key: str | None = None,
+    kl_coef: float | None = None,
 ) -> Call:
     """One RL update from sampled ``{"sample_id", "advantage"}`` pairs; returns its statistics.
+    ``kl_coef``: adds that times KL(policy ‖ the run's starting weights) to the loss (reply: kl_ref).
     Sent again with the same ``idempotency_key`` (e.g. after a lost reply), it is applied once."""
     body = {"samples": samples, "loss": loss, "loss_config": loss_config or {}, "optimizer": optimizer or {}}
+    if kl_coef:
+        body["kl_coef"] = kl_coef
     call = Call("POST", f"{API}/runs/{run_id}/train_step", json=body)
     return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
 

@@ -16,6 +16,7 @@ from openrl_common.checks import integer, number
 from openrl_common.protocol import RL_LOSSES
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.env import envs
+from openrl_jupyter.knobs import Knobs, check_knobs, weights_of
 from openrl_jupyter.rewards import RewardVersion, pinned, registry
 from openrl_jupyter.trackers import parse as parse_trackers
 
@@ -49,11 +50,30 @@ class TrainConfig:
     max_episode_tokens: int = 2048
     step_timeout_s: float = 60.0
     log: tuple[str, ...] = ()  # experiment trackers (openrl_jupyter/trackers.py): wandb, mlflow, tensorboard
+    knobs: Knobs = field(default_factory=Knobs)  # kl_coef, schedules, epochs... (openrl_jupyter/knobs.py)
+    # reward={"name": weight, ...}: (name, weight, the pinned function or None for a registered name)
+    parts: tuple[tuple[str, float, RewardVersion | None], ...] = ()
+    eval_prompts: list[dict] | None = None
+    eval_metric: str | None = None  # a registered reward's name; None: the run's own reward
+    eval_fn: RewardVersion | None = None  # eval_metric=<function>: pinned
+    base_lr: float | None = None  # the model's default learning rate (lr schedules start from it)
 
 
 def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
-    """A list of strings, or of dicts with "prompt" (other fields go to the reward as ``info``),
-    or a path to a .txt (one prompt per line) or .jsonl file."""
+    """A list of strings, or of dicts with "prompt" (other fields go to the reward as ``info``), a pandas
+    DataFrame or a Hugging Face ``datasets.Dataset`` with a "prompt" column (its other columns: ``info``),
+    a path to a .txt (one prompt per line) or .jsonl file, or a folder a Dataset was saved to
+    (``Dataset.save_to_disk``)."""
+    if isinstance(src, (str, os.PathLike)) and os.path.isdir(src):
+        src = _saved_dataset(os.fspath(src), where)
+    if hasattr(src, "column_names") and hasattr(src, "to_list"):  # a datasets.Dataset
+        if isinstance(src.column_names, dict):  # a DatasetDict: which split is not ours to guess
+            raise UsageError(
+                f"{where}: a DatasetDict has the splits {sorted(src.column_names)}; pass one, e.g. ds['train']"
+            )
+        if "prompt" not in src.column_names:
+            raise UsageError(f'{where}: a Dataset needs a "prompt" column; it has {list(src.column_names)}')
+        src = src.to_list()
     if isinstance(src, (str, os.PathLike)) and str(src).endswith((".txt", ".jsonl")):
         path = os.fspath(src)
         if not os.path.isfile(path):
@@ -103,6 +123,21 @@ def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
     return out
 
 
+def _saved_dataset(path: str, where: str) -> Any:
+    """A Dataset saved with ``save_to_disk`` (one split), loaded with ``datasets`` (imported here only)."""
+    if not os.path.isfile(os.path.join(path, "dataset_info.json")) and not os.path.isfile(
+        os.path.join(path, "dataset_dict.json")
+    ):
+        raise UsageError(f"{where}: {path!r} is a folder but not a saved dataset (no dataset_info.json)")
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(
+            f"{where}: loading the saved dataset {path!r} needs datasets: pip install datasets"
+        ) from None
+    return datasets.load_from_disk(path)
+
+
 def make_config(
     defaults: dict,
     *,
@@ -128,10 +163,41 @@ def make_config(
     user_metadata: Mapping[str, Any] | None = None,
     load_from: str | None = None,
     log: str | Sequence[str] | None = None,
+    kl_coef: float = 0.0,
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    epochs: int = 1,
+    minibatches: int = 1,
+    loss_agg: str = "token",
+    skip_zero_variance: bool = True,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    eval_every: int = 0,
+    eval_prompts: Any = None,
+    eval_metric: str | Callable | None = None,
+    save_every: int = 0,
 ) -> TrainConfig:
-    """Check the arguments of ``train`` (each error names the argument and its limit)."""
+    """Check the arguments of ``train`` (each error names the argument, its limit and the setting that
+    raises it; the service's limits come from its capabilities, ``defaults["limits"]``)."""
     fixed: RewardVersion | None = None
-    if env is not None:
+    parts: list[tuple[str, float, RewardVersion | None]] = []
+    weighted = weights_of(reward)
+    if weighted is not None:
+        if env is not None:
+            raise UsageError("give reward or env, not both: an environment's steps give the rewards")
+        for key, w in weighted:
+            if callable(key):
+                version = pinned(key)
+                parts.append((version.name, w, version))
+            else:
+                registry.latest(key)  # unknown → a UsageError naming %%openrl reward
+                parts.append((key, w, None))
+        names = [p[0] for p in parts]
+        if len(set(names)) != len(names):
+            raise UsageError(f"reward's rewards need distinct names (their columns); got {names}")
+        reward = "+".join(names)
+    elif env is not None:
         if reward is not None:
             raise UsageError("give reward or env, not both: an environment's steps give the rewards")
         if callable(env):
@@ -157,14 +223,14 @@ def make_config(
     else:
         registry.latest(reward)  # unknown → a UsageError naming %%openrl reward
     loaded = load_prompts(prompts)
+    limits = Limits.of(defaults)
     steps = integer(steps, "steps", 1, 1_000_000, error=UsageError)
-    group = integer(_or(group, defaults, "group_size", 8), "group", 1, 256, error=UsageError)
-    batch = integer(_or(batch, defaults, "batch_size", 8), "batch", 1, 1024, error=UsageError)
+    group = limits.check("group", _or(group, defaults, "group_size", 8), 1, "max_num_samples")
+    batch = limits.check("batch", _or(batch, defaults, "batch_size", 8), 1, "max_prompts")
+    limits.check("batch × group", batch * group, 1, "max_datums")
     # rank 0: a full fine-tune (the run trains its own copy of every weight)
-    rank = integer(_or(rank, defaults, "lora_rank", 8), "rank", 0, 512, error=UsageError)
-    max_tokens = integer(
-        _or(max_tokens, defaults, "max_tokens", 64), "max_tokens", 1, 1_000_000, error=UsageError
-    )
+    rank = limits.check("rank", _or(rank, defaults, "lora_rank", 8), 0, "max_rank")
+    max_tokens = limits.check("max_tokens", _or(max_tokens, defaults, "max_tokens", 64), 1, "max_tokens")
     if lr is not None:
         number(lr, "lr", 0, 1, lo_open=True, error=UsageError)
     if seed is not None:  # a plain int (a numpy one seeds neither random.Random nor JSON)
@@ -207,7 +273,31 @@ def make_config(
         if not (isinstance(load_from, str) and load_from.startswith("tinker://")):
             raise UsageError(f"load_from must be a tinker:// checkpoint path; got {load_from!r}")
         extra["load_from"] = load_from
+    knobs = check_knobs(
+        kl_coef=kl_coef,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        epochs=epochs,
+        minibatches=minibatches,
+        loss_agg=loss_agg,
+        skip_zero_variance=skip_zero_variance,
+        top_p=top_p,
+        top_k=top_k,
+        stop=stop,
+        eval_every=eval_every,
+        save_every=save_every,
+        steps=steps,
+        batch=batch,
+        group=group,
+    )
+    evals, metric, metric_fn = _eval_options(knobs, eval_prompts, eval_metric, env is not None)
     return TrainConfig(
+        knobs=knobs,
+        parts=tuple(parts),
+        eval_prompts=evals,
+        eval_metric=metric,
+        eval_fn=metric_fn,
+        base_lr=float(defaults["learning_rate"]) if defaults.get("learning_rate") else None,
         log=parse_trackers(log),
         reward=reward,
         reward_fn=fixed,
@@ -231,6 +321,67 @@ def make_config(
         overlap=overlap,
         extra=extra,
     )
+
+
+def _eval_options(
+    knobs: Knobs, prompts: Any, metric: Any, env: bool
+) -> tuple[list[dict] | None, str | None, RewardVersion | None]:
+    """eval_prompts (needed by eval_every) and eval_metric (a reward's name or a function)."""
+    if knobs.eval_every and prompts is None:
+        raise UsageError("eval_every needs eval_prompts: the held-out prompts each evaluation samples")
+    loaded = load_prompts(prompts, where="eval_prompts") if prompts is not None else None
+    if metric is None:
+        return loaded, None, None
+    if env:
+        raise UsageError("eval_metric is for reward runs; an environment run is evaluated by its environment")
+    if callable(metric):
+        fn = pinned(metric)
+        return loaded, fn.name, fn
+    if not isinstance(metric, str):
+        raise UsageError(f"eval_metric must be a registered reward's name or a function; got {metric!r}")
+    registry.latest(metric)
+    return loaded, metric, None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The service's bounds (its capability entry's ``limits``), or the service's defaults when it does
+    not say: the client refuses what the service would refuse, with the same numbers."""
+
+    values: dict
+    settings: dict
+
+    FALLBACK = {
+        "max_tokens": 4096,
+        "max_rank": 128,
+        "max_num_samples": 128,
+        "max_prompts": 4096,
+        "max_datums": 4096,
+    }
+    SETTINGS = {
+        "max_tokens": "OPENRL_MAX_TOKENS",
+        "max_rank": "OPENRL_MAX_RANK",
+        "max_num_samples": "OPENRL_MAX_NUM_SAMPLES",
+        "max_prompts": "OPENRL_MAX_DATUMS",
+        "max_datums": "OPENRL_MAX_DATUMS",
+    }
+
+    @classmethod
+    def of(cls, defaults: dict) -> Limits:
+        given = defaults.get("limits") if isinstance(defaults.get("limits"), dict) else {}
+        values = {k: int(given.get(k) or v) for k, v in cls.FALLBACK.items()}
+        named = {**cls.SETTINGS, **{k: str(v) for k, v in (given.get("settings") or {}).items()}}
+        settings = {k: f"the service's {v}" for k, v in named.items()}
+        context = defaults.get("max_context_length")
+        if context and int(context) <= values["max_tokens"]:
+            values["max_tokens"] = int(context)
+            settings["max_tokens"] = (
+                f"the smaller of the model's context length and the service's {named['max_tokens']}"
+            )
+        return cls(values, settings)
+
+    def check(self, name: str, value: Any, lo: int, key: str) -> int:
+        return integer(value, name, lo, self.values[key], setting=self.settings[key], error=UsageError)
 
 
 def _or(value: Any, defaults: dict, key: str, fallback: Any) -> Any:

@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import MagicArgumentParser, MagicHelpFormatter
 
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.config import LOSSES
+from openrl_jupyter.knobs import LOSS_AGGS, LR_SCHEDULES
 
 
 class HelpFormatter(MagicHelpFormatter):
@@ -106,6 +107,82 @@ def detach_options(parser: MagicArgumentParser, what: str) -> None:
     parser.add_argument("--memory", default=None, help="with --detach k8s: memory, e.g. 4Gi")
 
 
+KNOB_FLAGS = (  # train's RL knobs (docs/knobs.md), the same for %openrl train and %openrl sweep
+    ("--kl-coef", "kl_coef", float, "KL to the run's starting weights, times this, in the loss (0: off)"),
+    (
+        "--lr-schedule",
+        "lr_schedule",
+        LR_SCHEDULES,
+        "the learning rate over the run: constant, linear or cosine",
+    ),
+    ("--warmup-steps", "warmup_steps", int, "steps of linear learning-rate warmup (0)"),
+    ("--epochs", "epochs", int, "optimizer passes over each step's batch (1)"),
+    ("--minibatches", "minibatches", int, "optimizer updates per pass, each on a share of the batch (1)"),
+    ("--loss-agg", "loss_agg", LOSS_AGGS, "token: every token weighs the same; sequence: every sample"),
+    ("--top-p", "top_p", float, "rollouts: nucleus sampling's share of probability (1: off)"),
+    ("--top-k", "top_k", int, "rollouts: sample among the k likeliest tokens only"),
+    ("--stop", "stop", str, "rollouts: a string that ends a completion (repeatable)"),
+    (
+        "--eval-every",
+        "eval_every",
+        int,
+        "evaluate on --eval-prompts every N steps, keeping RUN-best (0: off)",
+    ),
+    ("--eval-prompts", "eval_prompts", "prompts", "held-out prompts: a notebook variable or a path"),
+    ("--eval-metric", "eval_metric", str, "the reward that scores the evaluation (default: the run's)"),
+    ("--save-every", "save_every", int, "save a checkpoint RUN-stepN every N steps (0: off)"),
+)
+
+
+def knob_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """The RL knobs' flags (``KNOB_FLAGS``) and --no-skip-zero-variance."""
+    for flag, dest, kind, text in KNOB_FLAGS:
+        if dest in skip:
+            continue
+        if isinstance(kind, tuple):
+            parser.add_argument(flag, dest=dest, default=None, choices=kind, help=text)
+        elif dest == "stop":
+            parser.add_argument(flag, dest=dest, default=None, action="append", help=text)
+        else:
+            parser.add_argument(
+                flag, dest=dest, default=None, type=kind if kind != "prompts" else str, help=text
+            )
+    parser.add_argument(
+        "--no-skip-zero-variance",
+        dest="skip_zero_variance",
+        action="store_false",
+        default=True,
+        help="keep groups whose samples all scored the same instead of replacing them with fresh prompts",
+    )
+
+
+def knob_kwargs(a, resolve) -> dict:
+    """The knobs given on the magic line, as ``train`` keywords (``resolve`` turns a prompts flag's
+    value into prompts)."""
+    out = {}
+    for _, dest, kind, _ in KNOB_FLAGS:
+        value = getattr(a, dest, None)
+        if value is not None:
+            out[dest] = resolve(value) if kind == "prompts" else value
+    if not a.skip_zero_variance:
+        out["skip_zero_variance"] = False
+    return out
+
+
+def reward_weights(raw: str | None) -> str | dict | None:
+    """``--reward correct=1,format=0.2`` as ``{"correct": 1.0, "format": 0.2}``; a plain name as is."""
+    if raw is None or "=" not in raw:
+        return raw
+    out = {}
+    for part in raw.split(","):
+        name, sep, weight = part.partition("=")
+        try:
+            out[name.strip()] = float(weight) if sep else 1.0
+        except ValueError:
+            raise UsageError(f"--reward takes NAME or NAME=WEIGHT,NAME=WEIGHT...; got {raw!r}") from None
+    return out
+
+
 def detach_kwargs(a) -> dict:
     """``detach=`` and ``k8s=`` for train/sweep from the parsed magic line."""
     k8s = {"image": a.image, "volumes": a.volumes, "cpu": a.cpu, "memory": a.memory}
@@ -140,7 +217,11 @@ def parsers() -> dict[str, MagicArgumentParser]:
         "train",
         "Start a background RL run (--prompts: a notebook variable or a .txt/.jsonl path); returns at once.",
     )
-    t.add_argument("--reward", default=None, help="a reward registered with %%openrl reward NAME")
+    t.add_argument(
+        "--reward",
+        default=None,
+        help="a reward registered with %%openrl reward NAME, or several weighted: correct=1,format=0.2",
+    )
     t.add_argument(
         "--env", default=None, help="instead of --reward: an environment registered with %%openrl env NAME"
     )
@@ -203,6 +284,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         default=None,
         help="log the run to a tracker: wandb, mlflow or tensorboard (repeat, or comma-separate; default: $OPENRL_LOG)",
     )
+    knob_options(t)
     detach_options(t, "run")
     t.add_argument("--session", default=None)
     w = p["sweep"] = parser(
@@ -218,6 +300,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         ("--loss", f"losses ({', '.join(LOSSES)})"),
         ("--temperature", "sampling temperatures"),
         ("--seed", "seeds"),
+        ("--kl-coef", "KL coefficients"),
     ):
         w.add_argument(flag, default=None, help=f"{what}, comma-separated")
     w.add_argument("--steps", type=int, default=60, help="the most steps of each run")
@@ -241,6 +324,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         default=None,
         help="log every run to a tracker: wandb, mlflow or tensorboard (repeat, or comma-separate; default: $OPENRL_LOG)",
     )
+    knob_options(w, skip=("kl_coef",))
     detach_options(w, "sweep")
     w.add_argument("--session", default=None)
     for verb, desc in (

@@ -21,7 +21,7 @@ import openrl_jupyter.session as sessions
 from openrl_jupyter import hub, listing
 from openrl_jupyter._exceptions import OpenRLError, RewardCellError, UsageError
 from openrl_jupyter.listing import Table
-from openrl_jupyter.magic_args import detach_kwargs, help_text, parsers, suggest
+from openrl_jupyter.magic_args import detach_kwargs, help_text, knob_kwargs, parsers, reward_weights, suggest
 from openrl_jupyter.rewards import registry
 
 KEY_SOURCES = {
@@ -176,7 +176,7 @@ class OpenRLMagics(Magics):
             if getattr(a, k) is not None
         }
         return session.train(
-            reward=a.reward,
+            reward=reward_weights(a.reward),
             env=a.env,
             **env_options,
             prompts=prompts,
@@ -195,6 +195,7 @@ class OpenRLMagics(Magics):
             overlap=a.overlap,
             load_from=a.load_from,
             log=",".join(a.log) if a.log else None,
+            **knob_kwargs(a, self._resolve_prompts),
             **detach_kwargs(a),
         )
 
@@ -202,7 +203,7 @@ class OpenRLMagics(Magics):
         session = self._session(a.session)
         prompts = self._resolve_prompts(a.prompts)
         grid: dict = {}
-        kinds = {"lr": float, "rank": int, "loss": str, "temperature": float, "seed": int}
+        kinds = {"lr": float, "rank": int, "loss": str, "temperature": float, "seed": int, "kl_coef": float}
         for key, kind in kinds.items():
             raw = getattr(a, key)
             if raw is None:
@@ -219,11 +220,12 @@ class OpenRLMagics(Magics):
             grid["reward"] = rewards
         if not grid:
             raise UsageError(
-                "give at least one list to sweep over: --lr, --rank, --loss, --temperature, --seed"
+                "give at least one list to sweep over: --lr, --rank, --loss, --temperature, --seed, --kl-coef"
             )
         options = {k: getattr(a, k) for k in ("group", "batch", "max_tokens") if getattr(a, k) is not None}
         if a.log:
             options["log"] = ",".join(a.log)
+        options.update(knob_kwargs(a, self._resolve_prompts))
         return session.sweep(
             reward=reward,
             prompts=prompts,

@@ -21,6 +21,7 @@ from typing import Any
 
 from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.env import EnvFromMessageEnv, MessageEnv, Renderer, envs, tokens_of
+from openrl_jupyter.knobs import aggregated
 from openrl_jupyter.rewards import RewardVersion, Scored
 from openrl_jupyter.steps import PreparedStep
 
@@ -247,31 +248,59 @@ async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
     t0 = time.time()
     version: RewardVersion = cfg.reward_fn or envs.latest(cfg.reward)
     seed = None if cfg.seed is None else (cfg.seed * 100_003 + step * 1_009) % 2**31
-    episodes = await play(
-        client=client,
-        session=run.session,
-        run_id=run.run_id,
-        model=cfg.model or run.session.model,
-        version=version,
-        prompts=prompts,
-        group=cfg.group,
-        sampling={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "seed": seed},
-        limits=Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
-    )
+
+    async def played(rows: list[dict], salt: int) -> list[Episode]:
+        return await play(
+            client=client,
+            session=run.session,
+            run_id=run.run_id,
+            model=cfg.model or run.session.model,
+            version=version,
+            prompts=rows,
+            group=cfg.group,
+            sampling={
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+                "seed": None if seed is None else (seed + salt * 7) % 2**31,
+                **cfg.knobs.sampling(),
+            },
+            limits=Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
+        )
+
+    episodes = await played(prompts, 0)
+    skipped = len(_flat_rows(episodes))
+    if skipped and cfg.knobs.skip_zero_variance:  # as many fresh prompts, once (as a reward run does)
+        more_prompts = run._next_prompts(skipped)
+        more = await played(more_prompts, 1)
+        for ep in more:
+            ep.row += len(prompts)
+        prompts, episodes = prompts + more_prompts, episodes + more
+        skipped += len(_flat_rows(more))
     t_played = time.time()
     texts = [prompts[ep.row]["prompt"] for ep in episodes]
     shown = run._shown(scored(episodes, version), version, step, texts, [ep.transcript for ep in episodes])
     with run._lock:
         run._episodes = episodes
+    chosen = chosen_episodes(episodes, cfg.normalize_std)
+    tokens = {ep.turns[0].sample_id: sum(len(t.tokens) for t in ep.turns) for ep in episodes if ep.turns}
     return PreparedStep(
         step=step,
         version=version,
         n=len(episodes),
         scored=shown,
-        chosen=chosen_episodes(episodes, cfg.normalize_std),
+        chosen=aggregated(chosen, [tokens[c["episode"][0]] for c in chosen], cfg.knobs.loss_agg),
         off_policy=0,
         next_prompts=None,
         times=(t0, t_played, time.time()),
         key=uuid.uuid4().hex,
-        extra=step_metrics(episodes),
+        extra={"skipped_groups": skipped, **step_metrics(episodes)},
     )
+
+
+def _flat_rows(episodes: list[Episode]) -> list[int]:
+    """The rows whose episodes (those that did not fail, at least two) all scored the same."""
+    rows: dict[int, list[float]] = {}
+    for ep in episodes:
+        if ep.error is None and ep.reward is not None:
+            rows.setdefault(ep.row, []).append(ep.reward)
+    return [r for r, rewards in rows.items() if len(rewards) >= 2 and max(rewards) == min(rewards)]

@@ -48,20 +48,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from openrl_jupyter import rollouts
+from openrl_jupyter import evals, rollouts, updates
 from openrl_jupyter._exceptions import (
     NotFoundError,
     OpenRLError,
-    RequestError,
     RunFailed,
     RunPaused,
     RunTimeout,
     ServiceUnavailable,
     UsageError,
 )
-from openrl_jupyter.advantages import chosen_samples
 from openrl_jupyter.config import TrainConfig
-from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored, registry, score
+from openrl_jupyter.prepare import samples_step
+from openrl_jupyter.rewards import RewardFailure, RewardVersion, Scored
 from openrl_jupyter.run_state import (  # noqa: F401 - RunState, heartbeat_interval and stopped_from_outside are imported from here too
     ACTIVE,
     HEARTBEAT_MAX_S,
@@ -72,7 +71,7 @@ from openrl_jupyter.run_state import (  # noqa: F401 - RunState, heartbeat_inter
     stopped_from_outside,
 )
 from openrl_jupyter.runner import CellOutput, get_runner, notify
-from openrl_jupyter.steps import REPORTED, PreparedStep, step_row
+from openrl_jupyter.steps import PreparedStep, reported, step_row
 from openrl_jupyter.trackers import Trackers
 
 MAX_KEPT_SAMPLES = 512
@@ -130,6 +129,8 @@ class Run:
         self._cell = CellOutput()  # where a reward failure is shown at once: the cell that started it
         self._trackers: Trackers | None = None  # W&B, MLflow, TensorBoard (config.log)
         self._episodes: list = []  # an environment run's newest step's episodes
+        self.best: dict | None = None  # eval_every: the best evaluation's step, eval_reward and checkpoint
+        self.checkpoints: list[str] = []  # save_every: the checkpoints saved, oldest first
 
     def start(self, timeout: float = 120.0) -> Run:
         """Create the run on the service (errors raise here, in the cell), then train in the background."""
@@ -407,10 +408,10 @@ class Run:
     def _log(self, text: str) -> None:
         self._emit({"kind": "log", "step": self._step, "text": text})
 
-    def _next_prompts(self) -> list[dict]:
+    def _next_prompts(self, k: int | None = None) -> list[dict]:
         prompts = self.config.prompts
         out = []
-        for _ in range(self.config.batch):
+        for _ in range(self.config.batch if k is None else k):
             if not self._order:
                 self._order = list(range(len(prompts)))
                 self._rng.shuffle(self._order)
@@ -533,15 +534,16 @@ class Run:
         self._log(error)
         self._set_state(RunState.PAUSED, error)
 
-    def _sample(self, client, step: int, prompts: list[dict]):
+    def _sample(self, client, step: int, prompts: list[dict], salt: int = 0):
         cfg = self.config
         params: dict[str, Any] = {
             "num_samples": cfg.group,
             "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature,
+            **cfg.knobs.sampling(),
         }
         if cfg.seed is not None:
-            params["seed"] = (cfg.seed * 100_003 + step * 1_009) % 2**31
+            params["seed"] = (cfg.seed * 100_003 + step * 1_009 + salt * 7) % 2**31
         return client.sample(self.run_id, [p["prompt"] for p in prompts], **params)
 
     async def _one_step(self, client, step: int, prompts: list[dict]) -> list[dict] | None:
@@ -552,9 +554,10 @@ class Run:
         pending = self._pending
         if pending is None or pending.step != step:
             pending = self._pending = await self._prepare(client, step, prompts)
-        trained = await self._train(client, pending)
+        trained = await updates.train(self, client, pending)
         self._pending = None
         row = step_row(pending, trained, self.started_at)
+        row.update(await evals.periodic(self, client, step))
         await self._report(client, row)
         self._record(row, pending.version)
         return pending.next_prompts
@@ -563,27 +566,7 @@ class Run:
         """Sample, score and compute advantages: everything of a step before its update."""
         if self.config.env:  # an environment run: episodes instead of samples (rollouts.py)
             return await rollouts.prepare_step(self, client, step, prompts)
-        t0 = time.time()
-        version: RewardVersion = self.config.reward_fn or registry.latest(self.config.reward)
-        out, prompts, off_policy = await self._draw(client, step, prompts)
-        next_prompts = self._prefetch_next(client, step)
-        t_sampled = time.time()
-        samples = out["samples"]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            groups.setdefault(s["prompt_index"], []).append(i)
-        scored = await self._score(version, step, prompts, samples, list(groups.values()))
-        return PreparedStep(
-            step=step,
-            version=version,
-            n=len(samples),
-            scored=scored,
-            chosen=chosen_samples(samples, scored.rewards, groups.values(), self.config.normalize_std),
-            off_policy=off_policy,
-            next_prompts=next_prompts,
-            times=(t0, t_sampled, time.time()),
-            key=uuid.uuid4().hex,
-        )
+        return await samples_step(self, client, step, prompts)
 
     def episodes(self) -> list:
         """The newest step's episodes (an environment run): turns, reward, why each ended."""
@@ -613,18 +596,6 @@ class Run:
         self._prefetch = (step + 1, task, next_prompts)
         return next_prompts
 
-    async def _score(
-        self, version: RewardVersion, step: int, prompts: list[dict], samples: list[dict], groups: list
-    ) -> Scored:
-        """Score in the runner's pool, then keep and show the samples (``_shown``)."""
-        texts = [prompts[s["prompt_index"]]["prompt"] for s in samples]
-        infos = [dict(prompts[s["prompt_index"]]["info"]) for s in samples]
-        completions = [s["text"] for s in samples]
-        scored = await score(version, texts, completions, infos, groups=groups, pool=self._runner.pool)
-        if scored.stdout:
-            self._log(scored.stdout.rstrip("\n"))
-        return self._shown(scored, version, step, texts, completions)
-
     def _shown(
         self, scored: Scored, version: RewardVersion, step: int, texts: list[str], completions: list[str]
     ) -> Scored:
@@ -651,29 +622,10 @@ class Run:
         self._log(f"step {step}: {failure.failed} of {failure.n} samples failed: {failure.error}")
         return scored
 
-    async def _train(self, client, pending: PreparedStep) -> dict:
-        """The step's update (none when no sample carries an advantage). A refusal (4xx) drops the
-        prepared step, so a retry samples afresh; a lost or failed reply keeps it for re-sending."""
-        if not pending.chosen:
-            return {}
-        optimizer = {"learning_rate": self.config.lr} if self.config.lr is not None else {}
-        try:
-            return await client.train_step(
-                self.run_id,
-                pending.chosen,
-                loss=self.config.loss,
-                optimizer=optimizer,
-                idempotency_key=pending.key,
-            )
-        except RequestError:
-            self._pending = None
-            raise
-
     async def _report(self, client, row: dict) -> None:
         """Store the step's reward statistics with the run on the service."""
-        reported = {k: v for k, v in row.items() if k in REPORTED and v is not None}
         try:
-            await client.add_metrics(self.run_id, row["step"], **reported)
+            await client.add_metrics(self.run_id, row["step"], **reported(row))
         except OpenRLError as exc:  # the step is trained: never retry it for its statistics
             self._log(f"step {row['step']}: the service did not store its metrics ({one_line(exc)})")
 

@@ -35,6 +35,7 @@ from openrl_jupyter.local import (
 )
 
 if TYPE_CHECKING:
+    from openrl_jupyter import evals
     from openrl_jupyter.feed import EventFeed
     from openrl_jupyter.jobs import Attached, Job
     from openrl_jupyter.run import Run
@@ -76,27 +77,79 @@ class Session:
         return f"<openrl Session {self.name!r} {kind} {self.url} model={self.model!r}>"
 
     def train(
-        self, *, prompts: Any, reward: Any = None, env: Any = None, detach: str | None = None, **options: Any
+        self,
+        *,
+        prompts: Any,
+        reward: Any = None,
+        env: Any = None,
+        model: str | None = None,
+        steps: int = 60,
+        group: int | None = None,
+        batch: int | None = None,
+        lr: float | None = None,
+        rank: int | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: str | list[str] | None = None,
+        loss: str = "importance_sampling",
+        loss_agg: str = "token",
+        kl_coef: float = 0.0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        epochs: int = 1,
+        minibatches: int = 1,
+        normalize_std: bool = False,
+        skip_zero_variance: bool = True,
+        eval_every: int = 0,
+        eval_prompts: Any = None,
+        eval_metric: Any = None,
+        save_every: int = 0,
+        seed: int | None = 0,
+        overlap: int = 0,
+        load_from: str | None = None,
+        name: str | None = None,
+        log: str | list[str] | None = None,
+        max_turns: int | None = None,
+        max_episode_tokens: int | None = None,
+        step_timeout_s: float | None = None,
+        user_metadata: dict | None = None,
+        detach: str | None = None,
+        k8s: dict | None = None,
     ) -> Run | Job:
-        """Start a background RL run and return it at once (see ``openrl_jupyter.run``).
+        """Start a background RL run and return it at once (see ``openrl_jupyter.run``); every option
+        is checked here, in the cell, against the service's limits. docs/knobs.md says what each knob
+        does, its default and when to use it.
 
-        ``env``: instead of a reward, a registered environment's name (``%%openrl env``) or a factory
-        ``(prompt, info) -> Env | MessageEnv``: each step plays ``group`` multi-turn episodes per prompt
-        and trains on the model's turns (openrl_jupyter/rollouts.py). Its limits: ``max_turns`` (8),
-        ``max_episode_tokens`` (the model's context) and ``step_timeout_s`` (60, per environment call).
+        ``reward``: a registered reward's name (its newest version applies at each step), a function
+        (pinned to this run alone), or several, weighted: ``{"correct": 1.0, "format": 0.2}`` (each
+        logged as its own ``rewards/<name>`` column beside the weighted total ``reward_mean``).
+        ``env``: instead, a registered environment's name (``%%openrl env``) or a factory ``(prompt,
+        info) -> Env | MessageEnv`` (multi-turn episodes, openrl_jupyter/rollouts.py), with
+        ``max_turns`` (8), ``max_episode_tokens`` (the model's context) and ``step_timeout_s`` (60).
+        ``prompts`` (and ``eval_prompts``): a list, a .txt/.jsonl path, a DataFrame, a
+        ``datasets.Dataset`` or a folder one was saved to; columns besides "prompt" reach rewards as
+        ``info``. Unset group, batch, lr, rank, max_tokens and temperature come from the model's
+        capability entry.
+
+        The update: ``loss`` and ``loss_agg`` ("token" | "sequence"), ``kl_coef`` (KL to the run's
+        starting weights, column ``kl_ref``), ``lr_schedule`` ("constant" | "linear" | "cosine") with
+        ``warmup_steps``, ``epochs`` × ``minibatches`` optimizer updates per batch, ``normalize_std``,
+        ``skip_zero_variance`` (replace groups that all scored the same). Rollouts: ``temperature``,
+        ``top_p``, ``top_k``, ``stop``. ``eval_every`` steps the run samples ``eval_prompts`` greedily
+        and scores them with ``eval_metric`` (default: its reward), keeping the best weights as the
+        checkpoint ``<name>-best``; ``save_every`` saves ``<name>-stepN``.
 
         ``detach="local"`` (a process of its own that outlives this kernel) or ``"k8s"`` (a
-        Kubernetes Job the service submits): the run goes on after the notebook closes; returns a
-        :class:`~openrl_jupyter.jobs.Job` (see ``openrl_jupyter.jobs``).
-
-        ``reward``: a registered reward's name (its newest version applies at each step), or a
-        function, which is pinned to this run alone (it is not registered under its name).
-
-        Options: model, steps, group, batch, lr, rank, max_tokens, temperature, loss, name,
-        normalize_std, seed, overlap (1: sample step k+1 while step k is scored), load_from (a
-        tinker:// checkpoint whose LoRA weights the run starts from); unset ones come from the
-        model's capability entry.
+        Kubernetes Job the service submits, ``k8s``: image, volumes, cpu, memory): the run goes on after
+        the notebook closes; returns a :class:`~openrl_jupyter.jobs.Job` (see ``openrl_jupyter.jobs``).
         """
+        options = {
+            k: v for k, v in locals().items() if k not in ("self", "prompts", "reward", "env", "detach")
+        }
+        if options["k8s"] is None:
+            del options["k8s"]
         from openrl_jupyter.config import make_config
         from openrl_jupyter.run import Run
 
@@ -106,6 +159,8 @@ class Session:
             if env is not None:
                 options["env"] = env
             return submit(self, "run", detach, reward=reward, prompts=prompts, options=options)
+        if "k8s" in options:
+            raise UsageError("k8s options are for detach='k8s' only")
         if self.labels or options.get("user_metadata"):
             options["user_metadata"] = {**self.labels, **(options.get("user_metadata") or {})}
         model = self.model
@@ -245,56 +300,27 @@ class Session:
         step_timeout_s: float = 60.0,
         seed: int = 0,
         rank: int | None = None,
-    ) -> Evaluation:
+    ) -> evals.Evaluation:
         """Score ``checkpoint`` (a tinker:// training checkpoint; None: the base model) on ``prompts``
         (held-out rows) with environment ``env`` (a registered name or a factory): ``group`` episodes
         per row, greedy unless ``greedy=False``; ``rank``: the checkpoint's LoRA rank (default: the
         model's). Nothing is trained; the temporary run is deleted."""
-        from openrl_jupyter import rollouts
-        from openrl_jupyter.config import load_prompts, make_config
-        from openrl_jupyter.runner import get_runner
+        from openrl_jupyter.evals import evaluate
 
-        cfg = make_config(
-            {**self.defaults, "max_context_length": self.contexts.get(self.model)},
+        return evaluate(
+            self,
             env=env,
             prompts=prompts,
-            group=max(2, group),  # (checked as a training group; evaluation plays ``group``)
+            checkpoint=checkpoint,
+            greedy=greedy,
+            group=group,
             max_tokens=max_tokens,
             max_turns=max_turns,
             max_episode_tokens=max_episode_tokens,
             step_timeout_s=step_timeout_s,
+            seed=seed,
+            rank=rank,
         )
-        from openrl_jupyter.env import envs
-
-        version = cfg.reward_fn or envs.latest(cfg.reward)
-        rows = load_prompts(prompts)
-        fields: dict[str, Any] = {"name": f"eval-{version.name}", "seed": seed}
-        if rank is not None:
-            fields["rank"] = rank
-        if checkpoint is not None:
-            fields["load_from"] = checkpoint
-        if self.model is not None:
-            fields["base_model"] = self.model
-        created = self.client.create_run(**fields)
-
-        async def play() -> list:
-            return await rollouts.play(
-                client=self.async_client(),
-                session=self,
-                run_id=created["run_id"],
-                model=self.model,
-                version=version,
-                prompts=rows,
-                group=group,
-                sampling={"max_tokens": cfg.max_tokens, "temperature": 0.0 if greedy else 1.0, "seed": seed},
-                limits=rollouts.Limits(cfg.max_turns, cfg.max_episode_tokens, cfg.step_timeout_s),
-            )
-
-        try:
-            episodes = get_runner().submit(play()).result()
-        finally:
-            self.client.delete_run(created["run_id"])
-        return Evaluation(checkpoint=checkpoint, env=version.name, episodes=episodes, prompts=rows)
 
     def model_ref(self, model: str) -> str:
         """What the OpenAI-compatible API calls ``model``: a run of this kernel by name becomes a
@@ -398,48 +424,6 @@ class MintedKey:
             reply.get("name"),
             reply.get("created"),
             Secret(reply["key"]),
-        )
-
-
-@dataclass
-class Evaluation:
-    """What :meth:`Session.evaluate` found: every episode, and their mean reward (failed ones count 0)."""
-
-    checkpoint: str | None
-    env: str
-    episodes: list
-    prompts: list
-
-    @property
-    def reward(self) -> float:
-        return sum(ep.reward or 0.0 for ep in self.episodes) / max(1, len(self.episodes))
-
-    @property
-    def failed(self) -> int:
-        return sum(ep.error is not None for ep in self.episodes)
-
-    def to_pandas(self):
-        """One row per episode: prompt, reward, turns, tool calls, why it ended, error."""
-        import pandas as pd
-
-        return pd.DataFrame(
-            [
-                {
-                    "prompt": self.prompts[ep.row]["prompt"],
-                    "reward": ep.reward,
-                    "stop": ep.stop,
-                    "error": ep.error,
-                    **ep.metrics(),
-                }
-                for ep in self.episodes
-            ]
-        )
-
-    def __repr__(self) -> str:
-        where = self.checkpoint or "the base model"
-        return (
-            f"<openrl Evaluation of {where} on {self.env}: mean reward {self.reward:.3f} over "
-            f"{len(self.episodes)} episodes, {self.failed} failed>"
         )
 
 
@@ -575,7 +559,14 @@ def connect(
     client = Client(url, token=token, guard=local_service.check if local_service is not None else None)
     try:
         models = client.capabilities()
-        served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}
+        # each model's training defaults, with the service's limits (checked at the cell: config.Limits)
+        served = {
+            m["model_name"]: {
+                **(m.get("defaults") or {}),
+                **({"limits": m["limits"]} if m.get("limits") else {}),
+            }
+            for m in models
+        }
         contexts = {m["model_name"]: m.get("max_context_length") for m in models}
         chosen = next(iter(served), None)  # the service's default model
         if model is not None and not local and served:

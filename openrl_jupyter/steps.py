@@ -32,7 +32,13 @@ REPORTED = (  # stored with the run on the service: what an attached view (anoth
     "turns",
     "tool_calls",
     "tool_errors",
+    "kl_ref",
+    "learning_rate",
+    "updates",
+    "skipped_groups",
+    "eval_reward",
 )
+REPORTED_PREFIXES = ("rewards/",)  # reward={"name": weight}: each reward's mean
 
 
 @dataclass
@@ -49,6 +55,16 @@ class PreparedStep:
     times: tuple[float, float, float]  # started, sampled, scored
     key: str  # the train_step's X-Idempotency-Key: the same for every send of this step
     extra: dict = field(default_factory=dict)  # an environment run's episode numbers (turns, tool_calls...)
+    replies: list[dict] = field(default_factory=list)  # the updates answered so far (updates.py)
+
+
+def reported(row: dict) -> dict:
+    """What of a history row is stored with the run on the service."""
+    return {
+        k: v
+        for k, v in row.items()
+        if v is not None and (k in REPORTED or k.startswith(REPORTED_PREFIXES)) and k != "step"
+    }
 
 
 def step_row(pending: PreparedStep, trained: dict, started_at: float) -> dict:
@@ -74,6 +90,9 @@ def step_row(pending: PreparedStep, trained: dict, started_at: float) -> dict:
         "ratio_min": trained.get("ratio_min"),
         "ratio_max": trained.get("ratio_max"),
         "kl": trained.get("kl"),
+        "kl_ref": trained.get("kl_ref"),
+        "learning_rate": trained.get("learning_rate"),
+        "updates": trained.get("updates", 0),
         "clip_fraction": trained.get("clip_fraction"),
         "grad_norm": trained.get("grad_norm"),
         "tokens": trained.get("tokens", 0),

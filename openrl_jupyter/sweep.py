@@ -30,7 +30,9 @@ When every run is done, the surviving run with the best score that did not fail 
 its weights are saved as the checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
 
 Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
-normalize_std, overlap, and reward (a list of reward names or functions, to compare rewards).
+normalize_std, overlap, kl_coef, loss_agg, lr_schedule, epochs, minibatches, warmup_steps, top_p,
+top_k, and reward (a list of reward names or functions, to compare rewards). Every other ``train``
+option (eval_every, save_every, stop...) applies to every run alike.
 This module imports without torch, pandas or widgets.
 """
 
@@ -66,6 +68,14 @@ GRID_KEYS = (
     "normalize_std",
     "overlap",
     "reward",
+    "kl_coef",
+    "loss_agg",
+    "lr_schedule",
+    "epochs",
+    "minibatches",
+    "warmup_steps",
+    "top_p",
+    "top_k",
 )
 MAX_POINTS = 64  # runs one sweep may start (the service's per-tenant run quota is the real limit)
 POLL_S = 0.2
@@ -78,6 +88,12 @@ _SHORT = {
     "max_tokens": "t",
     "temperature": "temp",
     "seed": "s",
+    "kl_coef": "kl",
+    "epochs": "ep",
+    "minibatches": "mb",
+    "warmup_steps": "wu",
+    "top_p": "p",
+    "top_k": "k",
 }
 _LOSS_SHORT = {"importance_sampling": "is", "ppo": "ppo"}
 
@@ -114,6 +130,8 @@ def point_label(point: Mapping[str, Any]) -> str:
             parts.append("std" if v else "nostd")
         elif key == "overlap":
             parts.append(f"ov{int(v)}")
+        elif key in ("loss_agg", "lr_schedule"):
+            parts.append(str(v))
         else:
             parts.append(f"{_SHORT[key]}{_num(v)}")
     return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import sys
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from openrl_jupyter._exceptions import OpenRLError, RequestError, UsageError
@@ -63,6 +64,8 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
     if session.model is not None and options.get("model") is None:
         options["model"] = session.model
     loaded = load_prompts(prompts)
+    if options.get("eval_prompts") is not None:  # a Dataset or a path: the rows travel, not the source
+        options["eval_prompts"] = _flat_prompts(load_prompts(options["eval_prompts"], where="eval_prompts"))
     env_label = None
     if options.get("env") is not None:  # an environment travels by value, as a pinned reward does
         from openrl_jupyter.env import envs
@@ -76,11 +79,18 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         config = make_config(
             {**session.defaults, **context}, reward=reward, prompts=_flat_prompts(loaded), **options
         )
-        rewards = [reward_entry(reward)] if reward is not None else []
+        weights = None
+        if isinstance(reward, Mapping):  # several rewards, weighted: each travels as one reward does
+            rewards = [reward_entry(k) for k in reward]
+            weights = [float(w) for w in reward.values()]
+        else:
+            rewards = [reward_entry(reward)] if reward is not None else []
         steps = config.steps
         options["name"] = name  # the run is named after its job
     else:
         from openrl_jupyter.sweep import Sweep
+
+        weights = None
 
         opts = dict(options)
         grid = opts.pop("grid")
@@ -101,6 +111,7 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         "kind": kind,
         "reward": reward if isinstance(reward, str) else None,
         "rewards": rewards,
+        **({"reward_weights": weights} if weights else {}),
         "options": options,
         "prompts": _flat_prompts(loaded),
         "probe": probe,

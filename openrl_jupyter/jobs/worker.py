@@ -219,8 +219,9 @@ class _Worker:
         if body["kind"] == "run" and options.get("env") is not None:  # an environment run
             self.target = session.train(prompts=body["prompts"], **options)
         elif body["kind"] == "run":
-            r = rewards[0]
-            reward = r["fn"] if r["pinned"] else r["name"]
+            keys = [r["fn"] if r["pinned"] else r["name"] for r in rewards]
+            weights = body.get("reward_weights")  # reward={"name": weight, ...}
+            reward = dict(zip(keys, weights, strict=True)) if weights else keys[0]
             self.target = session.train(reward=reward, prompts=body["prompts"], **options)
         else:
             grid = options.pop("grid")
