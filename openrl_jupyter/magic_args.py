@@ -156,12 +156,12 @@ def knob_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ())
     )
 
 
-def knob_kwargs(a, resolve) -> dict:
+def knob_kwargs(a, resolve, *, skip: tuple[str, ...] = ()) -> dict:
     """The knobs given on the magic line, as ``train`` keywords (``resolve`` turns a prompts flag's
-    value into prompts)."""
+    value into prompts); ``skip``: those the verb reads itself (a sweep's lists)."""
     out = {}
     for _, dest, kind, _ in KNOB_FLAGS:
-        value = getattr(a, dest, None)
+        value = None if dest in skip else getattr(a, dest, None)
         if value is not None:
             out[dest] = resolve(value) if kind == "prompts" else value
     if not a.skip_zero_variance:

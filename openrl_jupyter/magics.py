@@ -225,7 +225,7 @@ class OpenRLMagics(Magics):
         options = {k: getattr(a, k) for k in ("group", "batch", "max_tokens") if getattr(a, k) is not None}
         if a.log:
             options["log"] = ",".join(a.log)
-        options.update(knob_kwargs(a, self._resolve_prompts))
+        options.update(knob_kwargs(a, self._resolve_prompts, skip=("kl_coef",)))
         return session.sweep(
             reward=reward,
             prompts=prompts,

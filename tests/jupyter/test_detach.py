@@ -782,3 +782,33 @@ def test_a_detached_run_plays_a_registered_environment_by_value(session, jobs_di
     rows = session.client.metrics(job.runs[0])
     assert [r["step"] for r in rows] == [1, 2] and all(r["turns"] == 2 for r in rows)
     assert rows[-1]["reward_name"] == "Echo"
+
+
+def test_a_detached_run_takes_weighted_rewards_and_the_rl_knobs(session, jobs_dir):
+    fns = dynamic(
+        "def lettered(prompt, completion, **info):\n"
+        "    return sum(c.isalpha() for c in completion) / max(1, len(completion))\n"
+        "def short(prompt, completion, **info):\n"
+        "    return 1.0 / (1 + len(completion))\n"
+    )
+    job = session.train(
+        reward={fns["lettered"]: 1.0, fns["short"]: 0.5},
+        prompts=PROMPTS,
+        steps=2,
+        name=unique("knobs"),
+        detach="local",
+        batch=1,
+        group=2,
+        max_tokens=4,
+        epochs=2,
+        eval_every=2,
+        eval_prompts=["Held out:"],
+    )
+    job.wait(240)
+    assert job.state == "finished", job.logs()
+    rows = session.client.metrics(job.runs[0])
+    assert len(rows) == 2
+    assert {"rewards/lettered", "rewards/short", "eval_reward"} <= set(rows[-1])
+    assert rows[-1]["reward_mean"] == pytest.approx(
+        rows[-1]["rewards/lettered"] + 0.5 * rows[-1]["rewards/short"]
+    )

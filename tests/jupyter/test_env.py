@@ -199,3 +199,29 @@ def test_a_sweep_takes_an_environment(session):
     assert len(sweep.runs) == 2
     for run in sweep.runs:
         assert run.state == RunState.FINISHED and run.history[-1]["turns"] == 2.0
+
+
+def test_an_environment_run_takes_the_rl_knobs(session):
+    run = session.train(
+        env=TwoTurns,
+        prompts=PROMPTS,
+        steps=2,
+        max_turns=4,
+        epochs=2,
+        loss_agg="sequence",
+        lr_schedule="linear",
+        top_k=50,
+        stop=["zz"],
+        eval_every=2,
+        eval_prompts=["Held out:"],
+        save_every=2,
+        **SMALL,
+    )
+    run.wait(300)
+    assert run.state == RunState.FINISHED, run.last_error
+    rows = run.history
+    trained = [r for r in rows if r["trained"]]
+    assert trained and all(r["updates"] == 2 for r in trained)
+    assert rows[-1]["eval_reward"] is not None and run.best["step"] == 2
+    assert run.checkpoints and run.checkpoints[-1].endswith("-step2")
+    assert all("skipped_groups" in r for r in rows)

@@ -427,3 +427,73 @@ def test_runs_marks_another_kernels_ended_runs_and_prune_forgets_only_those(shel
     assert ended_id not in listed and held_id in listed
     assert "nothing to prune" in repr(shell.run_line_magic("openrl", "runs --prune --session new"))
     assert run(shell, "%openrl stop held-back --wait --session old").ok
+
+
+def test_train_takes_every_rl_knob_and_a_bad_one_fails_in_the_cell(shell, server, monkeypatch):
+    connect(shell, server, monkeypatch)
+    stamp = time.monotonic_ns()
+    for reward in ("lettered", "short"):
+        assert run(
+            shell,
+            f"%%openrl reward {reward}{stamp}\n"
+            "def reward(prompt, completion, **info):\n"
+            "    return sum(c.isalpha() for c in completion) / max(1, len(completion))\n",
+        ).ok
+    shell.user_ns["PROMPTS"] = ["Name a colour:", "Say hello:", "Write a word:"]
+    shell.user_ns["HELD_OUT"] = ["Name a fruit:"]
+    # past the model's context: refused in the cell, naming the option, the limit and its setting
+    line = one_error_line(
+        run(shell, f"%openrl train --reward lettered{stamp} --prompts PROMPTS --max-tokens 100000"),
+        "UsageError",
+        "max_tokens",
+        "2048",
+        "OPENRL_MAX_TOKENS",
+    )
+    assert "100000" in line
+    one_error_line(
+        run(shell, f"%openrl train --reward lettered{stamp} --prompts PROMPTS --rank 300"), "OPENRL_MAX_RANK"
+    )
+    cell = run(
+        shell,
+        f"knobbed = %openrl train --reward lettered{stamp}=1,short{stamp}=0.5 --prompts PROMPTS --steps 2 "
+        "--group 2 --batch 2 --max-tokens 4 --kl-coef 0.1 --lr-schedule cosine --warmup-steps 1 --epochs 2 "
+        "--minibatches 2 --loss-agg sequence --top-p 0.9 --top-k 20 --stop X --stop Y --eval-every 1 "
+        f"--eval-prompts HELD_OUT --eval-metric short{stamp} --save-every 2 --no-skip-zero-variance",
+    )
+    assert cell.ok, cell.text
+    r = shell.user_ns["knobbed"]
+    k = r.config.knobs
+    assert (k.kl_coef, k.lr_schedule, k.warmup_steps, k.epochs, k.minibatches, k.loss_agg) == (
+        0.1,
+        "cosine",
+        1,
+        2,
+        2,
+        "sequence",
+    )
+    assert (k.top_p, k.top_k, k.stop, k.eval_every, k.save_every, k.skip_zero_variance) == (
+        0.9,
+        20,
+        ("X", "Y"),
+        1,
+        2,
+        False,
+    )
+    assert [(n, w) for n, w, _ in r.config.parts] == [(f"lettered{stamp}", 1.0), (f"short{stamp}", 0.5)]
+    assert r.config.eval_prompts[0]["prompt"] == "Name a fruit:" and r.config.eval_metric == f"short{stamp}"
+    r.wait(240)
+    frame = r.to_pandas()
+    assert {f"rewards/lettered{stamp}", f"rewards/short{stamp}", "eval_reward", "kl_ref"} <= set(
+        frame.columns
+    )
+    # a sweep takes the same knobs, and --kl-coef as a list to sweep over
+    cell = run(
+        shell,
+        f"sw = %openrl sweep --reward lettered{stamp} --prompts PROMPTS --kl-coef 0,0.2 --epochs 2 --steps 1 "
+        "--group 2 --batch 1 --max-tokens 4",
+    )
+    assert cell.ok, cell.text
+    sw = shell.user_ns["sw"]
+    sw.wait(240)
+    assert sorted(run_.config.knobs.kl_coef for run_ in sw.runs) == [0.0, 0.2]
+    assert all(run_.config.knobs.epochs == 2 for run_ in sw.runs)

@@ -266,7 +266,10 @@ def test_info_fields_reach_the_reward(session, tmp_path):
         ({"group": 1}, "group must be at least 2"),
         ({"lr": -1.0}, r"lr must be a finite number in \(0, 1\]; got -1.0"),
         ({"lr": 0}, r"lr must be a finite number in \(0, 1\]; got 0"),
-        ({"batch": 2.5}, r"batch must be an integer in \[1, 1024\]; got 2.5"),
+        (
+            {"batch": 2.5},
+            r"batch must be an integer in \[1, 4096\] \(the service's OPENRL_MAX_DATUMS\); got 2.5",
+        ),
         ({"loss": "sft"}, "loss must be one of importance_sampling, ppo, cispo, dro, gspo"),
         ({"temperature": 99}, r"temperature must be a finite number in \[0, 10\]; got 99"),
     ],
