@@ -193,6 +193,11 @@ class RunDashboard(_LiveDashboard):
         self._trace("loss", 2, name="loss", mode="lines", connectgaps=True)
         self._trace("ratio_mean", 3, name="ratio mean", mode="lines", connectgaps=True)
         self._trace("kl", 3, secondary_y=True, name="KL", mode="lines", connectgaps=True)
+        # kl_coef > 0: KL to the run's starting weights; eval_every: the held-out score
+        self._trace("kl_ref", 3, secondary_y=True, name="KL to reference", mode="lines", connectgaps=True)
+        self._trace(
+            "eval_reward", 1, name="eval reward", mode="markers", marker={"size": 8, "symbol": "diamond"}
+        )
         return FigureWidget(fig)
 
     def _act(self, action: Callable[[], Any]) -> None:
@@ -314,17 +319,29 @@ class RunDashboard(_LiveDashboard):
             ("min", steps, rows.column("reward_min"), "#b4b9fb"),
             ("max", steps, rows.column("reward_max"), "#b4b9fb"),
         ]
+        kl = [("KL", steps, rows.column("kl"), "#00cc96")]
+        if any(v is not None for v in rows.column("kl_ref")):  # kl_coef > 0: KL to the starting weights
+            kl.append(("to reference", steps, rows.column("kl_ref"), "#ab63fa"))
         return svg_panels(
             [
                 ("reward", reward, [(float(s), label) for s, label in self._version_changes()]),
                 ("loss", [("loss", steps, rows.column("loss"), "#ef553b")], []),
-                ("KL", [("KL", steps, rows.column("kl"), "#00cc96")], []),
+                ("KL", kl, []),
             ]
         )
 
     def _draw_rows(self) -> None:
         steps = self._rows.keys
-        for key in ("reward_mean", "reward_min", "reward_max", "loss", "ratio_mean", "kl"):
+        for key in (
+            "reward_mean",
+            "reward_min",
+            "reward_max",
+            "loss",
+            "ratio_mean",
+            "kl",
+            "kl_ref",
+            "eval_reward",
+        ):
             self._set_line(self.fig.data[self._traces[key]], steps, self._rows.column(key))
         markers = self._version_changes()
         if markers != self._markers:

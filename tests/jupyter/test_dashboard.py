@@ -601,3 +601,13 @@ def test_an_environment_runs_episodes_are_summed_up_in_the_header(make_dash, tim
     assert "episodes: 2.5 turns · 1.25 tool calls · 0.5 malformed calls" in dash.header.value
     plain = make_dash(FakeRun([row(1)]))
     assert "episodes:" not in plain.header.value
+
+
+def test_kl_to_the_reference_and_the_eval_reward_are_drawn_when_the_run_has_them(make_dash, timers):
+    history = [row(1, 0.1, kl_ref=0.0), row(2, 0.2, kl_ref=0.01, eval_reward=0.3), row(3, 0.3, kl_ref=0.02)]
+    dash = make_dash(FakeRun(history))
+    assert list(trace(dash.fig, "KL to reference").y) == [0.0, 0.01, 0.02]
+    assert list(trace(dash.fig, "eval reward").y) == [None, 0.3, None]
+    assert "to reference" in dash._snapshot_svg()
+    plain = make_dash(FakeRun([row(1, 0.1), row(2, 0.2)]))
+    assert "to reference" not in plain._snapshot_svg()
