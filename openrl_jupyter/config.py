@@ -289,6 +289,7 @@ def make_config(
         steps=steps,
         batch=batch,
         group=group,
+        max_stop=(limits.values["max_stop_sequences"], limits.settings["max_stop_sequences"]),
     )
     evals, metric, metric_fn = _eval_options(knobs, eval_prompts, eval_metric, env is not None)
     return TrainConfig(
@@ -364,6 +365,7 @@ class Limits:
         "max_num_samples": "OPENRL_MAX_NUM_SAMPLES",
         "max_prompts": "OPENRL_MAX_DATUMS",
         "max_datums": "OPENRL_MAX_DATUMS",
+        "max_stop_sequences": "OPENRL_MAX_STOP_SEQUENCES",
     }
 
     @classmethod

@@ -29,8 +29,6 @@ from openrl_jupyter.rewards import RewardVersion, Scored, registry, score
 LR_SCHEDULES = ("constant", "linear", "cosine")
 LOSS_AGGS = ("token", "sequence")
 MAX_EPOCHS = 16
-MAX_STOP = 8  # stop strings a rollout may take (the service's own bound is the same)
-MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -83,8 +81,10 @@ def check_knobs(
     steps: int,
     batch: int,
     group: int,
+    max_stop: tuple[int, str] = (16, "the service's OPENRL_MAX_STOP_SEQUENCES"),
 ) -> Knobs:
-    """Each knob checked, its error naming it and its limit."""
+    """Each knob checked, its error naming it and its limit (``max_stop``: the service's bound on stop
+    strings, and the setting that raises it)."""
     kl_coef = number(kl_coef, "kl_coef", 0, 1e6, error=UsageError)
     if lr_schedule not in LR_SCHEDULES:
         raise UsageError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {lr_schedule!r}")
@@ -111,10 +111,8 @@ def check_knobs(
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, Sequence) or not all(isinstance(s, str) and s for s in items):
             raise UsageError(f"stop must be a string or a list of non-empty strings; got {stop!r}")
-        if len(items) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in items):
-            raise UsageError(
-                f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters; got {len(items)}"
-            )
+        if len(items) > max_stop[0]:
+            raise UsageError(f"stop takes at most {max_stop[0]} strings ({max_stop[1]}); got {len(items)}")
         stops = tuple(items)
     eval_every = integer(eval_every, "eval_every", 0, steps, error=UsageError)
     save_every = integer(save_every, "save_every", 0, steps, error=UsageError)

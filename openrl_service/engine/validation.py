@@ -226,6 +226,8 @@ class Checks:
                         "sampling_params.stop: stop strings must be non-empty", field="sampling_params.stop"
                     )
                 stop_strs = tuple(items)
+                # the end of sequence still stops too (as in vLLM and the OpenAI API); token ids replace it
+                stop_ids = tuple(base.eos_token_ids) if items else ()
             elif all(isinstance(x, int) and not isinstance(x, bool) for x in items):
                 if any(not 0 <= x < base.vocab_size for x in items):
                     raise UserError(
