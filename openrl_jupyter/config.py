@@ -358,6 +358,7 @@ class Limits:
         "max_num_samples": 128,
         "max_prompts": 4096,
         "max_datums": 4096,
+        "max_stop_sequences": 16,
     }
     SETTINGS = {
         "max_tokens": "OPENRL_MAX_TOKENS",

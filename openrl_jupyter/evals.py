@@ -40,7 +40,7 @@ def evaluate(
     from openrl_jupyter.runner import get_runner
 
     cfg = make_config(
-        {**session.defaults, "max_context_length": session.contexts.get(session.model)},
+        session.checked_by(session.model),
         env=env,
         prompts=prompts,
         group=max(2, group),  # (checked as a training group; evaluation plays ``group``)

@@ -71,6 +71,18 @@ class Session:
     labels: dict = field(default_factory=dict, repr=False)
     detached: dict[str, Job] = field(default_factory=dict, repr=False)  # this kernel's jobs by name
     contexts: dict[str, int | None] = field(default_factory=dict, repr=False)  # each model's context length
+    limits: dict[str, dict] = field(default_factory=dict, repr=False)  # each model's limits (capabilities)
+
+    def checked_by(self, model: str | None) -> dict:
+        """What ``train`` options for ``model`` are checked against (``config.make_config``): its
+        capability defaults, its context length and the service's limits."""
+        defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
+        out = dict(defaults)
+        if model in self.contexts:
+            out["max_context_length"] = self.contexts[model]
+        if model in self.limits:
+            out["limits"] = self.limits[model]
+        return out
 
     def __repr__(self) -> str:  # never the key
         kind = "embedded" if self.local else "remote"
@@ -171,9 +183,7 @@ class Session:
                 raise UsageError(
                     f"model {options['model']!r} is not served by {self.url} (it serves {served})"
                 )
-        defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
-        context = {"max_context_length": self.contexts.get(model)} if model in self.contexts else {}
-        config = make_config({**defaults, **context}, reward=reward, env=env, prompts=prompts, **options)
+        config = make_config(self.checked_by(model), reward=reward, env=env, prompts=prompts, **options)
         config.model = model
         name = config.name
         if name is not None:
@@ -559,14 +569,9 @@ def connect(
     client = Client(url, token=token, guard=local_service.check if local_service is not None else None)
     try:
         models = client.capabilities()
-        # each model's training defaults, with the service's limits (checked at the cell: config.Limits)
-        served = {
-            m["model_name"]: {
-                **(m.get("defaults") or {}),
-                **({"limits": m["limits"]} if m.get("limits") else {}),
-            }
-            for m in models
-        }
+        served = {m["model_name"]: dict(m.get("defaults") or {}) for m in models}
+        # the service's bounds per model, which options are checked against in the cell (config.Limits)
+        limits = {m["model_name"]: dict(m["limits"]) for m in models if isinstance(m.get("limits"), dict)}
         contexts = {m["model_name"]: m.get("max_context_length") for m in models}
         chosen = next(iter(served), None)  # the service's default model
         if model is not None and not local and served:
@@ -594,6 +599,7 @@ def connect(
         served=served,
         credential=credential,
         contexts=contexts,
+        limits=limits,
     )
     _sessions[name] = session
     return session

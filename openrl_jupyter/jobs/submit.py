@@ -75,9 +75,8 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         options["env"] = version.fn if version is not None else env
         env_label = version.name if version is not None else getattr(env, "__name__", "env")
     if kind == "run":
-        context = {"max_context_length": session.contexts.get(session.model)}  # an episode's token limit
         config = make_config(
-            {**session.defaults, **context}, reward=reward, prompts=_flat_prompts(loaded), **options
+            session.checked_by(options.get("model")), reward=reward, prompts=_flat_prompts(loaded), **options
         )
         weights = None
         if isinstance(reward, Mapping):  # several rewards, weighted: each travels as one reward does

@@ -58,8 +58,8 @@ from openrl_service.api.fields import (
 )
 from openrl_service.config import Limits
 from openrl_service.engine.native import MAX_METRIC_KEY_CHARS, MAX_METRIC_KEYS
+from openrl_service.engine.native_checks import MAX_KL_COEF, loss_config_keys, unknown_key
 from openrl_service.engine.native_state import KERNEL_STATES
-from openrl_service.training.losses import LOSSES
 
 MAX_KEY_NAME_CHARS = 100  # a minted key's name
 JOB_KINDS = ("run", "sweep")
@@ -219,8 +219,8 @@ class TrainSample(Body):
 
 
 def _loss_config_schema(loss: str) -> dict:
-    """The config keys a loss takes (training.losses.check_loss), each a number."""
-    keys = LOSSES[loss].config
+    """The config keys a loss takes on the notebook API (engine/native_checks.py), each a number."""
+    keys = loss_config_keys(loss)
     return {
         "type": "object",
         "properties": {k: {"type": "number"} for k in keys},
@@ -253,14 +253,14 @@ class TrainStep(Body):
         None, description="the loss's own keys; clip_low_threshold <= clip_high_threshold"
     )
     optimizer: AdamParams | None = None
+    kl_coef: Num(0, MAX_KL_COEF) | None = Field(None, description="weight of the KL to the start weights")
 
     @model_validator(mode="after")
     def _config_keys(self):
         loss = self.loss or "importance_sampling"
-        unknown = sorted(set(self.loss_config or {}) - set(LOSSES[loss].config))
+        unknown = sorted(set(self.loss_config or {}) - set(loss_config_keys(loss)))
         if unknown:
-            accepted = ", ".join(LOSSES[loss].config) or "none"
-            why = f"{loss} takes no key {unknown[0]!r} (accepted: {accepted})"
+            why = unknown_key(loss, unknown[0])
             raise PydanticCustomError("form", "{why}", {"why": why, "field": f"loss_config.{unknown[0]}"})
         return self
 

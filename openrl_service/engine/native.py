@@ -9,7 +9,8 @@ the Tinker API's guarantees hold for it too. What this layer adds:
   completion tokens, sampler logprobs) for ``SAMPLE_TTL_S`` so a train step can name samples
   instead of re-sending tokens;
 - one ``train_step`` = the engine's own ``forward_backward`` (importance sampling or another RL
-  loss over the named samples with their advantages) then its ``optim_step`` (AdamW), back to back
+  loss over the named samples with their advantages, plus ``kl_coef`` times the KL to the run's
+  starting weights when asked: engine/reference.py) then its ``optim_step`` (AdamW), back to back
   in the run's lane, returning the ratio / KL / clip statistics; sampling is the engine's
   ``sample_run``: this layer calls the same public operations as the Tinker façade;
 - client-reported metrics per step, stored with the run: the newest ``OPENRL_MAX_METRIC_ROWS`` rows
@@ -58,7 +59,7 @@ from openrl_service.checks import integer, number
 from openrl_service.engine.events import EVENTS_SCHEMA_VERSION, EventBus
 from openrl_service.engine.job_checks import JOB_META_KEY, job_label
 from openrl_service.engine.jobs import Jobs
-from openrl_service.engine.native_checks import adam_of, flag, loss_config
+from openrl_service.engine.native_checks import adam_of, flag, kl_coef, loss_config
 from openrl_service.engine.native_state import (
     DEFAULT_REASONS,
     KERNEL_DONE,
@@ -69,6 +70,7 @@ from openrl_service.engine.native_state import (
     StoredSample,
 )
 from openrl_service.engine.prompts import check_messages, check_text, off_loop
+from openrl_service.engine.reference import References
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
 from openrl_service.engine.state import new_session_id
@@ -109,6 +111,7 @@ class NativeRuns:
         self._lock = threading.Lock()
         self._nvml: NvmlReader | None = None
         self.controls: dict[str, Control] = {}  # run id -> control state (absent: running)
+        self.references = References(svc)  # each run's starting weights, for train_step's kl_coef
         self._share_cache: tuple[float, dict[str, float]] | None = None
         self.orphan_after_s = float(os.environ.get("OPENRL_ORPHAN_AFTER_S") or ORPHAN_AFTER_S)
         svc.durability.record_replayers["control"] = self._replay_control
@@ -206,6 +209,7 @@ class NativeRuns:
                     "metrics_dropped": nr.metrics_dropped,
                     "planned": nr.planned,
                     "kernel_state": nr.kernel_state,
+                    "reference": self.references.of.get(run_id),
                 }
                 for run_id, nr in self.runs.items()
             ]
@@ -223,6 +227,8 @@ class NativeRuns:
                     )
                     self.runs[r["run_id"]].planned = r.get("planned")
                     self.runs[r["run_id"]].kernel_state = r.get("kernel_state", "running")
+                    if r.get("reference"):
+                        self.references.of[r["run_id"]] = r["reference"]
             for sid, fields in state["samples"]:
                 self.samples[sid] = StoredSample(**fields)
                 self.sample_counts[fields["tenant"]] += 1
@@ -345,6 +351,7 @@ class NativeRuns:
                 # rank and layers must be this run's (load_state checks them, naming the field)
                 nr.bump(1)
                 await anyio.to_thread.run_sync(self.svc.verify_checkpoint, tenant, inputs["load_from"])
+                await anyio.to_thread.run_sync(self.references.remember, tenant, run_id, inputs["load_from"])
                 loaded = self.svc.load_state(tenant, run_id, 1, inputs["load_from"], False, None)
                 await self._result(loaded)
         except ApiError as e:
@@ -643,6 +650,7 @@ class NativeRuns:
                 jobs.archive_run(tenant, job_id, r, entry, rows)
             except Exception:  # noqa: BLE001 - a full disk must not keep the session from finishing
                 log.exception("keeping run %s of job %s failed", r, job_id)
+        self.references.forget(run_ids)
         with self._lock:
             for r in run_ids:
                 self.controls.pop(r, None)
@@ -825,6 +833,7 @@ class NativeRuns:
         if loss not in RL_LOSSES:
             raise UserError(f"loss must be one of {', '.join(RL_LOSSES)}; got {loss!r}", field="loss")
         config = loss_config(loss, body.get("loss_config"))
+        config["kl_ref_coef"] = kl = kl_coef(body)
         base = self.svc.model_of(nr.run).base
         optimizer = body.get("optimizer")
         adam = adam_of({} if optimizer is None else optimizer, base.defaults)
@@ -881,16 +890,27 @@ class NativeRuns:
         if not data:
             raise UserError("samples: every named sample is empty; nothing to train on", field="samples")
         self.svc.checks.validate_datums(data, loss, base)
+        seq = None
+        if kl > 0:  # its place in the run's order is taken now, as before the wait for the reference
+            seq = nr.next_seq(SEQ_SLOTS["train_step"])
+            try:
+                data = await self.references.with_ref_logprobs(tenant, nr.run, data, self._result)
+            except BaseException as e:  # refused (or cancelled) before it was accepted: no gap left
+                if not nr.give_back(seq, SEQ_SLOTS["train_step"]):
+                    self._fill_slots("train_step", {"tenant": tenant, "run_id": run_id, "seq": seq}, e)
+                raise
         inputs = {
             "tenant": tenant,
             "run_id": run_id,
-            "data": data,  # resolved: a replay does not need the sample store
+            "data": data,  # resolved (with the reference logprobs): a replay needs no sample store
             "loss": loss,
             "config": config,
             "adam": adam,
             "idem": idem,
             "counts": [action_tokens, env_tokens],
         }
+        if seq is not None:
+            inputs["seq"] = seq
         return await self._intent("train_step", inputs, nr)
 
     async def _do_train_step(self, inputs: dict) -> dict:
@@ -919,6 +939,9 @@ class NativeRuns:
             "ratio_min": st.get("ratio_min") if st else None,
             "ratio_max": st.get("ratio_max") if st else None,
             "kl": st.get("kl_sum", 0.0) / n if st else None,
+            # mean k3 estimate of KL(policy ‖ the run's starting weights) over the trained tokens
+            "kl_ref": st["kl_ref_sum"] / n if "kl_ref_sum" in st else None,
+            "kl_coef": inputs["config"].get("kl_ref_coef", 0.0),
             "clip_fraction": st.get("clipped", 0) / n if st and "clipped" in st else 0.0,
             "grad_norm": metrics["grad_norm:mean"],
             "learning_rate": adam.learning_rate,

@@ -302,7 +302,7 @@ class TrainingService(Registry):
 
     def capabilities(self) -> list[dict]:
         self.require_ready()
-        return [m.base.capability() for m in self.models.values()]
+        return [m.base.capability(self.limits) for m in self.models.values()]
 
     # -- run ops --------------------------------------------------------------------------------
     def create_model(
@@ -539,6 +539,12 @@ class TrainingService(Registry):
                 raise data
             config = check_loss(loss_fn, loss_fn_config)
             self.checks.validate_datums(data, loss_fn, self.model_of(run).base)
+            if config.get("kl_ref_coef") and not all("ref_logprobs" in d.inputs for d in data):
+                raise UserError(
+                    "loss_fn_config.kl_ref_coef needs loss_fn_inputs.ref_logprobs (the reference policy's "
+                    "logprobs of the targets) in every datum",
+                    field="loss_fn_config.kl_ref_coef",
+                )
 
             def noted(result: ForwardResult) -> ForwardResult:
                 if not forward_only:

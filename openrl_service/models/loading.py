@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,23 @@ from openrl_service.models.tiny import TINY_DEFAULTS, ensure_tiny_model, tiny_fo
 from openrl_service.models.tools_template import tool_family
 from openrl_service.training.lora import AdapterRouter, TargetModule, inject_lora
 
+if TYPE_CHECKING:
+    from openrl_service.config import Limits
+
 log = logging.getLogger(__name__)
+
+# The capability entry's limits (what the service enforces on requests for the model) and the
+# setting that raises each: max_prompts is a native sample call's prompts, max_datums a train step's
+# (or forward_backward's) datums, max_num_samples the samples per prompt (an RL group),
+# max_stop_sequences a sample request's stop strings (or stop tokens).
+LIMIT_SETTINGS = {
+    "max_tokens": "OPENRL_MAX_TOKENS",
+    "max_rank": "OPENRL_MAX_RANK",
+    "max_num_samples": "OPENRL_MAX_NUM_SAMPLES",
+    "max_prompts": "OPENRL_MAX_DATUMS",
+    "max_datums": "OPENRL_MAX_DATUMS",
+    "max_stop_sequences": "OPENRL_MAX_STOP_SEQUENCES",
+}
 
 GENERIC_DEFAULTS = {
     "lora_rank": 32,
@@ -77,8 +94,10 @@ class BaseModel:
         """The base weights' digest (waits for it the first time, if it is still being computed)."""
         return self.digest.result() if self.digest is not None else weights_digest(self.router.base_weights)
 
-    def capability(self) -> dict:
-        return {
+    def capability(self, limits: Limits | None = None) -> dict:
+        """The model's entry in get_server_capabilities; with ``limits`` (the service's), the numbers
+        a client can check its options against before sending them (``LIMIT_SETTINGS``)."""
+        out = {
             "model_name": self.name,
             "max_context_length": self.context_length,
             "trainable": True,
@@ -87,6 +106,17 @@ class BaseModel:
             "vocab_size": self.vocab_size,
             "defaults": dict(self.defaults),
         }
+        if limits is not None:
+            out["limits"] = {
+                "max_tokens": min(limits.max_tokens, self.context_length),  # a sample's new tokens
+                "max_rank": limits.max_rank,
+                "max_num_samples": limits.max_num_samples,
+                "max_prompts": limits.max_datums,
+                "max_datums": limits.max_datums,
+                "max_stop_sequences": limits.max_stop_sequences,
+                "settings": dict(LIMIT_SETTINGS),
+            }
+        return out
 
 
 def _quiet_transformers() -> None:

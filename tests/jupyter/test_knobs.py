@@ -79,7 +79,7 @@ def test_options_past_the_services_limits_fail_in_the_cell_naming_the_limit_and_
     with pytest.raises(UsageError, match=r"group .*OPENRL_MAX_NUM_SAMPLES.*got 500"):
         session.train(reward=letters, prompts=PROMPTS, group=500)
     # the numbers are the service's own (its capabilities), not the client's guesses
-    limits = session.defaults["limits"]
+    limits = session.limits[session.model]
     assert limits["max_rank"] == 128 and limits["max_tokens"] == 2048
     for bad, field in (
         ({"kl_coef": -1}, "kl_coef"),
