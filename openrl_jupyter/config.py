@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openrl_common.checks import integer, number
-from openrl_common.protocol import RL_LOSSES
+from openrl_common.protocol import DEFAULT_LIMITS, LIMIT_SETTINGS, RL_LOSSES
 from openrl_jupyter._exceptions import UsageError
 from openrl_jupyter.env import envs
 from openrl_jupyter.knobs import Knobs, check_knobs, weights_of
@@ -163,23 +163,13 @@ def make_config(
     user_metadata: Mapping[str, Any] | None = None,
     load_from: str | None = None,
     log: str | Sequence[str] | None = None,
-    kl_coef: float = 0.0,
-    lr_schedule: str = "constant",
-    warmup_steps: int = 0,
-    epochs: int = 1,
-    minibatches: int = 1,
-    loss_agg: str = "token",
-    skip_zero_variance: bool = True,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    eval_every: int = 0,
     eval_prompts: Any = None,
     eval_metric: str | Callable | None = None,
-    save_every: int = 0,
+    **knobs: Any,
 ) -> TrainConfig:
     """Check the arguments of ``train`` (each error names the argument, its limit and the setting that
-    raises it; the service's limits come from its capabilities, ``defaults["limits"]``)."""
+    raises it; the service's limits come from its capabilities, ``defaults["limits"]``); ``knobs``: the
+    RL knobs ``knobs.check_knobs`` takes (kl_coef, lr_schedule, epochs...)."""
     fixed: RewardVersion | None = None
     parts: list[tuple[str, float, RewardVersion | None]] = []
     weighted = weights_of(reward)
@@ -273,27 +263,11 @@ def make_config(
         if not (isinstance(load_from, str) and load_from.startswith("tinker://")):
             raise UsageError(f"load_from must be a tinker:// checkpoint path; got {load_from!r}")
         extra["load_from"] = load_from
-    knobs = check_knobs(
-        kl_coef=kl_coef,
-        lr_schedule=lr_schedule,
-        warmup_steps=warmup_steps,
-        epochs=epochs,
-        minibatches=minibatches,
-        loss_agg=loss_agg,
-        skip_zero_variance=skip_zero_variance,
-        top_p=top_p,
-        top_k=top_k,
-        stop=stop,
-        eval_every=eval_every,
-        save_every=save_every,
-        steps=steps,
-        batch=batch,
-        group=group,
-        max_stop=(limits.values["max_stop_sequences"], limits.settings["max_stop_sequences"]),
-    )
-    evals, metric, metric_fn = _eval_options(knobs, eval_prompts, eval_metric, env is not None)
+    limited = {"max_stop": (limits.values["max_stop_sequences"], limits.settings["max_stop_sequences"])}
+    checked = check_knobs(steps=steps, batch=batch, group=group, **limited, **knobs)
+    evals, metric, metric_fn = _eval_options(checked, eval_prompts, eval_metric, env is not None)
     return TrainConfig(
-        knobs=knobs,
+        knobs=checked,
         parts=tuple(parts),
         eval_prompts=evals,
         eval_metric=metric,
@@ -352,28 +326,11 @@ class Limits:
     values: dict
     settings: dict
 
-    FALLBACK = {
-        "max_tokens": 4096,
-        "max_rank": 128,
-        "max_num_samples": 128,
-        "max_prompts": 4096,
-        "max_datums": 4096,
-        "max_stop_sequences": 16,
-    }
-    SETTINGS = {
-        "max_tokens": "OPENRL_MAX_TOKENS",
-        "max_rank": "OPENRL_MAX_RANK",
-        "max_num_samples": "OPENRL_MAX_NUM_SAMPLES",
-        "max_prompts": "OPENRL_MAX_DATUMS",
-        "max_datums": "OPENRL_MAX_DATUMS",
-        "max_stop_sequences": "OPENRL_MAX_STOP_SEQUENCES",
-    }
-
     @classmethod
     def of(cls, defaults: dict) -> Limits:
         given = defaults.get("limits") if isinstance(defaults.get("limits"), dict) else {}
-        values = {k: int(given.get(k) or v) for k, v in cls.FALLBACK.items()}
-        named = {**cls.SETTINGS, **{k: str(v) for k, v in (given.get("settings") or {}).items()}}
+        values = {k: int(given.get(k) or v) for k, v in DEFAULT_LIMITS.items()}
+        named = {**LIMIT_SETTINGS, **{k: str(v) for k, v in (given.get("settings") or {}).items()}}
         settings = {k: f"the service's {v}" for k, v in named.items()}
         context = defaults.get("max_context_length")
         if context and int(context) <= values["max_tokens"]:

@@ -168,3 +168,17 @@ def test_the_shared_loss_list_is_the_services_and_the_notebooks():
     tinker_only = ("cross_entropy", "stable_reinforce")
     assert tuple(name for name in LOSSES if name not in tinker_only) == RL_LOSSES
     assert NOTEBOOK_LOSSES == RL_LOSSES
+
+
+def test_the_limits_a_client_assumes_are_the_services_defaults():
+    """openrl_common.protocol.DEFAULT_LIMITS (what the notebook checks options against when a service
+    does not list its limits) are the numbers the service enforces by default, each under its setting."""
+    from openrl_common.protocol import DEFAULT_LIMITS, LIMIT_SETTINGS
+    from openrl_service.config import Limits
+
+    service = Limits()
+    field_of = {"max_prompts": "max_datums"}  # a native sample call's prompts are bounded as datums
+    assert set(DEFAULT_LIMITS) == set(LIMIT_SETTINGS)
+    for key, value in DEFAULT_LIMITS.items():
+        assert getattr(service, field_of.get(key, key)) == value, key
+        assert LIMIT_SETTINGS[key] == "OPENRL_" + field_of.get(key, key).upper(), key

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from openrl_common.protocol import LIMIT_SETTINGS
 from openrl_service.models.smollm import SMOLLM2_DEFAULTS, SMOLLM2_MODEL_NAME, ensure_smollm2, is_smollm2
 from openrl_service.models.tiny import TINY_DEFAULTS, ensure_tiny_model, tiny_folder_name, tiny_variant
 from openrl_service.models.tools_template import tool_family
@@ -23,19 +24,6 @@ if TYPE_CHECKING:
     from openrl_service.config import Limits
 
 log = logging.getLogger(__name__)
-
-# The capability entry's limits (what the service enforces on requests for the model) and the
-# setting that raises each: max_prompts is a native sample call's prompts, max_datums a train step's
-# (or forward_backward's) datums, max_num_samples the samples per prompt (an RL group),
-# max_stop_sequences a sample request's stop strings (or stop tokens).
-LIMIT_SETTINGS = {
-    "max_tokens": "OPENRL_MAX_TOKENS",
-    "max_rank": "OPENRL_MAX_RANK",
-    "max_num_samples": "OPENRL_MAX_NUM_SAMPLES",
-    "max_prompts": "OPENRL_MAX_DATUMS",
-    "max_datums": "OPENRL_MAX_DATUMS",
-    "max_stop_sequences": "OPENRL_MAX_STOP_SEQUENCES",
-}
 
 GENERIC_DEFAULTS = {
     "lora_rank": 32,
