@@ -66,11 +66,13 @@ def load_prompts(src: Any, *, where: str = "prompts") -> list[dict]:
     (``Dataset.save_to_disk``)."""
     if isinstance(src, (str, os.PathLike)) and os.path.isdir(src):
         src = _saved_dataset(os.fspath(src), where)
+    if isinstance(
+        getattr(src, "column_names", None), dict
+    ):  # a DatasetDict: which split is not ours to guess
+        raise UsageError(
+            f"{where}: a DatasetDict has the splits {sorted(src.column_names)}; pass one, e.g. ds['train']"
+        )
     if hasattr(src, "column_names") and hasattr(src, "to_list"):  # a datasets.Dataset
-        if isinstance(src.column_names, dict):  # a DatasetDict: which split is not ours to guess
-            raise UsageError(
-                f"{where}: a DatasetDict has the splits {sorted(src.column_names)}; pass one, e.g. ds['train']"
-            )
         if "prompt" not in src.column_names:
             raise UsageError(f'{where}: a Dataset needs a "prompt" column; it has {list(src.column_names)}')
         src = src.to_list()
@@ -265,7 +267,13 @@ def make_config(
         extra["load_from"] = load_from
     limited = {"max_stop": (limits.values["max_stop_sequences"], limits.settings["max_stop_sequences"])}
     checked = check_knobs(steps=steps, batch=batch, group=group, **limited, **knobs)
+    if env is not None and checked.stop:
+        raise UsageError(
+            "stop is for reward runs: an environment ends each turn at the stop condition it returns"
+        )
     evals, metric, metric_fn = _eval_options(checked, eval_prompts, eval_metric, env is not None)
+    if evals is not None:
+        limits.check("len(eval_prompts)", len(evals), 1, "max_prompts")
     return TrainConfig(
         knobs=checked,
         parts=tuple(parts),
@@ -301,9 +309,12 @@ def make_config(
 def _eval_options(
     knobs: Knobs, prompts: Any, metric: Any, env: bool
 ) -> tuple[list[dict] | None, str | None, RewardVersion | None]:
-    """eval_prompts (needed by eval_every) and eval_metric (a reward's name or a function)."""
+    """eval_prompts (needed by eval_every; without it, one evaluation after the last step) and
+    eval_metric (a reward's name or a function; it needs eval_prompts)."""
     if knobs.eval_every and prompts is None:
         raise UsageError("eval_every needs eval_prompts: the held-out prompts each evaluation samples")
+    if metric is not None and prompts is None:
+        raise UsageError("eval_metric needs eval_prompts: the held-out prompts it scores")
     loaded = load_prompts(prompts, where="eval_prompts") if prompts is not None else None
     if metric is None:
         return loaded, None, None

@@ -1,12 +1,13 @@
 """Evaluation: a checkpoint scored on held-out prompts (``Session.evaluate``), and a training run's
 periodic evaluation (``train(eval_every=N, eval_prompts=..., eval_metric=...)``).
 
-Every ``eval_every`` steps (and after the last), the run samples each of ``eval_prompts`` once, greedily,
-from its current weights, and scores them with ``eval_metric`` (a reward's name or function; default
-the run's own reward, weighted as in training); an environment run plays one greedy episode per prompt.
-The mean is the step's ``eval_reward`` column. A better mean than every earlier one saves the weights as
-the checkpoint ``<run>-best`` (``run.best``: step, eval_reward, path). ``save_every`` saves
-``<run>-stepN`` every N steps (``run.checkpoints``).
+Every ``eval_every`` steps and after the last (only after the last when ``eval_every`` is 0), the run
+samples each of ``eval_prompts`` once, greedily, from its current weights, and scores them with
+``eval_metric`` (a reward's name or function; default the run's own reward, weighted as in training); an
+environment run plays one greedy episode per prompt. The mean (a sample that failed to score counts 0)
+is the step's ``eval_reward`` column. A better mean than every earlier one saves the weights as the
+checkpoint ``<run>-best`` (``run.best``: step, eval_reward, path). ``save_every`` saves ``<run>-stepN``
+every N steps (``run.checkpoints``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ async def periodic(run: Any, client: Any, step: int) -> dict:
             out["saved"] = path
         except OpenRLError as exc:
             run._log(f"step {step}: could not save {name} ({exc})")
-    if not (knobs.eval_every and (step % knobs.eval_every == 0 or last)):
+    due = (knobs.eval_every and step % knobs.eval_every == 0) or last
+    if not (cfg.eval_prompts and due):
         return out
     try:
         rewards = await _eval_rewards(run, client, step)
@@ -110,7 +112,8 @@ async def periodic(run: Any, client: Any, step: int) -> dict:
     if not valid:
         run._log(f"step {step}: every evaluation sample failed in {cfg.eval_metric or cfg.reward}")
         return out
-    mean = out["eval_reward"] = statistics.fmean(valid)
+    # a sample whose scoring failed counts 0, as in Session.evaluate (eval_failed says how many)
+    mean = out["eval_reward"] = statistics.fmean(r if r is not None else 0.0 for r in rewards)
     if run.best is None or mean > run.best["eval_reward"]:
         try:
             path = await client.save(run.run_id, f"{run.name}-best", overwrite=True)

@@ -220,7 +220,8 @@ async def score_weighted(
     version (its name joins theirs; its number grows whenever one of them is redefined)."""
     totals: list[float | None] = [0.0] * len(completions)
     errors: list[str | None] = [None] * len(completions)
-    stdout, trace, failing, columns, versions = "", None, None, {}, []
+    blame: list[tuple[RewardVersion, str | None] | None] = [None] * len(completions)  # who failed sample i
+    stdout, columns, versions = "", {}, []
     for name, weight, fixed in parts:
         version = fixed or registry.latest(name)
         versions.append(version)
@@ -230,11 +231,10 @@ async def score_weighted(
         for i, r in enumerate(one.rewards):
             if r is None:
                 totals[i] = None
-                errors[i] = errors[i] or one.errors[i]
+                if errors[i] is None:
+                    errors[i], blame[i] = one.errors[i], (version, one.traceback)
             elif totals[i] is not None:
                 totals[i] += weight * r
-        if failing is None and any(e is not None for e in one.errors):
-            failing, trace = version, one.traceback
     combined = RewardVersion(
         "+".join(p[0] for p in parts),
         sum(v.version for v in versions),
@@ -242,7 +242,10 @@ async def score_weighted(
         versions[0].per_group,
         versions[0].is_async,
     )
-    return Scored(totals, errors, stdout, trace, failing or versions[0]), columns, combined
+    # a failure names the reward that failed the first failing sample (Scored.failure shows that sample)
+    first = next((b for b in blame if b is not None), None)
+    failing, trace = first if first is not None else (versions[0], None)
+    return Scored(totals, errors, stdout, trace, failing), columns, combined
 
 
 def column_means(columns: Mapping[str, Sequence[float | None]]) -> dict[str, float]:

@@ -292,7 +292,11 @@ def parsers() -> dict[str, MagicArgumentParser]:
         "Start one run per combination of the listed values at once, stopping the worse half at each "
         "rung (successive halving); returns the sweep. Lists are comma-separated: --lr 1e-4,3e-4.",
     )
-    w.add_argument("--reward", required=True, help="registered reward name(s), comma-separated")
+    w.add_argument(
+        "--reward",
+        required=True,
+        help="registered reward name(s), comma-separated (a list to sweep over), or one weighted: a=1,b=0.2",
+    )
     w.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
     for flag, what in (
         ("--lr", "learning rates"),

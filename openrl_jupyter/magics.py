@@ -214,7 +214,12 @@ class OpenRLMagics(Magics):
                 raise UsageError(
                     f"--{key} takes comma-separated {kind.__name__} values, e.g. --lr 1e-4,3e-4; got {raw!r}"
                 ) from None
-        rewards = [r.strip() for r in a.reward.split(",") if r.strip()]
+        weighted = reward_weights(a.reward)  # --reward a=1,b=0.5: one weighted reward for every run
+        rewards = (
+            [weighted]
+            if isinstance(weighted, dict)
+            else [r.strip() for r in a.reward.split(",") if r.strip()]
+        )
         reward = rewards[0] if len(rewards) == 1 else None
         if len(rewards) > 1:
             grid["reward"] = rewards

@@ -32,7 +32,7 @@ async def samples_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
         more = [{**s, "prompt_index": s["prompt_index"] + len(prompts)} for s in more]
         prompts, samples = prompts + more_prompts, samples + more
         _, extra, more_columns = await score_samples(
-            run, step, prompts, samples, start=len(samples) - len(more)
+            run, step, prompts, samples, start=len(samples) - len(more), can_pause=False
         )
         scored = Scored(
             scored.rewards + extra.rewards,
@@ -60,7 +60,7 @@ async def samples_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
 
 
 async def score_samples(
-    run: Any, step: int, prompts: list[dict], samples: list[dict], start: int = 0
+    run: Any, step: int, prompts: list[dict], samples: list[dict], start: int = 0, can_pause: bool = True
 ) -> tuple[RewardVersion, Scored, dict[str, list]]:
     """Score ``samples[start:]`` in the runner's pool with the run's reward (the newest version of a
     named one), or its rewards weighted (and each one's rewards, by column); then keep and show
@@ -81,7 +81,8 @@ async def score_samples(
         scored = await score(version, texts, completions, infos, groups=groups, pool=pool)
     if scored.stdout:
         run._log(scored.stdout.rstrip("\n"))
-    return version, run._shown(scored, scored.version or version, step, texts, completions), columns
+    shown = run._shown(scored, scored.version or version, step, texts, completions, can_pause)
+    return version, shown, columns
 
 
 def groups_of(samples: list[dict]) -> list[list[int]]:

@@ -164,6 +164,7 @@ async def _sample_turns(
                 "num_samples": 1,
                 "max_tokens": max(1, min(sampling["max_tokens"], room)),
                 "temperature": sampling["temperature"],
+                **{k: sampling[k] for k in ("top_p", "top_k") if sampling.get(k) is not None},
             }
             if stop:
                 params["stop"] = list(stop)

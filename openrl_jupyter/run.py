@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 import time
@@ -597,10 +598,17 @@ class Run:
         return next_prompts
 
     def _shown(
-        self, scored: Scored, version: RewardVersion, step: int, texts: list[str], completions: list[str]
+        self,
+        scored: Scored,
+        version: RewardVersion,
+        step: int,
+        texts: list[str],
+        completions: list[str],
+        can_pause: bool = True,
     ) -> Scored:
         """Keep and show a step's samples (or episodes); show a failure at once (the dashboard, and the
-        starting cell: once per reward version, and at every pause); pause if every one failed."""
+        starting cell: once per reward version, and at every pause); pause if every one failed (unless
+        ``can_pause`` is False: a step's refill, whose first samples scored)."""
         kept = [
             {"step": step, "prompt": p, "completion": c, "reward": r, "error": e}
             for p, c, r, e in zip(texts, completions, scored.rewards, scored.errors, strict=True)
@@ -611,6 +619,8 @@ class Run:
         failure = scored.failure(run=self.name, step=step, prompts=texts, completions=completions)
         if failure is None:
             return scored
+        if failure.paused and not can_pause:
+            failure = dataclasses.replace(failure, paused=False)
         self.reward_failure = failure
         self._emit({"kind": "reward_error", "failure": failure})
         self._cell.show(failure, once=None if failure.paused else (failure.reward, failure.version))

@@ -74,8 +74,11 @@ class Session:
     limits: dict[str, dict] = field(default_factory=dict, repr=False)  # each model's limits (capabilities)
 
     def checked_by(self, model: str | None) -> dict:
-        """What ``train`` options for ``model`` are checked against (``config.make_config``): its
-        capability defaults, its context length and the service's limits."""
+        """What ``train`` options for ``model`` (a served name, or a tiny model's short one) are checked
+        against (``config.make_config``): its capability defaults, its context length and the service's
+        limits."""
+        if model is not None:
+            model = served_name(model, self.served or {self.model: self.defaults}) or model
         defaults = self.served.get(model, self.defaults) if model is not None else self.defaults
         out = dict(defaults)
         if model in self.contexts:

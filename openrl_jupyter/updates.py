@@ -21,8 +21,8 @@ DEFAULT_LR = 1e-4  # a service that does not say its model's learning rate uses 
 
 
 def learning_rate(config: Any, step: int, update: int) -> float | None:
-    """The learning rate of update ``update`` of step ``step`` (1-based), None: the service's default
-    (a constant schedule with no lr given)."""
+    """The learning rate of update ``update`` (0-based) of step ``step`` (1-based); None: the service's
+    default (a constant schedule with no lr given)."""
     knobs = config.knobs
     if config.lr is None and knobs.lr_schedule == "constant" and not knobs.warmup_steps:
         return None
@@ -38,8 +38,9 @@ def learning_rate(config: Any, step: int, update: int) -> float | None:
 
 async def train(run: Any, client: Any, pending: PreparedStep) -> dict:
     """The step's updates (none when no sample carries an advantage), merged into one reply. A refusal
-    (4xx) drops the prepared step, so a retry samples afresh; a lost or failed reply keeps it (with the
-    updates already answered) for re-sending."""
+    (4xx) of its first update drops the prepared step, so a retry samples afresh; a refusal of a later
+    one ends the step with the updates already applied (said in the log: they are not applied twice);
+    a lost or failed reply keeps the step (with the updates already answered) for re-sending."""
     if not pending.chosen:
         return {}
     cfg = run.config
@@ -63,9 +64,15 @@ async def train(run: Any, client: Any, pending: PreparedStep) -> dict:
                 idempotency_key=pending.key if u == 0 else f"{pending.key}-{u}",
                 **extra,
             )
-        except RequestError:
-            run._pending = None
-            raise
+        except RequestError as exc:
+            if not pending.replies:
+                run._pending = None
+                raise
+            run._log(
+                f"step {pending.step}: update {u + 1} of {len(plan)} was refused ({exc}); the step keeps "
+                f"the {u} applied"
+            )
+            break
         pending.replies.append(reply)
     return merged(pending.replies)
 

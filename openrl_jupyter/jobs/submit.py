@@ -64,6 +64,8 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
     if session.model is not None and options.get("model") is None:
         options["model"] = session.model
     loaded = load_prompts(prompts)
+    if isinstance(options.get("eval_metric"), str):  # a named metric travels by value (its newest version)
+        options["eval_metric"] = registry.latest(options["eval_metric"]).fn
     if options.get("eval_prompts") is not None:  # a Dataset or a path: the rows travel, not the source
         options["eval_prompts"] = _flat_prompts(load_prompts(options["eval_prompts"], where="eval_prompts"))
     env_label = None
@@ -95,6 +97,8 @@ def submit(session: Any, kind: str, where: Any, *, reward: Any, prompts: Any, op
         grid = opts.pop("grid")
         checked = Sweep(session, reward=reward, prompts=_flat_prompts(loaded), grid=grid, name=name, **opts)
         listed = [reward] if reward is not None else list(grid.get("reward") or [])
+        if isinstance(reward, Mapping):  # one weighted reward for every run
+            listed, weights = list(reward), [float(w) for w in reward.values()]
         if env_label is not None and reward is None:
             listed = []
         for r in listed:

@@ -226,7 +226,12 @@ class _Worker:
         else:
             grid = options.pop("grid")
             reward = body.get("reward")
-            if reward is None and "reward" not in grid and rewards:
+            weights = body.get("reward_weights")
+            if weights:  # one weighted reward for every run of the sweep
+                reward = dict(
+                    zip([r["fn"] if r["pinned"] else r["name"] for r in rewards], weights, strict=True)
+                )
+            elif reward is None and "reward" not in grid and rewards:
                 reward = rewards[0]["fn"]
             self.target = session.sweep(reward=reward, prompts=body["prompts"], grid=grid, **options)
         runs = self._runs()

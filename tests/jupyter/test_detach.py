@@ -791,6 +791,10 @@ def test_a_detached_run_takes_weighted_rewards_and_the_rl_knobs(session, jobs_di
         "def short(prompt, completion, **info):\n"
         "    return 1.0 / (1 + len(completion))\n"
     )
+    metric = f"metric_{time.monotonic_ns()}"
+    from openrl_jupyter.rewards import registry
+
+    registry.register(metric, fns["short"])
     job = session.train(
         reward={fns["lettered"]: 1.0, fns["short"]: 0.5},
         prompts=PROMPTS,
@@ -803,6 +807,7 @@ def test_a_detached_run_takes_weighted_rewards_and_the_rl_knobs(session, jobs_di
         epochs=2,
         eval_every=2,
         eval_prompts=["Held out:"],
+        eval_metric=metric,  # a registered name: it travels by value, as the rewards do
     )
     job.wait(240)
     assert job.state == "finished", job.logs()

@@ -211,7 +211,6 @@ def test_an_environment_run_takes_the_rl_knobs(session):
         loss_agg="sequence",
         lr_schedule="linear",
         top_k=50,
-        stop=["zz"],
         eval_every=2,
         eval_prompts=["Held out:"],
         save_every=2,
@@ -225,3 +224,18 @@ def test_an_environment_run_takes_the_rl_knobs(session):
     assert rows[-1]["eval_reward"] is not None and run.best["step"] == 2
     assert run.checkpoints and run.checkpoints[-1].endswith("-step2")
     assert all("skipped_groups" in r for r in rows)
+
+
+def test_an_environment_runs_rollouts_take_top_k_and_refuse_stop_strings(session):
+    run = session.train(
+        env=TwoTurns, prompts=PROMPTS, steps=1, max_turns=4, top_k=1, skip_zero_variance=False, **SMALL
+    )
+    run.wait(300)
+    assert run.state == RunState.FINISHED, run.last_error
+    by_row: dict = {}
+    for ep in run.episodes():
+        by_row.setdefault(ep.row, set()).add(tuple(t for turn in ep.turns for t in turn.tokens))
+    # top_k=1 reached every turn's sampling: a prompt's episodes are all the same, at temperature 1
+    assert by_row and all(len(v) == 1 for v in by_row.values())
+    with pytest.raises(UsageError, match="stop is for reward runs"):
+        session.train(env=TwoTurns, prompts=PROMPTS, stop=["zz"])

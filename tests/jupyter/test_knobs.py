@@ -303,3 +303,89 @@ def test_kl_coef_reports_the_kl_to_the_starting_weights_and_it_grows_as_the_poli
     plain = session.train(reward=letters, prompts=PROMPTS, steps=1, **SMALL)
     assert all(r["kl_ref"] is None for r in finished(plain))
     assert not math.isnan(rows[-1]["loss"])
+
+
+class RefuseSecondUpdate(Recording):
+    """Refuses (400) the second train_step it is asked to send, as a service refuses a step whose
+    reference checkpoint was overwritten; the others go through."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/train_step") and len(self.train_steps) == 1:
+            self.train_steps.append({"refused": True})
+            return httpx.Response(400, json={"detail": "refused for this test", "field": "kl_coef"})
+        return await super().handle_async_request(request)
+
+
+def test_a_refused_later_update_ends_the_step_with_the_updates_applied_not_twice(server):
+    from openrl_jupyter import AsyncClient
+
+    transport = RefuseSecondUpdate()
+    s = sess.connect(server.url, token=ALICE_KEY, name="refusing")
+    s._aclient = AsyncClient(server.url, token=ALICE_KEY, transport=transport)
+    try:
+        logs = []
+        run = s.train(reward=letters, prompts=PROMPTS, steps=2, epochs=2, skip_zero_variance=False, **SMALL)
+        run.subscribe(lambda e: logs.append(e.get("text") or ""))
+        rows = [r for r in finished(run) if r["trained"]]
+        # the first trained step kept its one applied update, the next took both; nothing was sent twice
+        assert rows and rows[0]["updates"] == 1 and all(r["updates"] == 2 for r in rows[1:])
+        assert [r["step"] for r in transport.replies] == list(range(1, sum(r["updates"] for r in rows) + 1))
+        assert any("update 2 of 2 was refused" in line for line in logs)
+    finally:
+        forget_runs(s)
+        sess.disconnect("refusing")
+
+
+def test_a_refill_whose_samples_all_fail_does_not_pause_a_step_that_scored(session):
+    calls = []
+
+    def reward(prompt, completion, **info):
+        calls.append(prompt)
+        if len(calls) <= SMALL["batch"] * SMALL["group"]:
+            return 0.5  # the first draw: every group flat, so all of them are replaced
+        raise ValueError("the refill's prompts break this reward")
+
+    run = session.train(reward=reward, prompts=PROMPTS, steps=1, **SMALL)
+    (row,) = finished(run)
+    drawn = SMALL["batch"] * SMALL["group"]
+    assert row["n"] == 2 * drawn and row["failed"] == drawn and row["trained"] == 0
+    assert run.reward_failure is not None and "refill" in run.reward_failure.error
+
+
+def test_a_weighted_rewards_failure_names_the_reward_that_failed_its_sample():
+    import asyncio
+
+    from openrl_jupyter.knobs import score_weighted
+    from openrl_jupyter.rewards import pinned
+
+    def first(prompt, completion, **info):
+        if completion == "b":
+            raise RuntimeError("first fails on b")
+        return 1.0
+
+    def second(prompt, completion, **info):
+        if completion == "a":
+            raise RuntimeError("second fails on a")
+        return 1.0
+
+    parts = (("first", 1.0, pinned(first)), ("second", 2.0, pinned(second)))
+    scored, columns, combined = asyncio.run(
+        score_weighted(parts, ["p"] * 3, ["a", "b", "c"], [{}] * 3, groups=[[0, 1, 2]], pool=None)
+    )
+    assert scored.rewards == [None, None, 3.0]
+    failure = scored.failure(run="r", step=1, prompts=["p"] * 3, completions=["a", "b", "c"])
+    # the first failing sample is "a", which the second reward failed: the box names it, with its error
+    assert failure.reward == "second" and "second fails on a" in failure.error
+    assert columns["rewards/first"] == [1.0, None, 1.0] and columns["rewards/second"] == [None, 1.0, 1.0]
+    assert combined.name == "first+second"
+
+
+def test_eval_prompts_without_eval_every_evaluate_once_after_the_last_step(session):
+    run = session.train(reward=letters, prompts=PROMPTS, steps=2, eval_prompts=["Held out:"], **SMALL)
+    rows = finished(run)
+    assert "eval_reward" not in rows[0] and rows[1]["eval_reward"] is not None
+    assert run.best["step"] == 2
+    with pytest.raises(UsageError, match="eval_metric needs eval_prompts"):
+        session.train(reward=letters, prompts=PROMPTS, eval_metric="letters")
+    with pytest.raises(UsageError, match=r"len\(eval_prompts\).*OPENRL_MAX_DATUMS"):
+        session.train(reward=letters, prompts=PROMPTS, eval_prompts=["x"] * 5000)

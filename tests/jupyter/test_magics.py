@@ -497,3 +497,16 @@ def test_train_takes_every_rl_knob_and_a_bad_one_fails_in_the_cell(shell, server
     sw.wait(240)
     assert sorted(run_.config.knobs.kl_coef for run_ in sw.runs) == [0.0, 0.2]
     assert all(run_.config.knobs.epochs == 2 for run_ in sw.runs)
+    # one weighted reward for every run of a sweep
+    cell = run(
+        shell,
+        f"sw2 = %openrl sweep --reward lettered{stamp}=1,short{stamp}=0.5 --prompts PROMPTS --lr 1e-3,2e-3 "
+        "--steps 1 --group 2 --batch 1 --max-tokens 4",
+    )
+    assert cell.ok, cell.text
+    shell.user_ns["sw2"].wait(240)
+    for run_ in shell.user_ns["sw2"].runs:
+        assert [(n, w) for n, w, _ in run_.config.parts] == [
+            (f"lettered{stamp}", 1.0),
+            (f"short{stamp}", 0.5),
+        ]
