@@ -8,6 +8,7 @@ cannot travel is refused at submit time with what could not travel, and nothing 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -805,6 +806,13 @@ def test_a_detached_run_takes_weighted_rewards_and_the_rl_knobs(session, jobs_di
         group=2,
         max_tokens=4,
         epochs=2,
+        kl_coef=0.1,
+        lr=1e-3,
+        lr_schedule="cosine",
+        loss_agg="sequence",
+        top_k=20,
+        save_every=2,
+        skip_zero_variance=False,
         eval_every=2,
         eval_prompts=["Held out:"],
         eval_metric=metric,  # a registered name: it travels by value, as the rewards do
@@ -813,7 +821,14 @@ def test_a_detached_run_takes_weighted_rewards_and_the_rl_knobs(session, jobs_di
     assert job.state == "finished", job.logs()
     rows = session.client.metrics(job.runs[0])
     assert len(rows) == 2
-    assert {"rewards/lettered", "rewards/short", "eval_reward"} <= set(rows[-1])
+    assert {"rewards/lettered", "rewards/short", "eval_reward", "skipped_groups"} <= set(rows[-1])
+    trained = [r for r in rows if r.get("updates")]
+    assert trained and all(r["updates"] == 2 and r["kl_ref"] >= 0 for r in trained)
+    # cosine over 2 steps × 2 updates: the rate of each step's last update, as the service stepped
+    expected = {1: 1e-3 * 0.5 * (1 + math.cos(math.pi / 4)), 2: 1e-3 * 0.5 * (1 + math.cos(3 * math.pi / 4))}
+    assert {r["step"]: r["learning_rate"] for r in trained} == pytest.approx(
+        {r["step"]: expected[r["step"]] for r in trained}
+    )
     assert rows[-1]["reward_mean"] == pytest.approx(
         rows[-1]["rewards/lettered"] + 0.5 * rows[-1]["rewards/short"]
     )

@@ -389,3 +389,38 @@ def test_eval_prompts_without_eval_every_evaluate_once_after_the_last_step(sessi
         session.train(reward=letters, prompts=PROMPTS, eval_metric="letters")
     with pytest.raises(UsageError, match=r"len\(eval_prompts\).*OPENRL_MAX_DATUMS"):
         session.train(reward=letters, prompts=PROMPTS, eval_prompts=["x"] * 5000)
+
+
+def test_a_sweep_gives_every_run_the_knobs_and_sweeps_over_them(session):
+    sweep = session.sweep(
+        reward=letters,
+        prompts=PROMPTS,
+        grid={"kl_coef": [0.0, 0.1], "loss_agg": ["token", "sequence"]},
+        steps=2,
+        epochs=2,
+        minibatches=2,
+        lr_schedule="linear",
+        warmup_steps=1,
+        top_p=0.9,
+        top_k=20,
+        stop=["\n"],
+        eval_prompts=["Held out:"],
+        save_every=2,
+        skip_zero_variance=False,
+        **SMALL,
+    )
+    sweep.wait(300)
+    assert len(sweep.runs) == 4
+    assert sorted((r.config.knobs.kl_coef, r.config.knobs.loss_agg) for r in sweep.runs) == [
+        (0.0, "sequence"),
+        (0.0, "token"),
+        (0.1, "sequence"),
+        (0.1, "token"),
+    ]
+    for r in sweep.runs:
+        k = r.config.knobs
+        assert (k.epochs, k.minibatches, k.lr_schedule, k.warmup_steps) == (2, 2, "linear", 1)
+        assert (k.top_p, k.top_k, k.stop, k.save_every, k.skip_zero_variance) == (0.9, 20, ("\n",), 2, False)
+        assert "-kl" in r.name and r.name.endswith(("-token", "-sequence"))
+    finished_runs = [r for r in sweep.runs if r.step == 2]
+    assert finished_runs and all(r.history[-1]["eval_reward"] is not None for r in finished_runs)
