@@ -1,7 +1,7 @@
 """A single-turn step before its update (``Run._prepare`` for ``train(reward=...)``): ``group`` samples of
 each prompt drawn from the run's current weights, scored with its reward (or its rewards, weighted), groups
-that all scored the same replaced by fresh prompts once (``skip_zero_variance``), then group-relative
-advantages, weighted per ``loss_agg``. An environment run's steps are ``rollouts.prepare_step``.
+that all scored the same replaced by fresh prompts once when others did not (``skip_zero_variance``,
+``refills``), then group-relative advantages, weighted per ``loss_agg``. An environment run's steps are ``rollouts.prepare_step``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ async def samples_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
     samples = out["samples"]
     version, scored, columns = await score_samples(run, step, prompts, samples)
     skipped = len(zero_variance(scored.rewards, groups_of(samples)))
-    if skipped and cfg.knobs.skip_zero_variance:  # as many fresh prompts, once (DAPO's dynamic sampling)
+    if refills(cfg, skipped, len(prompts)):  # as many fresh prompts, once (DAPO's dynamic sampling)
         more_prompts = run._next_prompts(skipped)
         more = (await run._sample(client, step, more_prompts, salt=1))["samples"]
         more = [{**s, "prompt_index": s["prompt_index"] + len(prompts)} for s in more]
@@ -83,6 +83,13 @@ async def score_samples(
         run._log(scored.stdout.rstrip("\n"))
     shown = run._shown(scored, scored.version or version, step, texts, completions, can_pause)
     return version, shown, columns
+
+
+def refills(cfg: Any, flat: int, groups: int) -> bool:
+    """Whether a step whose draw had ``flat`` of ``groups`` groups scoring all the same draws as many
+    fresh prompts: with ``skip_zero_variance``, when some group of the draw did spread (where every group
+    is flat, as early on with a sparse reward, fresh prompts would most likely be flat too)."""
+    return bool(cfg.knobs.skip_zero_variance and 0 < flat < groups)
 
 
 def groups_of(samples: list[dict]) -> list[list[int]]:

@@ -245,6 +245,8 @@ def step_metrics(episodes: list[Episode]) -> dict[str, float]:
 async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) -> PreparedStep:
     """An environment run's step before its update (``Run._prepare`` for ``train(env=...)``): every
     prompt's episodes played, shown as a step's samples are, then their advantages."""
+    from openrl_jupyter.prepare import refills
+
     cfg = run.config
     t0 = time.time()
     version: RewardVersion = cfg.reward_fn or envs.latest(cfg.reward)
@@ -270,7 +272,7 @@ async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
 
     episodes = await played(prompts, 0)
     skipped = len(_flat_rows(episodes))
-    if skipped and cfg.knobs.skip_zero_variance:  # as many fresh prompts, once (as a reward run does)
+    if refills(cfg, skipped, len(prompts)):  # as many fresh prompts, once (as a reward run does)
         more_prompts = run._next_prompts(skipped)
         more = await played(more_prompts, 1)
         for ep in more:

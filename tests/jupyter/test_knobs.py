@@ -341,15 +341,25 @@ def test_a_refill_whose_samples_all_fail_does_not_pause_a_step_that_scored(sessi
 
     def reward(prompt, completion, **info):
         calls.append(prompt)
-        if len(calls) <= SMALL["batch"] * SMALL["group"]:
-            return 0.5  # the first draw: every group flat, so all of them are replaced
+        if len(calls) <= SMALL["group"]:
+            return 0.5  # the first prompt's group: flat, so it is replaced
+        if len(calls) <= 2 * SMALL["group"]:
+            return float(len(calls))  # the second's: spread
         raise ValueError("the refill's prompts break this reward")
 
     run = session.train(reward=reward, prompts=PROMPTS, steps=1, **SMALL)
     (row,) = finished(run)
-    drawn = SMALL["batch"] * SMALL["group"]
-    assert row["n"] == 2 * drawn and row["failed"] == drawn and row["trained"] == 0
+    group = SMALL["group"]
+    assert row["n"] == 3 * group and row["failed"] == group and row["skipped_groups"] == 1
+    assert row["trained"] > 0  # the group that spread trains
     assert run.reward_failure is not None and "refill" in run.reward_failure.error
+
+
+def test_a_step_whose_groups_are_all_flat_is_not_redrawn(session):
+    run = session.train(reward=lambda prompt, completion, **info: 0.0, prompts=PROMPTS, steps=2, **SMALL)
+    rows = finished(run)
+    drawn = SMALL["batch"] * SMALL["group"]
+    assert all(r["n"] == drawn and r["skipped_groups"] == SMALL["batch"] and r["trained"] == 0 for r in rows)
 
 
 def test_a_weighted_rewards_failure_names_the_reward_that_failed_its_sample():
