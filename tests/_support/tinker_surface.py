@@ -483,6 +483,11 @@ OPTIONS_DOC = [
     '| `loss_fn="stable_reinforce"`, `record_stability_info=True`, datum provenance | yes (alpha) | '
     "sequences recorded by sequence id for a day after their last use, in the sampling session; the "
     "loss uses the recorded sampler logprobs (`tests/service/test_stable_reinforce.py`) |",
+    '| `loss_fn_config={"kl_ref_coef": c}` with `loss_fn_inputs["ref_logprobs"]` | yes (this service\'s '
+    "extension) | every RL loss adds c × Σ k3 KL(policy ‖ reference) over the positions it trains, given "
+    "the reference policy's logprobs of the targets; a coefficient above 0 without `ref_logprobs` is "
+    "refused (a 400 naming both), and without the key the losses are exactly Tinker's "
+    "(`tests/service/test_kl_ref.py`) |",
     '| `save_weights_and_get_sampling_client(kind="inflight")` | yes | one shared set of weights per '
     "run, which each later inflight save updates for every inflight client of the run "
     "(`tests/service/test_stable_reinforce.py`) |",
