@@ -21,7 +21,7 @@ from typing import Any
 
 from openrl_jupyter.advantages import group_advantages
 from openrl_jupyter.env import EnvFromMessageEnv, MessageEnv, Renderer, envs, tokens_of
-from openrl_jupyter.knobs import aggregated
+from openrl_jupyter.knobs import aggregated, zero_variance
 from openrl_jupyter.rewards import RewardVersion, Scored
 from openrl_jupyter.steps import PreparedStep
 
@@ -271,14 +271,14 @@ async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
         )
 
     episodes = await played(prompts, 0)
-    skipped = len(_flat_rows(episodes))
+    skipped = _flat_groups(episodes)
     if refills(cfg, skipped, len(prompts)):  # as many fresh prompts, once (as a reward run does)
         more_prompts = run._next_prompts(skipped)
         more = await played(more_prompts, 1)
         for ep in more:
             ep.row += len(prompts)
         prompts, episodes = prompts + more_prompts, episodes + more
-        skipped += len(_flat_rows(more))
+        skipped += _flat_groups(more)
     t_played = time.time()
     texts = [prompts[ep.row]["prompt"] for ep in episodes]
     shown = run._shown(scored(episodes, version), version, step, texts, [ep.transcript for ep in episodes])
@@ -300,10 +300,11 @@ async def prepare_step(run: Any, client: Any, step: int, prompts: list[dict]) ->
     )
 
 
-def _flat_rows(episodes: list[Episode]) -> list[int]:
-    """The rows whose episodes (those that did not fail, at least two) all scored the same."""
-    rows: dict[int, list[float]] = {}
-    for ep in episodes:
-        if ep.error is None and ep.reward is not None:
-            rows.setdefault(ep.row, []).append(ep.reward)
-    return [r for r, rewards in rows.items() if len(rewards) >= 2 and max(rewards) == min(rewards)]
+def _flat_groups(episodes: list[Episode]) -> int:
+    """How many rows' episodes (those that did not fail, at least two) all scored the same
+    (``knobs.zero_variance``, as a reward run's groups are counted)."""
+    rows: dict[int, list[int]] = {}
+    for i, ep in enumerate(episodes):
+        rows.setdefault(ep.row, []).append(i)
+    rewards = [ep.reward if ep.error is None else None for ep in episodes]
+    return len(zero_variance(rewards, list(rows.values())))
