@@ -16,13 +16,29 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 VALUES = K8S / "jupyterhub" / "values.yaml"
+PUBLIC_VALUES = K8S / "jupyterhub" / "public.yaml"  # the second --values that exposes the hub
+SETTINGS_ENV = K8S / "settings" / "settings.env"  # what an admin edits: namespaces, bucket, API server
+
+
+def read_settings(path: Path = SETTINGS_ENV) -> dict[str, str]:
+    """settings.env as kustomize reads it (key=value lines; # comments and blank lines skipped)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+SETTINGS = read_settings()
 # Every directory right under k8s/overlays is an overlay an admin applies (two-model/large is a part
 # of two-model, one level down).
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 GPU_OVERLAYS = [o for o in OVERLAYS if o.startswith("gke-")] + ["two-model"]
-HUB_RELEASE = "jhub"  # the helm release name and namespace k8s/README.md installs the hub as
-HUB_NAMESPACE = "jhub"
-SERVICE_NAMESPACE = "openrl"
+HUB_RELEASE = "jhub"  # the helm release name k8s/README.md installs the hub as
+HUB_NAMESPACE = SETTINGS["hub_namespace"]
+SERVICE_NAMESPACE = SETTINGS["namespace"]
 CHART_VERSION = "4.4.0"
 
 

@@ -22,6 +22,7 @@ from tests.k8s._k8s import (
     OVERLAYS,
     ROOT,
     SERVICE_NAMESPACE,
+    SETTINGS,
     PodTemplate,
     containers,
     env_of,
@@ -401,12 +402,11 @@ def test_gcsfuse_volumes_are_wired(name):
         ]
         if not fuse:
             continue
-        # GKE injects the FUSE sidecar only into annotated pods; the bucket came from the ConfigMap
+        # GKE injects the FUSE sidecar only into annotated pods; the bucket is settings.env's
         assert tmpl["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
         assert tmpl["spec"]["serviceAccountName"] == "openrl-service"
         bucket = fuse[0]["csi"]["volumeAttributes"]["bucketName"]
-        buckets = {m["data"]["bucket"] for m in of_kind(objs, "ConfigMap") if "bucket" in m.get("data", {})}
-        assert bucket in buckets and fuse[0]["csi"]["readOnly"] is True
+        assert bucket == SETTINGS["bucket"] and fuse[0]["csi"]["readOnly"] is True
         # and the sidecar may reach Cloud Storage: some egress policy selects this pod and allows 443
         extra = [
             p

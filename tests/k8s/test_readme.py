@@ -6,7 +6,20 @@ import re
 
 import pytest
 
-from tests.k8s._k8s import K8S, OVERLAYS, ROOT, containers, flag, of_kind, overlay, pod_templates, render
+from tests.k8s._k8s import (
+    HUB_NAMESPACE,
+    K8S,
+    OVERLAYS,
+    ROOT,
+    SERVICE_NAMESPACE,
+    SETTINGS,
+    containers,
+    flag,
+    of_kind,
+    overlay,
+    pod_templates,
+    render,
+)
 
 README = (K8S / "README.md").read_text()
 KUSTOMIZE_PATHS = sorted(set(re.findall(r"kubectl (?:apply -k|kustomize) (k8s/[\w./-]+)", README)))
@@ -29,10 +42,18 @@ def test_every_overlay_is_documented():
         assert f"overlays/{name}" in README, f"k8s/README.md does not mention overlays/{name}"
 
 
+def shell_value(word: str) -> str:
+    """A README word as the shell sees it once settings.env is loaded ("$namespace" -> openrl)."""
+    word = word.strip('"')
+    m = re.fullmatch(r"\$\{?(\w+)\}?", word)
+    return SETTINGS[m.group(1)] if m else word
+
+
 def test_secret_command_matches_the_mounted_file():
     m = re.search(r"-n (\S+) create secret generic (\S+) --from-file=([\w.-]+)=", README)
     assert m, "k8s/README.md does not show how to create the API-key Secret"
     namespace, name, key = m.groups()
+    namespace = shell_value(namespace)
     for o in OVERLAYS:
         for dep in pod_templates(overlay(o)):
             assert dep.workload["metadata"]["namespace"] == namespace
@@ -45,9 +66,10 @@ def test_secret_command_matches_the_mounted_file():
 
 
 def test_workload_identity_member_is_the_service_account():
-    m = re.search(r"subject/ns/([\w-]+)/sa/([\w-]+)", README)
+    m = re.search(r"subject/ns/([\w$-]+)/sa/([\w-]+)", README)
     assert m
     namespace, sa = m.groups()
+    namespace = shell_value(namespace)
     for o in OVERLAYS:
         objs = overlay(o)
         assert any(
@@ -58,23 +80,23 @@ def test_workload_identity_member_is_the_service_account():
             assert dep.spec["serviceAccountName"] == sa
 
 
-def test_bucket_sed_hits_every_bucket_literal():
-    m = re.search(r'sed -i "s/(bucket=[\w-]+)/bucket=\$BUCKET/" ([^\n]+)', README)
-    assert m, "k8s/README.md does not show how to set the bucket"
-    literal, files = m.group(1), m.group(2).split()
-    targets = set()
-    for pattern in files:
-        targets |= set(ROOT.glob(pattern))
-    holding = {p for p in (K8S / "overlays").rglob("kustomization.yaml") if "bucket=" in p.read_text()}
-    assert holding and holding <= targets, f"the sed misses {holding - targets}"
-    for p in holding:
-        assert literal in p.read_text()
+def test_no_file_is_patched_with_sed_and_settings_come_from_settings_env():
+    """Cluster values live in k8s/settings/settings.env, which the README loads and names key by key."""
+    assert "sed -i" not in README
+    assert ". k8s/settings/settings.env" in README
+    for key in SETTINGS:
+        assert f"`{key}`" in README, f"k8s/README.md does not say what {key} (settings.env) is"
+    # the bucket the README creates and grants is the one settings.env names
+    assert "gcloud storage buckets create gs://$bucket" in README
+    assert "add-iam-policy-binding gs://$bucket" in README
 
 
 def test_readme_helm_command_uses_the_namespace_the_service_calls():
-    m = re.search(r"helm upgrade --install (\S+) jupyterhub .*?--namespace (\S+)", README, re.S)
-    assert m
-    release, namespace = m.groups()
-    (dep,) = of_kind(overlay("cpu"), "Deployment")
-    assert f"hub.{namespace}.svc.cluster.local" in flag(containers(dep)[-1]["args"], "--hub-api-url")
-    assert release == namespace == "jhub"
+    commands = re.findall(r"helm upgrade (?:--install )?(\S+) jupyterhub .*?--namespace (\S+)", README, re.S)
+    assert commands
+    for release, namespace in commands:
+        namespace = shell_value(namespace)
+        (dep,) = of_kind(overlay("cpu"), "Deployment")
+        assert f"hub.{namespace}.svc.cluster.local" in flag(containers(dep)[-1]["args"], "--hub-api-url")
+        assert namespace == HUB_NAMESPACE and release == "jhub"
+    assert SERVICE_NAMESPACE in README
