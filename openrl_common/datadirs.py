@@ -148,6 +148,19 @@ def loopback_url(url: object) -> str | None:
     return url if re.fullmatch(r"http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url) else None
 
 
+TINY_SPECS = ("tiny", "openrl/tiny")
+
+
+def data_home() -> str:
+    """The one folder under which ``openrl-service serve``, ``connect(local=True)`` and the CLI keep
+    their data, one subfolder per model: ``$OPENRL_DATA_HOME``, else ``$XDG_DATA_HOME/openrl``, else
+    ``~/.local/share/openrl``."""
+    if os.environ.get("OPENRL_DATA_HOME"):
+        return os.environ["OPENRL_DATA_HOME"]
+    xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(xdg, "openrl")
+
+
 def user_data_folder(variable: str, name: str) -> str:
     """``$variable`` when set, else ``openrl-<name>`` in the Jupyter data folder (without
     jupyter_core: ``~/.local/share/openrl/<name>``): a folder of this user's that outlives kernels."""
@@ -161,25 +174,54 @@ def user_data_folder(variable: str, name: str) -> str:
         return os.path.join(os.path.expanduser("~"), ".local", "share", "openrl", name)
 
 
+def model_slug(models: str | list[str] | tuple[str, ...] | None) -> str:
+    """The data subfolder's name for a service of ``models`` (``--model`` specs, in order): ``tiny`` for
+    the tiny model, else the specs' last path parts and a digest of them, so ``serve --model X`` and
+    ``connect(local=True, model="X")`` meet in one folder and two models never share one."""
+    specs = [models] if isinstance(models, str) else list(models or [])
+    specs = ["tiny" if m in TINY_SPECS else m for m in specs] or ["tiny"]
+    if specs == ["tiny"]:
+        return "tiny"
+    names = [
+        re.sub(r"[^A-Za-z0-9._]+", "-", os.path.basename(os.path.normpath(m)) or m).strip("-._")
+        for m in specs
+    ]
+    digest = hashlib.sha256("\n".join(specs).encode()).hexdigest()[:8]  # two folders of one name stay apart
+    return f"{'+'.join(n[-40:] or 'model' for n in names)[:80]}-{digest}"
+
+
+def model_data_dir(models: str | list[str] | tuple[str, ...] | None = None) -> str:
+    """The default data folder of a service of ``models``: ``<data_home()>/<model_slug(models)>``."""
+    return os.path.join(data_home(), model_slug(models))
+
+
 def local_data_dir(model: str | None = None) -> str:
-    """Where the notebook's embedded service of ``model`` keeps its data, detached or not:
-    ``$OPENRL_LOCAL_DATA_DIR``, else the Jupyter data folder's ``openrl-local``
-    (``~/.local/share/jupyter/openrl-local`` on Linux; it follows ``$XDG_DATA_HOME`` /
-    ``$JUPYTER_DATA_DIR``), for the tiny model; another model's is beside it,
-    ``openrl-local-<model>-<hash>``, so kernels of different models do not contend for one folder. It
-    outlives kernels: checkpoints and the key."""
-    base = user_data_folder("OPENRL_LOCAL_DATA_DIR", "local")
-    if model in (None, "tiny", "openrl/tiny"):
-        return base
-    slug = re.sub(r"[^A-Za-z0-9._]+", "-", os.path.basename(os.path.normpath(model)) or model).strip("-._")
-    digest = hashlib.sha256(model.encode()).hexdigest()[:8]  # two folders of one name stay apart
-    return f"{base.rstrip(os.sep)}-{slug[-40:] or 'model'}-{digest}"
+    """Where the notebook's embedded service of ``model`` keeps its data, detached or not: the folder
+    ``openrl-service serve --model MODEL`` uses too (``model_data_dir``), so a notebook joins a service
+    started from a terminal and ``tinker checkpoint list`` against that service lists what the notebook
+    saved. ``$OPENRL_LOCAL_DATA_DIR`` overrides it: that folder for the tiny model, and beside it
+    ``<it>-<model_slug>`` for another. It outlives kernels: checkpoints and the key."""
+    base = os.environ.get("OPENRL_LOCAL_DATA_DIR")
+    if not base:
+        return model_data_dir(model)
+    slug = model_slug(model)
+    return base if slug == "tiny" else f"{base.rstrip(os.sep)}-{slug}"
 
 
 def local_data_dirs() -> list[str]:
-    """Every embedded service's data folder of this user (the tiny model's and the others beside it)."""
-    base = local_data_dir().rstrip(os.sep)
-    return [base, *sorted(glob.glob(glob.escape(base) + "-*-" + "[0-9a-f]" * 8))]
+    """Every embedded service's data folder of this user (one per model; those that hold a lock file or
+    a key, i.e. that a service used)."""
+    base = os.environ.get("OPENRL_LOCAL_DATA_DIR")
+    if base:
+        base = base.rstrip(os.sep)
+        return [base, *sorted(glob.glob(glob.escape(base) + "-*-" + "[0-9a-f]" * 8))]
+    home = data_home()
+    found = [
+        os.path.join(home, d)
+        for d in sorted(os.listdir(home) if os.path.isdir(home) else [])
+        if os.path.exists(os.path.join(home, d, LOCK_NAME)) or os.path.exists(os.path.join(home, d, KEY_NAME))
+    ]
+    return found or [model_data_dir()]
 
 
 def discovery_dir() -> str | None:

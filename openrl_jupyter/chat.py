@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import ipywidgets as w
 
+from openrl_jupyter.chat_reply import blank_note
+
 
 class ChatBox(w.VBox):
     def __init__(self, send: Callable[[str], str], *, title: str):
@@ -39,6 +41,8 @@ class ChatBox(w.VBox):
     def _answered(self, text: str, future) -> None:
         try:
             reply = future.result()
+            note = blank_note(reply, "the model")
+            reply = reply if note is None else f"[{note}]"
         except Exception as e:  # noqa: BLE001 - shown in the box, one line
             reply = f"[error: {e}]"
         self.turns.append((text, reply))

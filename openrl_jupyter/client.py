@@ -53,6 +53,41 @@ SSE_READ_TIMEOUT_S = 30.0  # the service sends a tick every second: silence this
 MAX_RETRY_AFTER_S = 60.0  # a Retry-After longer than this (a proxy's "in a day") is waited this long
 
 
+PREFLIGHT_S = 5.0  # connect() says nothing answers at a URL after this long, not after the retries' minutes
+
+
+def preflight(
+    url: str, *, within_s: float = PREFLIGHT_S, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Check that something answers HTTP at ``url`` (any status will do) within ``within_s``, trying
+    again after a refused connection; a ServiceUnavailable naming the URL, what was tried and how to
+    start a service otherwise. The clients' own retries (minutes, with backoff) are for a service
+    that answered once and restarts, not for a URL nothing listens on."""
+    url = url.rstrip("/")
+    start = time.monotonic()
+    tries, last = 0, None
+    with httpx.Client(timeout=within_s) as http:
+        while True:
+            tries += 1
+            left = within_s - (time.monotonic() - start)
+            try:
+                http.get(f"{url}/readyz", timeout=max(0.5, left))
+                return
+            except httpx.TransportError as exc:
+                last = exc
+            if time.monotonic() - start + 0.5 >= within_s:
+                break
+            sleep(0.5)
+    waited = time.monotonic() - start
+    why = f"{type(last).__name__}: {last}" if str(last) else type(last).__name__
+    raise ServiceUnavailable(
+        f"nothing answers at {url}: tried GET {url}/readyz {tries} time{'s' if tries > 1 else ''} over "
+        f"{waited:.1f} s ({why}). Check the URL (OPENRL_URL, TINKER_BASE_URL or the one given), or start "
+        "a service there: `openrl-service serve` prints its URL and key; connect(local=True) "
+        "(%openrl connect --local) starts one in this kernel"
+    )
+
+
 def retry_after_s(value: str | None) -> float | None:
     """A Retry-After header's wait in seconds, within [0, MAX_RETRY_AFTER_S]: delay-seconds or an
     HTTP-date (RFC 9110 §10.2.3); None when absent or neither (the caller's own backoff then)."""
@@ -181,8 +216,15 @@ class _Base:
             message, field = _short(response.text) or response.reason_phrase, None
         where = f"{method} {path} on {self.url}"
         if status == 401:
+            # the service's own message may already say which key to check: say it once
+            told = "OPENRL_TOKEN" in str(message)
+            hint = (
+                ", or the one given to connect(token=...)"
+                if told
+                else " (check the key: OPENRL_TOKEN or connect(token=...))"
+            )
             raise AuthenticationError(
-                f"{where}: {message} (check the key: OPENRL_TOKEN or connect(token=...))",
+                f"{where}: {message}{hint}",
                 status=status,
                 field=field,
             )
@@ -336,6 +378,20 @@ def train_step(
     return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
 
 
+def sft_step(
+    run_id: str,
+    examples: list[dict],
+    *,
+    optimizer: dict | None = None,
+    idempotency_key: str | None = None,
+) -> Call:
+    """One supervised step on ``{"prompt", "completion"}`` examples (a warm start before RL); returns
+    its loss per trained token. Sent again with the same ``idempotency_key``, it is applied once."""
+    body = {"examples": examples, "optimizer": optimizer or {}}
+    call = Call("POST", f"{API}/runs/{run_id}/sft_step", json=body)
+    return dataclasses.replace(call, key=idempotency_key) if idempotency_key else call
+
+
 def render(messages: list[dict], tools: list | None = None, model: str | None = None) -> Call:
     """Chat messages (and tools) as the model's template renders them: ``{tokens, stop_tokens,
     tool_family}`` (an environment's next observation)."""
@@ -429,6 +485,7 @@ REQUESTS: dict[str, Callable[..., Call]] = {
         control,
         sample,
         train_step,
+        sft_step,
         render,
         decode,
         save,

@@ -66,10 +66,27 @@ class Parser(MagicArgumentParser):
 
 
 def _as_typed(text: str) -> str:
-    """IPython writes usage as reST (``::`` and ``%%openrl``); the help shows what one types."""
+    """IPython writes usage as reST (``::`` and ``%%openrl``); the help shows what one types. Only the
+    usage is rewritten: the text below it names the cell magics (``%%openrl reward``) as they are."""
     if text.startswith("::\n\n  "):
         text = "usage: " + text[len("::\n\n  ") :]
-    return text.replace(":: ", "").replace("%%openrl", "%openrl")
+    usage, gap, rest = text.partition("\n\n")
+    return usage.replace(":: ", "").replace("%%openrl", "%openrl") + gap + rest.replace(":: ", "")
+
+
+def rungs_value(text: str) -> int | list[int]:
+    """``--rungs``: a count ("2") or the rungs' steps ("5,10,20")."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes a count (2) or comma-separated steps (5,10,20); got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"takes a count (2) or comma-separated steps (5,10,20); got {text!r}"
+        )
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 def parser(prog: str, description: str) -> Parser:
@@ -220,10 +237,10 @@ def parsers() -> dict[str, MagicArgumentParser]:
     t.add_argument(
         "--reward",
         default=None,
-        help="a reward registered with %%openrl reward NAME, or several weighted: correct=1,format=0.2",
+        help="a reward registered with %%%%openrl reward NAME, or several weighted: correct=1,format=0.2",
     )
     t.add_argument(
-        "--env", default=None, help="instead of --reward: an environment registered with %%openrl env NAME"
+        "--env", default=None, help="instead of --reward: an environment registered with %%%%openrl env NAME"
     )
     t.add_argument("--prompts", required=True, help="a notebook variable (list) or a .txt/.jsonl path")
     t.add_argument(
@@ -309,7 +326,14 @@ def parsers() -> dict[str, MagicArgumentParser]:
         w.add_argument(flag, default=None, help=f"{what}, comma-separated")
     w.add_argument("--steps", type=int, default=60, help="the most steps of each run")
     w.add_argument("--budget", type=int, default=None, help="the most steps of all runs together")
-    w.add_argument("--rungs", type=int, default=None, help="how many halvings (default: down to one run)")
+    w.add_argument(
+        "--rungs",
+        type=rungs_value,
+        default=None,
+        help="how many rungs, or their steps: 5,10,20 (default: as many as halve the runs to one, each "
+        "twice as far in as the one before: ..., steps/4, steps/2; none before steps/8, at least step 2 "
+        "and at most step 10, nor within 2 steps of another: a 4-step sweep has one rung, at step 2)",
+    )
     w.add_argument("--keep", type=float, default=0.5, help="the share kept at each rung")
     w.add_argument("--metric", default="reward_mean", help="the history column runs are ranked by")
     w.add_argument("--group", type=int, default=None, help="samples per prompt (default: the model's)")
@@ -355,7 +379,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         "chat",
         "Talk to a model through the service's OpenAI-compatible API: a tinker:// checkpoint, a base model or "
         "a run of this kernel (its current weights). With a message, prints the reply (the conversation "
-        "continues on the next %%openrl chat of the same model); without one, shows a chat box.",
+        "continues on the next %openrl chat of the same model); without one, shows a chat box.",
     )
     ch.add_argument("model", help="a tinker:// checkpoint, a base model, or a run name")
     ch.add_argument("message", nargs="*", help="what to say (quote it or not)")
@@ -372,7 +396,9 @@ def parsers() -> dict[str, MagicArgumentParser]:
     ex.add_argument("model", help="a tinker:// checkpoint or a run name")
     ex.add_argument("dir", help="the folder to create")
     ex.add_argument("--merged", action="store_true", help="merge the adapter into a full model folder")
-    ex.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    ex.add_argument(
+        "--force", "--overwrite", action="store_true", dest="force", help="replace DIR if it exists"
+    )
     ex.add_argument("--session", default=None)
     r = p["runs"] = parser(
         "runs",
@@ -435,7 +461,7 @@ def parsers() -> dict[str, MagicArgumentParser]:
         dest="stop_service",
         help="also stop the embedded service, even a detached one or another kernel's (its data stay)",
     )
-    h = p["help"] = parser("help", "This text, or one subcommand's options: %%openrl help train.")
+    h = p["help"] = parser("help", "This text, or one subcommand's options: %openrl help train.")
     h.add_argument("verb", nargs="?", default=None, metavar="SUBCOMMAND", help="the subcommand to explain")
     for v in p.values():  # every verb that picks a connection says how
         for action in v._actions:

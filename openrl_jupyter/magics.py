@@ -20,6 +20,7 @@ from traitlets import Float, Unicode
 import openrl_jupyter.session as sessions
 from openrl_jupyter import hub, listing
 from openrl_jupyter._exceptions import OpenRLError, RewardCellError, UsageError
+from openrl_jupyter.chat_reply import blank_note
 from openrl_jupyter.listing import Table
 from openrl_jupyter.magic_args import detach_kwargs, help_text, knob_kwargs, parsers, reward_weights, suggest
 from openrl_jupyter.rewards import registry
@@ -330,7 +331,9 @@ class OpenRLMagics(Magics):
         history = self._chats[key]
         params = {"max_tokens": a.max_tokens, "temperature": a.temperature}
         if a.message:
-            print(session.chat(a.model, " ".join(a.message), history=history, **params))
+            reply = session.chat(a.model, " ".join(a.message), history=history, **params)
+            note = blank_note(reply, a.model)
+            print(reply if note is None else f"openrl: {note}")
             return None
         from openrl_jupyter.chat import ChatBox
 
@@ -338,6 +341,8 @@ class OpenRLMagics(Magics):
 
     def _export(self, a):
         session = self._session(a.session)
+        if not a.force:
+            sessions.refuse_full_folder(a.dir, "--force")
         info = session.export(a.model, a.dir, merged=a.merged, overwrite=a.force)
         kind = "Hugging Face model folder (merged)" if info["format"] == "merged" else "PEFT adapter folder"
         print(

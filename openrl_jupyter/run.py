@@ -181,13 +181,18 @@ class Run:
             return [dict(s) for s in list(self._samples)[-k:]] if k > 0 else []
 
     def to_pandas(self):
-        """``history`` as a pandas DataFrame indexed by step (needs pandas)."""
+        """``history`` as a pandas DataFrame, one row per step: ``step`` is a column (so
+        ``frame[["step", "reward_mean"]]`` works) and the index too (``frame.loc[3]`` is step 3;
+        the index is unnamed so that ``sort_values("step")`` is not ambiguous). Needs pandas."""
         try:
             import pandas as pd
         except ImportError:
             raise UsageError("to_pandas() needs pandas: pip install pandas") from None
         frame = pd.DataFrame(self.history)
-        return frame.set_index("step") if "step" in frame else frame
+        if "step" not in frame:
+            return frame
+        frame.index = pd.Index(frame["step"].to_list())
+        return frame
 
     # -- control --------------------------------------------------------------------------------
     def pause(self, *, wait: bool = False, timeout: float | None = None) -> Run:

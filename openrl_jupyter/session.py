@@ -17,12 +17,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.util import find_spec
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openrl_common.datadirs import local_data_dir
 from openrl_jupyter import credentials
 from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable, UsageError
-from openrl_jupyter.client import AsyncClient, Client
+from openrl_jupyter.chat_reply import ChatReply
+from openrl_jupyter.client import AsyncClient, Client, preflight
 from openrl_jupyter.hub import keep_alive
 from openrl_jupyter.local import (
     EXIT_DATA_DIR_IN_USE,
@@ -208,8 +210,11 @@ class Session:
         :class:`~openrl_jupyter.sweep.Sweep` (see ``openrl_jupyter.sweep``).
 
         Options: steps, budget, rungs, keep, metric, mode, name, save_best, and any ``train``
-        option shared by every run (group, batch, max_tokens, ...). ``detach="local"`` (or True)
-        / ``"k8s"``: the sweep runs in a job that outlives this kernel; returns its Job."""
+        option shared by every run (group, batch, max_tokens, ...). ``rungs``: None (as many as halve
+        the runs to one, each twice as far in as the one before, none before steps/8 — at least step
+        2, at most 10 — nor within 2 steps of another), a count of those, or a list of steps.
+        ``detach="local"`` (or True) / ``"k8s"``: the sweep runs in a job that outlives this kernel;
+        returns its Job."""
         from openrl_jupyter.sweep import Sweep
 
         if detach:
@@ -286,7 +291,8 @@ class Session:
         """One chat turn with ``model`` through the service's OpenAI-compatible API: a base model, a
         ``tinker://`` checkpoint (``run.save()`` gives one) or a run of this kernel by name (its current
         weights, saved first). ``history`` (a list of {role, content}) is extended with the turn;
-        ``params`` are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``)."""
+        ``params`` are OpenAI's (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``).
+        The reply is a str with ``finish_reason`` and ``completion_tokens`` (``chat_reply.ChatReply``)."""
         messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
         messages.append({"role": "user", "content": message})
         reply = self.client.request(
@@ -294,10 +300,22 @@ class Session:
             "/v1/chat/completions",
             json={"model": self.model_ref(model), "messages": messages, **params},
         )
-        text = reply["choices"][0]["message"]["content"]
+        choice = reply["choices"][0]
+        text = ChatReply(
+            choice["message"]["content"] or "",
+            finish_reason=choice.get("finish_reason"),
+            completion_tokens=(reply.get("usage") or {}).get("completion_tokens"),
+        )
         if history is not None:
             history += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
         return text
+
+    def sft(self, examples: Any, **options: Any) -> Any:
+        """A supervised warm start before RL (``openrl_jupyter.sft.sft``; options ``steps``, ``batch``,
+        ``learning_rate``, ``rank``, ``seed``, ``name``): a WarmStart whose ``checkpoint`` a run loads."""
+        from openrl_jupyter.sft import sft
+
+        return sft(self, examples, **options)
 
     def evaluate(
         self,
@@ -355,6 +373,8 @@ class Session:
         path = self.model_ref(model)
         if not path.startswith("tinker://"):
             raise UsageError(f"export takes a tinker:// checkpoint or a run of this kernel; got {model!r}")
+        if not overwrite:
+            refuse_full_folder(dest, "overwrite=True")
         try:
             return download_export(
                 path, dest, merged=merged, base_url=self.url, api_key=self._token or "", overwrite=overwrite
@@ -566,6 +586,8 @@ def connect(
                 "no openrl service to connect to: pass a URL, set OPENRL_URL (and OPENRL_TOKEN) or "
                 "TINKER_BASE_URL (and TINKER_API_KEY), or use local=True to start one here"
             )
+    if local_service is None:
+        preflight(url)  # seconds, not the client's minutes of retries, to say a URL is wrong
     token = Secret(token) if token else None
     # an embedded service is sent the key only while its process lives and, after a connection failure,
     # once it has proved again that it is that service (another account may take a port it let go)
@@ -622,6 +644,14 @@ def _check_detached_model(found: LocalService, model: str) -> None:
             f"and serves {', '.join(repr(m) for m in served)}, not {model!r}: connect with that model "
             f"(or none), or stop it first (openrl-service stop --data-dir {found.data_dir}) and connect again"
         )
+
+
+def refuse_full_folder(dest: str | os.PathLike, flag: str) -> None:
+    """A UsageError naming ``flag`` (what allows it) when the export folder ``dest`` holds something."""
+    path = Path(dest)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "is not empty" if path.is_dir() else "is a file"
+        raise UsageError(f"{path} exists and {what}: add {flag} to replace it, or choose another folder")
 
 
 def served_name(model: str, served: Mapping[str, Any]) -> str | None:

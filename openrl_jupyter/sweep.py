@@ -16,9 +16,11 @@ better) over the run's history rows in a window of steps. For a run still in the
 every step after the last rung decided (all its steps before the first); for a run dropped at rung k
 it is the window it was ranked on there, from rung k-1 to rung k, so its score is the one in its
 ``stop_reason``. A run with no row in its window (it ended right at the rung) is scored on all its
-rows up to the window's end. The repr, ``_repr_html_`` (and the dashboard's table), ``to_pandas()``'s
-``score`` and ``score_steps`` columns and ``sweep.best`` all show this same number, and say which
-steps it averages; ``sweep.score_rule()`` says it in words.
+rows up to the window's end. The tables (the repr, ``_repr_html_``, the dashboard's, ``to_pandas()``)
+show the survivors' scores in one column (``score``, ``score_steps``: the steps it averages), and a
+dropped run's only beside the best run's score over the same steps (``rung_score`` vs
+``best_rung_score``, over ``rung_steps``): scores over different windows are never set side by side.
+``sweep.score_rule()`` says it in words.
 
 Successive halving: at each rung (a step number) a run that reaches it is held (paused between steps)
 until every live run has reached it, so they are compared at the same step; they are ranked by their
@@ -28,6 +30,12 @@ that pauses on an error, or that the user pauses, does not hold the others up: i
 rows it has. ``budget`` caps the steps of all runs together: once spent, every live run is stopped.
 When every run is done, the surviving run with the best score that did not fail is ``sweep.best`` and
 its weights are saved as the checkpoint ``<sweep>-best`` (``sweep.checkpoint``, a ``tinker://`` path).
+
+Where the rungs fall (:func:`~openrl_jupyter.sweep_plan.plan_rungs`): each twice as far in as the one
+before (..., steps/4, steps/2), as many as halve the runs to one, but none before an eighth of the
+steps (at least step 2, at most step 10) nor within two steps of another — so a 4-step sweep has one
+rung, at step 2, and a 40-step sweep of 8 runs has three, at steps 5, 10 and 20. ``rungs=k`` asks for
+the last k of those; ``rungs=[5, 10]`` names the steps.
 
 Grid keys are ``train`` options: lr, rank, loss, group, batch, max_tokens, temperature, seed,
 normalize_std, overlap, kl_coef, loss_agg, lr_schedule, epochs, minibatches, warmup_steps, top_p,
@@ -40,196 +48,42 @@ from __future__ import annotations
 
 import contextlib
 import html
-import itertools
-import math
-import numbers
 import re
-import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from openrl_jupyter._exceptions import OpenRLError, UsageError
+from openrl_jupyter.sweep_plan import (
+    GRID_KEYS,
+    MAX_POINTS,
+    Score,
+    expand_grid,
+    plan_rungs,
+    point_label,
+    reward_label,
+    survivors,
+    window_mean,
+)
 
 if TYPE_CHECKING:
     from openrl_jupyter.run import Run
 
-GRID_KEYS = (
-    "lr",
-    "rank",
-    "loss",
-    "group",
-    "batch",
-    "max_tokens",
-    "temperature",
-    "seed",
-    "normalize_std",
-    "overlap",
-    "reward",
-    "kl_coef",
-    "loss_agg",
-    "lr_schedule",
-    "epochs",
-    "minibatches",
-    "warmup_steps",
-    "top_p",
-    "top_k",
-)
-MAX_POINTS = 64  # runs one sweep may start (the service's per-tenant run quota is the real limit)
+__all__ = [
+    "GRID_KEYS",
+    "MAX_POINTS",
+    "Score",
+    "Sweep",
+    "expand_grid",
+    "plan_rungs",
+    "point_label",
+    "survivors",
+    "window_mean",
+]
 POLL_S = 0.2
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # + "-best": a checkpoint name
-_SHORT = {
-    "lr": "lr",
-    "rank": "r",
-    "group": "g",
-    "batch": "b",
-    "max_tokens": "t",
-    "temperature": "temp",
-    "seed": "s",
-    "kl_coef": "kl",
-    "epochs": "ep",
-    "minibatches": "mb",
-    "warmup_steps": "wu",
-    "top_p": "p",
-    "top_k": "k",
-}
-_LOSS_SHORT = {"importance_sampling": "is", "ppo": "ppo"}
-
-
-def _num(v: Any) -> str:
-    """A compact number for a run name: 1e-4, 3e-5, 0.5, 8 (numpy numbers as their Python twins)."""
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        v = int(v)
-    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
-        v = float(v)
-    if isinstance(v, float) and v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4):
-        mantissa, exp = f"{v:e}".split("e")
-        mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{int(exp)}"
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def _reward_label(v: Any) -> str:
-    if callable(v):
-        name = getattr(v, "__name__", "") or "reward"
-        return "lambda" if name == "<lambda>" else name
-    return str(v)
-
-
-def point_label(point: Mapping[str, Any]) -> str:
-    """The suffix of a grid point's run name: ``lr1e-4-r8-ppo``."""
-    parts = []
-    for key, v in point.items():
-        if key == "loss":
-            parts.append(_LOSS_SHORT.get(v, str(v)))
-        elif key == "reward":
-            parts.append(_reward_label(v))
-        elif key == "normalize_std":
-            parts.append("std" if v else "nostd")
-        elif key == "overlap":
-            parts.append(f"ov{int(v)}")
-        elif key in ("loss_agg", "lr_schedule"):
-            parts.append(str(v))
-        else:
-            parts.append(f"{_SHORT[key]}{_num(v)}")
-    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(parts))
-
-
-def expand_grid(grid: Any) -> list[dict[str, Any]]:
-    """Every combination of the grid's values (in the grid's order), after checking it."""
-    if not isinstance(grid, Mapping) or not grid:
-        raise UsageError(
-            f"grid must be a non-empty dict of train options to lists of values "
-            f"(keys: {', '.join(GRID_KEYS)}); got {grid!r}"
-        )
-    columns: dict[str, list] = {}
-    for key, values in grid.items():
-        if key not in GRID_KEYS:
-            raise UsageError(
-                f"grid key {key!r} is not a train option a sweep can vary; use one of {', '.join(GRID_KEYS)}"
-            )
-        if getattr(values, "ndim", None) == 1 and callable(getattr(values, "tolist", None)):
-            values = list(values)  # a 1-D numpy array: its elements (numpy scalars; checked per run)
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise UsageError(
-                f"grid[{key!r}] must be a list of values; got {type(values).__name__} {values!r}"
-            )
-        if not values:
-            raise UsageError(f"grid[{key!r}] is empty: give at least one value")
-        labels = [_reward_label(v) if key == "reward" else repr(v) for v in values]
-        if len(set(labels)) != len(labels):
-            raise UsageError(f"grid[{key!r}] repeats a value: {list(values)!r}")
-        columns[key] = list(values)
-    n = math.prod(len(v) for v in columns.values())
-    if n > MAX_POINTS:
-        raise UsageError(f"the grid has {n} points; a sweep starts at most {MAX_POINTS} runs")
-    keys = list(columns)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*columns.values())]
-
-
-def survivors(n: int, keep: float) -> int:
-    """How many of ``n`` ranked runs a rung keeps: the better ``keep`` share, rounded up, at least 1."""
-    return max(1, math.ceil(n * keep - 1e-9))
-
-
-def plan_rungs(rungs: Any, steps: int, n: int, keep: float) -> list[int]:
-    """The step numbers of the rungs. ``rungs``: a list of steps, a count, or None (as many as halve
-    ``n`` runs to one). A count of k puts them at steps/2^k, ..., steps/4, steps/2."""
-    if rungs is None:
-        count, left = 0, n
-        while left > 1:
-            left = survivors(left, keep)
-            count += 1
-        rungs = count
-    if isinstance(rungs, bool):
-        raise UsageError(f"rungs must be a count or a list of step numbers; got {rungs!r}")
-    if isinstance(rungs, int):
-        if not 0 <= rungs <= 16:
-            raise UsageError(f"rungs must be a count from 0 to 16 (or a list of steps); got {rungs}")
-        at = sorted({max(1, round(steps / 2 ** (rungs - i))) for i in range(rungs)})
-        return [s for s in at if s < steps]
-    if isinstance(rungs, (str, bytes)) or not isinstance(rungs, Sequence):
-        raise UsageError(f"rungs must be a count or a list of step numbers; got {rungs!r}")
-    at = list(rungs)
-    for s in at:
-        if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s < steps:
-            raise UsageError(f"rungs must be steps from 1 to steps-1 ({steps - 1}); got {s!r}")
-    if at != sorted(set(at)):
-        raise UsageError(f"rungs must be increasing step numbers; got {at!r}")
-    return at
-
-
-class Score(NamedTuple):
-    """A run's score: the mean of the sweep's metric over its rows from step ``first`` to ``last``."""
-
-    value: float | None  # None: no row in the window has the metric
-    first: int | None  # the first and last step averaged (None with value)
-    last: int | None
-
-    @property
-    def steps(self) -> str:
-        """The steps averaged, as the repr and ``to_pandas()['score_steps']`` write them: "21-40", "7"."""
-        if self.first is None:
-            return ""
-        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
-
-
-def window_mean(history: Sequence[Mapping[str, Any]], metric: str, since: int, upto: int | None) -> Score:
-    """The mean of ``metric`` over the history rows with ``since < step <= upto`` (None: no end), and
-    the steps it covers: the one place a sweep's score is computed."""
-    end = math.inf if upto is None else upto
-    rows = [
-        r
-        for r in history
-        if since < r["step"] <= end
-        and isinstance(r.get(metric), (int, float))
-        and not isinstance(r.get(metric), bool)
-    ]
-    if not rows:
-        return Score(None, None, None)
-    return Score(statistics.fmean(r[metric] for r in rows), rows[0]["step"], rows[-1]["step"])
 
 
 class Sweep:
@@ -387,8 +241,7 @@ class Sweep:
         window it was ranked on). A window with no rows (the run ended right at a rung) falls back
         to all of the run's rows up to ``upto``."""
         if since is None and upto is None and run.name in self.stopped_at_rung:
-            k = self.stopped_at_rung[run.name]
-            since, upto = (self.rungs[k - 2] if k > 1 else 0), self.rungs[k - 1]
+            since, upto = self._rung_window(self.stopped_at_rung[run.name])
         since = self._last_rung() if since is None else since
         score = window_mean(run.history, self.metric, since, upto)
         if score.value is None and since > 0:
@@ -413,7 +266,7 @@ class Sweep:
             )
         return head + (
             f"each run's steps since rung {decided} (step {self.rungs[decided - 1]}); "
-            "a run dropped at a rung keeps the score it was ranked on there"
+            "a dropped run is compared with the best over the steps it was ranked on"
         )
 
     def wait(self, timeout: float | None = None) -> Sweep:
@@ -467,11 +320,14 @@ class Sweep:
         return self._dashboard
 
     def to_pandas(self):
-        """One row per run, indexed by run name: its grid parameters; ``score`` (what ranks the
-        runs, see :meth:`score_of`) and ``score_steps`` (the steps it averages, "21-40");
-        ``final_<metric>`` (the last step's value) and ``max_<metric>`` (``min_`` when mode="min":
-        the best single step) for reference, neither of which ranks anything; ``steps`` done,
-        ``state``, ``stopped_at_rung`` (<NA> for a survivor) and ``best`` (True for ``sweep.best``).
+        """One row per run, indexed by run name: its grid parameters; for a run still in the sweep
+        ``score`` (what ranks the runs, see :meth:`score_of`) and ``score_steps`` (the steps it
+        averages, "21-40"); for a run dropped at a rung ``stopped_at_rung`` (<NA> for a survivor),
+        ``rung_score`` (its score over the steps it was ranked on there, ``rung_steps``) and
+        ``best_rung_score`` (``sweep.best``'s score over those same steps) — never in ``score``, whose
+        survivors are scored over later steps; ``final_<metric>`` (the last step's value) and
+        ``max_<metric>`` (``min_`` when mode="min": the best single step) for reference, neither of
+        which ranks anything; ``steps`` done, ``state`` and ``best`` (True for ``sweep.best``).
         ``frame.attrs["score"]`` is :meth:`score_rule`."""
         try:
             import pandas as pd
@@ -489,25 +345,36 @@ class Sweep:
         out = []
         for run in self.runs:
             values = [r[self.metric] for r in run.history if isinstance(r.get(self.metric), (int, float))]
+            rung = self.stopped_at_rung.get(run.name)
             score = self.score_of(run)
             row = {"run": run.name}
-            row.update(
-                {k: _reward_label(v) if k == "reward" else v for k, v in self.params[run.name].items()}
-            )
+            row.update({k: reward_label(v) if k == "reward" else v for k, v in self.params[run.name].items()})
             row.update(
                 {
-                    "score": score.value,
-                    "score_steps": score.steps,
+                    "score": None if rung else score.value,
+                    "score_steps": "" if rung else score.steps,
                     f"final_{self.metric}": values[-1] if values else None,
                     f"{peak}_{self.metric}": pick(values) if values else None,
                     "steps": run.step,
                     "state": str(run.state),
-                    "stopped_at_rung": self.stopped_at_rung.get(run.name),
+                    "stopped_at_rung": rung,
+                    "rung_score": score.value if rung else None,
+                    "rung_steps": score.steps if rung else "",
+                    # the best run over the very steps this one was ranked on: the fair comparison
+                    "best_rung_score": self._best_over(best, rung) if rung and best is not None else None,
                     "best": best is run,
                 }
             )
             out.append(row)
         return out
+
+    def _best_over(self, best: Run, k: int) -> float | None:
+        since, upto = self._rung_window(k)
+        return self.score(best, upto, since)
+
+    def _rung_window(self, k: int) -> tuple[int, int]:
+        """(since, upto): the steps rung ``k`` (1-based) ranked the runs on."""
+        return (self.rungs[k - 2] if k > 1 else 0), self.rungs[k - 1]
 
     # -- halving --------------------------------------------------------------------------------
     def _current_rung(self) -> int | None:
@@ -641,12 +508,8 @@ class Sweep:
         ]
         for r in rows:
             mark = "*" if r["best"] else " "
-            rung = f"dropped at rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else ""
-            over = f" ({_steps_words(r['score_steps'])})" if r["score_steps"] else ""
-            lines.append(
-                f" {mark} {r['run']:<40} {r['state']:<9} step {r['steps']:>4}  "
-                f"score {_fmt(r['score'])}{over}  {rung}".rstrip()
-            )
+            head = f" {mark} {r['run']:<40} {r['state']:<9} step {r['steps']:>4}  "
+            lines.append((head + _score_words(r)).rstrip())
         if self.checkpoint:
             lines.append(f"best saved: {self.checkpoint}")
         return "\n".join(lines)
@@ -665,15 +528,9 @@ class Sweep:
                 if r["best"]
                 else (' style="color:#999"' if r["stopped_at_rung"] else "")
             )
-            cells = [
-                r["run"],
-                *(r[k] for k in keys),
-                r["state"],
-                r["steps"],
-                _fmt(r["score"]),
-                r["score_steps"],
-            ]
-            cells.append(f"rung {r['stopped_at_rung']}" if r["stopped_at_rung"] else "")
+            cells = [r["run"], *(r[k] for k in keys), r["state"], r["steps"]]
+            cells += [_fmt(r["score"]), r["score_steps"]] if not r["stopped_at_rung"] else ["", ""]
+            cells.append(_score_words(r) if r["stopped_at_rung"] else "")
             body.append(f"<tr{style}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
         title = html.escape(
             f"sweep {self.name}: {len(self.runs)} runs, rungs at {self.rungs or 'none'}"
@@ -684,6 +541,19 @@ class Sweep:
             f"<div>best saved: <code>{html.escape(self.checkpoint)}</code></div>" if self.checkpoint else ""
         )
         return f"<div><b>{title}</b>{rule}<table><tr>{head}</tr>{''.join(body)}</table>{saved}</div>"
+
+
+def _score_words(row: dict) -> str:
+    """A row's score as the tables write it: a survivor's "score 0.85 (steps 3-4)"; a dropped run's
+    "dropped at rung 1: score 0.05 vs 0.82 for the best (step 1)", both over the same steps."""
+    over = row["rung_steps"] if row["stopped_at_rung"] else row["score_steps"]
+    steps = f" ({_steps_words(over)})" if over else ""
+    if not row["stopped_at_rung"]:
+        return f"score {_fmt(row['score'])}{steps}"
+    return (
+        f"dropped at rung {row['stopped_at_rung']}: score {_fmt(row['rung_score'])} vs "
+        f"{_fmt(row['best_rung_score'])} for the best{steps}"
+    )
 
 
 def _fmt(v: Any) -> str:

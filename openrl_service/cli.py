@@ -20,6 +20,7 @@ import uvicorn
 
 from openrl_common.datadirs import SECRET_ENV, SECRET_NAME, lock_holder
 from openrl_common.files import write_atomic
+from openrl_service import cli_ping
 from openrl_service import config as cfg
 from openrl_service.checks import number
 from openrl_service.group.comm import env_rank
@@ -403,7 +404,7 @@ def _stop(args: argparse.Namespace) -> int:
     if args.local and args.data_dir is not None:
         print("openrl-service stop: give --local or --data-dir, not both", file=sys.stderr)
         return 2
-    folders = local_data_dirs() if args.local else [args.data_dir or cfg.default_data_dir()]
+    folders = local_data_dirs() if args.local else [args.data_dir or cfg.from_env().data_dir]
     stopped = 0
     for folder in folders:
         pid = stop_on(folder, timeout_s=args.timeout)
@@ -471,6 +472,7 @@ def _admin(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         cols = ("tenant", "checkpoint_bytes", "live_sessions", "live_runs", "jobs", "minted_keys")
+        cols += ("device_seconds",)  # in the device-time quota's window (the JSON has the rest)
         widths = [max([len(c)] + [len(str(row[c])) for row in rows]) for c in cols]
         print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
         for row in rows:
@@ -506,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "--port", type=int, default=None, help="port (default 8000; 0: a free one, see --report-fd)"
     )
     s.add_argument(
-        "--data-dir", type=Path, default=None, help="checkpoints, keys and model cache (default: per-user)"
+        "--data-dir", type=Path, default=None, help="checkpoints, keys, models (~/.local/share/openrl/MODEL)"
     )
     s.add_argument("--api-keys-file", type=Path, default=None, help="lines of 'tenant key'")
     s.add_argument(
@@ -647,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
 
     export_cmd.add_arguments(e)
     e.set_defaults(func=export_cmd.run)
+    cli_ping.register(sub)
     t = sub.add_parser("make-tiny-model", help="write the deterministic tiny model openrl/tiny to DIR")
     t.add_argument("dir", type=Path)
     t.set_defaults(func=_make_tiny)

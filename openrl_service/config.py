@@ -20,16 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-import platformdirs
 import pydantic
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
+from openrl_common.datadirs import model_data_dir
+
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
-def default_data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("openrl-service", appauthor=False))
+def default_data_dir(models: list[str] | None = None) -> Path:
+    """The served models' folder under the one data home the notebook's embedded service and the CLI
+    share (openrl_common.datadirs.model_data_dir): ``~/.local/share/openrl/tiny`` for the tiny model."""
+    return Path(model_data_dir(models))
 
 
 @dataclass
@@ -69,6 +72,12 @@ class Limits:
     # refused with 429 + Retry-After; training is queued and reported as try_again/paused_capacity.
     max_queued_per_run: int = 64  # OPENRL_MAX_QUEUED_PER_RUN: queued requests per run or sampler
     max_queued_total: int = 1024  # OPENRL_MAX_QUEUED_TOTAL: queued requests in the whole service
+    # Device time (engine/usage.py): OPENRL_MAX_DEVICE_SECONDS_PER_TENANT is the seconds the engine's
+    # ops may hold the devices for one tenant (summed over a group's ranks) in any
+    # OPENRL_DEVICE_SECONDS_WINDOW_S; past it the tenant's new work is refused with 429 + Retry-After
+    # until the window frees room. None: no quota (usage is still measured and shown).
+    max_device_seconds_per_tenant: float | None = None
+    device_seconds_window_s: float = 3600.0
 
 
 @dataclass
@@ -521,7 +530,8 @@ def from_env(env: Mapping[str, str] | None = None, **overrides) -> Settings:
     """Settings from OPENRL_* variables, then explicit overrides (the CLI flags) on top."""
     s = Settings()
     limit_names = {f.name for f in dataclasses.fields(Limits)}
-    for name, value in read_env(env).items():
+    given = read_env(env)
+    for name, value in given.items():
         setattr(s.limits if name in limit_names else s, name, value)
     for name, value in overrides.items():
         if value is None:
@@ -532,8 +542,33 @@ def from_env(env: Mapping[str, str] | None = None, **overrides) -> Settings:
             setattr(s, name, value)
     if s.api_keys_file is not None:
         s.api_keys.update(parse_api_keys_file(Path(s.api_keys_file).read_text(), str(s.api_keys_file)))
+    if "data_dir" not in given and overrides.get("data_dir") is None:  # the served models' own folder
+        s.data_dir = default_data_dir(s.models or [s.model])
     s.data_dir = Path(s.data_dir)
     # The service's own hub token only where it talks to a hub (never a kernel's token otherwise)
     token = ((os.environ if env is None else env).get("JUPYTERHUB_API_TOKEN") or "").strip()
     s.hub_api_token = (token or None) if s.hub_api_url else None
+    check_device_quota(s.limits)
     return s
+
+
+MAX_DEVICE_WINDOW_S = 30 * 86400.0
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_device_quota(limits: Limits) -> None:
+    """ValueError naming the variable when the device-time quota's settings are out of range."""
+    quota, window = limits.max_device_seconds_per_tenant, limits.device_seconds_window_s
+    if quota is not None and not (_number(quota) and 0 < quota < float("inf")):
+        raise ValueError(
+            "OPENRL_MAX_DEVICE_SECONDS_PER_TENANT must be a number of device-seconds > 0 (unset: no "
+            f"quota); got {quota!r}"
+        )
+    if not (_number(window) and 1 <= window <= MAX_DEVICE_WINDOW_S):
+        raise ValueError(
+            f"OPENRL_DEVICE_SECONDS_WINDOW_S must be a number of seconds in [1, {MAX_DEVICE_WINDOW_S:.0f}] "
+            f"(30 days); got {window!r}"
+        )

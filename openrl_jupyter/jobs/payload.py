@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import inspect
 import os
 import sys
 import sysconfig
@@ -88,16 +89,83 @@ def dumps(obj: Any, what: str) -> bytes:
         try:
             return cloudpickle.dumps(obj)
         except Exception as exc:  # noqa: BLE001 - pickling the user's objects can raise anything
+            found = _culprit(obj, set(), 3)
+            if found is None:
+                raise UsageError(
+                    f"cannot send {what} to the process that runs it: {type(exc).__name__}: {exc}. "
+                    "Something it uses cannot be copied to another process (a lock, an open file or "
+                    "socket, a client, a thread...): create it inside the reward function (or at its "
+                    "first call) instead of in the notebook"
+                ) from None
+            fn, name, value = found
+            if inspect.ismodule(value):  # the user's own module, sent by value with what it holds
+                bad = [k for k, v in vars(value).items() if not k.startswith("__") and not _pickles(v)]
+                attr = f", whose {bad[0]!r} is what cannot travel" if bad else ""
+                desc = f"your module {value.__name__}, sent by value as it is not installed{attr}"
+                todo = (
+                    f"create such objects inside a function of {value.__name__} at first use rather than "
+                    f"at its top level, or install it (pip install -e .) so the job imports it"
+                )
+            else:
+                desc = f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+                todo = "create it inside the function (or at its first call) instead of in the notebook"
             raise UsageError(
-                f"{what} cannot be sent to a detached run: {type(exc).__name__}: {exc}. It refers to "
-                "something that cannot be copied to another process (a lock, an open file or socket, "
-                "a client, a thread...): create it inside the reward function (or at its first call) "
-                "instead of in the notebook"
+                f"cannot send {what} to the process that runs it: {fn}() uses {name!r} from the notebook "
+                f"({desc}), which cannot be copied to another process ({type(exc).__name__}: {exc}); {todo}"
             ) from None
         finally:
             for name in added:
                 with contextlib.suppress(Exception):
                     cloudpickle.unregister_pickle_by_value(sys.modules[name])
+
+
+def _referenced(fn: Any) -> dict[str, Any]:
+    """The globals and closure variables a function's code (nested functions included) refers to."""
+    code, names, todo = fn.__code__, set(), [fn.__code__]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if inspect.iscode(k))
+    found = {n: fn.__globals__[n] for n in sorted(names) if n in fn.__globals__}
+    for n, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            found[n] = cell.cell_contents
+    return found
+
+
+def _pickles(value: Any) -> bool:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+    except Exception:  # noqa: BLE001 - any failure means it cannot travel
+        return False
+    return True
+
+
+def _culprit(obj: Any, seen: set[int], depth: int) -> tuple[str, str, Any] | None:
+    """(function, name, value): the first variable a function in ``obj`` refers to that does not
+    pickle, looking through dicts, lists and functions that refer to functions ``depth`` deep."""
+    if id(obj) in seen or depth < 0:
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items: list = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif inspect.isfunction(obj):
+        for name, value in _referenced(obj).items():
+            if not _pickles(value):
+                deeper = _culprit(value, seen, depth - 1) if inspect.isfunction(value) else None
+                return deeper or (obj.__name__, name, value)
+        return None
+    else:
+        return None
+    for item in items:
+        found = _culprit(item, seen, depth - (not isinstance(obj, dict)))
+        if found is not None:
+            return found
+    return None
 
 
 def encode(data: bytes) -> dict:

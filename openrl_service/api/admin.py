@@ -1,7 +1,9 @@
 """The operator's routes: list tenants and what they hold, remove one (``openrl-service admin``).
 
     GET    /openrl/v1/admin/tenants           → {"tenants": [{tenant, folder, checkpoint_bytes,
-                                                  live_sessions, live_runs, jobs, minted_keys}]}
+                                                  live_sessions, live_runs, jobs, minted_keys,
+                                                  device_seconds, device_seconds_total,
+                                                  device_quota_refusals}]}
     DELETE /openrl/v1/admin/tenants/{tenant}  → 200 {tenant, sessions_ended, checkpoint_bytes,
                                                   jobs_deleted, keys_revoked}
 
@@ -104,6 +106,8 @@ class TenantAdmin:
                     "live_runs": sum(1 for r in list(svc.runs.values()) if r.tenant == t),
                     "jobs": sum(1 for r in list(self.jobs.jobs.values()) if r["tenant"] == t),
                     "minted_keys": len(self.minted.list(t)) if self.minted is not None else 0,
+                    # device-seconds in the quota's window, since the start, and 429s for the quota
+                    **svc.device_time.row(t),
                 }
             )
         return rows

@@ -27,6 +27,7 @@ from openrl_common.protocol import TERMINAL_STATES
 from openrl_service.api import links as L
 from openrl_service.api import schemas as S
 from openrl_service.api.http import ServiceRoute, json_response, read_model, tenant
+from openrl_service.api.openapi_bodies import body
 from openrl_service.container import Container
 from openrl_service.errors import ApiError, Conflict, InternalError, NotFound
 
@@ -98,7 +99,7 @@ def build_jobs_router(c: Container) -> APIRouter:
             phase = phases[k8s["job"]][1]
         return jobs.entry(rec, phase)
 
-    @r.post("/jobs", status_code=201, openapi_extra=S.body(B.SubmitJob), responses=L.SUBMIT_JOB_LINKS)
+    @r.post("/jobs", status_code=201, openapi_extra=body(B.SubmitJob), responses=L.SUBMIT_JOB_LINKS)
     async def submit_job(request: Request):
         """Submit a detached job: its payload is stored (never unpickled) and a job-scoped key minted;
         where=local answers the key, where=k8s hands it to a Kubernetes Job's Secret."""
@@ -156,7 +157,7 @@ def build_jobs_router(c: Container) -> APIRouter:
         """One job, by id, else the newest job of that name."""
         return json_response(await entry(jobs.find(tenant(request), job_id)))
 
-    @r.post("/jobs/{job_id}/state", openapi_extra=S.body(B.JobState))
+    @r.post("/jobs/{job_id}/state", openapi_extra=body(B.JobState))
     async def job_state(job_id: str, request: Request):
         """The job reports its state (pid, host, message); finished, failed or stopped revokes its key."""
         body = (await read_model(request, B.JobState, max_body)).model_dump(exclude_none=True)
@@ -164,7 +165,7 @@ def build_jobs_router(c: Container) -> APIRouter:
         rec = await anyio.to_thread.run_sync(jobs.report_state, tenant(request), job_id, body, revoked)
         return json_response(await entry(rec))
 
-    @r.post("/jobs/{job_id}/control", openapi_extra=S.body(B.Control))
+    @r.post("/jobs/{job_id}/control", openapi_extra=body(B.Control))
     async def job_control(job_id: str, request: Request):
         """Pause, resume or stop every run of the job (each as /runs/{id}/control does); the job's
         entry keeps the request, so a worker that has no run yet obeys it too."""
@@ -189,7 +190,7 @@ def build_jobs_router(c: Container) -> APIRouter:
                 continue
         return json_response(await entry(rec))
 
-    @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=S.body(B.AddJobPayload))
+    @r.post("/jobs/{job_id}/payloads", status_code=201, openapi_extra=body(B.AddJobPayload))
     async def add_payload(job_id: str, request: Request):
         """A new payload version (a hot-swapped reward); the job's worker picks it up at its next step."""
         body = (await read_model(request, B.AddJobPayload, max_body)).model_dump(exclude_none=True)

@@ -21,13 +21,14 @@ from starlette.concurrency import run_in_threadpool as off
 from openrl_service.api import schemas as S
 from openrl_service.api.http import json_response, read_model, tenant
 from openrl_service.api.hubauth import MintedKeys
+from openrl_service.api.openapi_bodies import body
 from openrl_service.errors import Conflict, Forbidden, NotFound
 
 
 def build_keys_router(minted: MintedKeys, max_body: int) -> APIRouter:
     r = APIRouter(prefix="/api/v1", tags=["keys"], generate_unique_id_function=S.operation_ids("keys"))
 
-    @r.post("/keys", status_code=201, openapi_extra=S.body(S.MintKey, required=False))
+    @r.post("/keys", status_code=201, openapi_extra=body(S.MintKey, required=False))
     async def mint(request: Request):
         if getattr(request.state, "auth_via", None) != "hub":
             raise Forbidden(

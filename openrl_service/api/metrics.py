@@ -114,9 +114,15 @@ class EngineCollector:
         yield from _sampler_families(sampler.stats() if sampler is not None else {})
         yield from _full_run_families(svc)
         yield from _group_families(svc)
+        yield CounterMetricFamily(
+            "openrl_device_seconds",
+            "Device-seconds the engine's ops held the devices for, all tenants (summed over a group's ranks)",
+            value=svc.device_time.total_s(),
+        )
 
         if self.tenant is None:
             return
+        yield from _device_time_families(svc, self.tenant)
         own = {rid for rid, run in list(svc.runs.items()) if run.tenant == self.tenant}
         own |= {sid for sid, s in list(svc.samplers.items()) if s.tenant == self.tenant}
         per_run = svc.recorder.run_totals(own)
@@ -244,3 +250,29 @@ def build_metrics_router(svc: TrainingService) -> APIRouter:
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
     return r
+
+
+def _device_time_families(svc: TrainingService, tenant: str):
+    """The scraping tenant's own device time and its quota (engine/usage.py)."""
+    usage = svc.device_time
+    yield CounterMetricFamily(
+        "openrl_tenant_device_seconds",
+        "Device-seconds the engine's ops held the devices for this tenant since the service started",
+        value=usage.total_s(tenant),
+    )
+    yield GaugeMetricFamily(
+        "openrl_tenant_device_seconds_window",
+        f"This tenant's device-seconds in the last OPENRL_DEVICE_SECONDS_WINDOW_S ({usage.window_s:g} s)",
+        value=usage.used_s(tenant),
+    )
+    if usage.limit_s is not None:
+        yield GaugeMetricFamily(
+            "openrl_tenant_device_seconds_limit",
+            "OPENRL_MAX_DEVICE_SECONDS_PER_TENANT: device-seconds a tenant may use per window",
+            value=usage.limit_s,
+        )
+    yield CounterMetricFamily(
+        "openrl_tenant_device_quota_refusals",
+        "This tenant's requests refused (429) at its device-time quota",
+        value=usage.refusals(tenant),
+    )

@@ -8,6 +8,7 @@
     POST   /openrl/v1/runs/{run_id}/control         pause / resume / stop a run {action, reason?}
     POST   /openrl/v1/runs/{run_id}/sample          text prompts → completions with sample ids
     POST   /openrl/v1/runs/{run_id}/train_step      sample ids + advantages → loss, ratio/KL/clip stats
+    POST   /openrl/v1/runs/{run_id}/sft_step        {prompt, completion} examples → cross-entropy + AdamW
     POST   /openrl/v1/runs/{run_id}/checkpoints     save {name} → tinker:// path the Tinker SDK loads
     GET    /openrl/v1/runs/{run_id}/checkpoints     list
     POST   /openrl/v1/runs/{run_id}/metrics         client-reported metrics of a step (rewards)
@@ -45,7 +46,7 @@ from openrl_service.api.http import (
     read_model,
 )
 from openrl_service.api.idempotency import idempotent
-from openrl_service.api.schemas import body
+from openrl_service.api.openapi_bodies import body
 from openrl_service.container import Container
 from openrl_service.engine import prompts
 from openrl_service.engine.catalog import Catalog
@@ -155,6 +156,12 @@ def build_native_router(c: Container) -> APIRouter:
     async def train_step(run_id: str, request: Request):
         """One RL step over named samples and their advantages: loss + AdamW."""
         return await post(request, run_id, native.train_step, B.TrainStep)
+
+    @r.post("/runs/{run_id}/sft_step", openapi_extra=body(B.SftStep))
+    @new_work
+    async def sft_step(run_id: str, request: Request):
+        """One supervised step (a warm start): cross-entropy on prompt/completion pairs + AdamW."""
+        return await post(request, run_id, native.sft_step, B.SftStep)
 
     @r.post(
         "/runs/{run_id}/checkpoints",

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool as off
 
 from openrl_service.api import schemas as S
 from openrl_service.api.http import ServiceRoute, json_response, read_json, read_model, tenant
-from openrl_service.api.schemas import body
+from openrl_service.api.openapi_bodies import body
 from openrl_service.engine.catalog import Catalog
 from openrl_service.engine.service import TrainingService
 from openrl_service.errors import NotFound, UserError

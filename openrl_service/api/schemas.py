@@ -29,7 +29,7 @@ import functools
 from typing import Annotated, Any, Literal
 
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, WrapValidator, model_validator
+from pydantic import ConfigDict, Field, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from openrl_common.checks import requirement
@@ -570,6 +570,19 @@ class Bodies:
             chat: bool | None = None
             num_samples: NumSamples | None = None
 
+        class SftExample(Body):
+            prompt: Str(1) | Annotated[list[ChatMessage], Field(min_length=1)]
+            completion: str = Field(description="what the model should answer (then its turn ends)")
+
+        class SftStep(Body):
+            model_config = ConfigDict(
+                json_schema_extra={"example": {"examples": [{"prompt": "2+3=", "completion": "5"}]}}
+            )
+
+            examples: Sized(SftExample, lim.max_datums, "OPENRL_MAX_DATUMS", min_items=1)
+            chat: bool | None = Field(None, description="render prompts with the chat template (default)")
+            optimizer: AdamParams | None = None
+
         class SaveCheckpoint(Body):
             name: CheckpointName
             overwrite: bool | None = None
@@ -657,43 +670,3 @@ def bodies(lim: Limits, min_ttl_s: float) -> Bodies:
 @functools.lru_cache(maxsize=8)
 def _bodies(limits: tuple, min_ttl_s: float) -> Bodies:
     return Bodies(Limits(*limits), min_ttl_s)
-
-
-# -- what /openapi.json says -----------------------------------------------------------------------------
-PROTOBUF_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/x-protobuf": {
-                "schema": {"type": "string", "format": "binary", "description": "a ForwardBackwardRequest"}
-            }
-        },
-    }
-}
-
-
-def schema_of(model: type[BaseModel]) -> dict:
-    """The model's JSON Schema with its ``$defs`` put in place (the OpenAPI document has no ``$defs``
-    beside a request body for a ``#/$defs/...`` reference to reach)."""
-    raw = model.model_json_schema()
-    defs = raw.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                rest = {k: v for k, v in node.items() if k != "$ref"}
-                return inline({**defs[ref.rsplit("/", 1)[1]], **rest})
-            return {k: inline(v) for k, v in node.items() if not (k == "title" and isinstance(v, str))}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return inline(raw)
-
-
-def body(model: type[BaseModel], *, required: bool = True) -> dict:
-    """``openapi_extra`` of a route whose JSON body is ``model``."""
-    return {
-        "requestBody": {"required": required, "content": {"application/json": {"schema": schema_of(model)}}}
-    }

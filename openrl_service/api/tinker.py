@@ -39,7 +39,7 @@ from openrl_service.api.http import (
     read_op,
     tenant,
 )
-from openrl_service.api.schemas import body
+from openrl_service.api.openapi_bodies import PROTOBUF_BODY, body
 from openrl_service.engine.job_checks import check_unlabelled
 from openrl_service.engine.service import TrainingService
 from openrl_service.engine.stability import spans_of
@@ -166,7 +166,7 @@ def build_router(svc: TrainingService) -> APIRouter:
         b = await read_model(request, B.ModelId, max_body)
         return json_response(svc.get_info(tenant(request), b.model_id))
 
-    @r.post("/forward_backward", openapi_extra=S.PROTOBUF_BODY, responses=L.SUBMIT_LINKS)
+    @r.post("/forward_backward", openapi_extra=PROTOBUF_BODY, responses=L.SUBMIT_LINKS)
     @new_work
     async def forward_backward(request: Request):
         """Protobuf ForwardBackwardRequest; future → protobuf ForwardBackwardOutput."""

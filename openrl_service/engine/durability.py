@@ -118,6 +118,11 @@ class Durability:
         return not self.enabled or _QUIET.get() or _REPLAYING.get() is not None
 
     @property
+    def admitted(self) -> bool:
+        """Inside a notebook-API intent or a replay: the request was admitted (quotas checked) already."""
+        return _QUIET.get() or _REPLAYING.get() is not None
+
+    @property
     def replaying(self) -> bool:
         """Inside the replay of a journal record (recovery)."""
         return _REPLAYING.get() is not None

@@ -73,6 +73,7 @@ from openrl_service.engine.prompts import check_messages, check_text, off_loop
 from openrl_service.engine.reference import References
 from openrl_service.engine.replies import IdempotentReplies
 from openrl_service.engine.service import RunState, TrainingService
+from openrl_service.engine.sft_examples import sft_datums
 from openrl_service.engine.state import new_session_id
 from openrl_service.errors import ApiError, Conflict, NotFound, UserError
 from openrl_service.lifecycle import ShuttingDown
@@ -97,6 +98,7 @@ SHARE_WINDOW_S = 60.0  # a run's share of device time is measured over this wind
 # The notebook API's requests that change state, journaled as intents, and the status of their reply.
 INTENTS = {"create": 201, "sample": 200, "train_step": 200, "checkpoint": 201, "metrics": 201}
 SEQ_SLOTS = {"sample": 1, "train_step": 2, "checkpoint": 1}  # seq_ids an intent of that kind takes
+DEVICE_INTENTS = {"create", "sample", "train_step", "checkpoint"}  # they queue device work
 
 
 class NativeRuns:
@@ -138,8 +140,10 @@ class NativeRuns:
         if n and nr is not None and "seq" not in inputs:  # (a sample takes its own as it arrives)
             inputs["seq"] = nr.next_seq(n)
         try:
+            if kind in DEVICE_INTENTS:  # over its device time: 429, before it is journaled or queued
+                self.svc.admit(inputs["tenant"])
             intent_id = d.intent(kind, inputs)
-        except BaseException as e:  # a full disk (507): not accepted, so it keeps no place in the run
+        except BaseException as e:  # refused (429), a full disk (507): it keeps no place in the run
             if n and nr is not None and not nr.give_back(inputs["seq"], n):
                 self._fill_slots(kind, inputs, e)  # a later request took one meanwhile
             raise
@@ -913,6 +917,51 @@ class NativeRuns:
             inputs["seq"] = seq
         return await self._intent("train_step", inputs, nr)
 
+    async def sft_step(self, tenant: str, run_id: str, body: dict, idem: tuple | None = None) -> dict:
+        """One supervised step (a warm start before RL): cross-entropy on the examples' completions,
+        then AdamW; journaled, replayed and answered once per key as a train step is."""
+        nr = self.get(tenant, run_id)
+        examples = body.get("examples")
+        lim = self.svc.limits
+        if not isinstance(examples, list) or not examples:
+            raise UserError("examples must be a non-empty list of {prompt, completion}", field="examples")
+        if len(examples) > lim.max_datums:
+            raise UserError(
+                f"examples: at most {lim.max_datums} per step (OPENRL_MAX_DATUMS); got {len(examples)}",
+                field="examples",
+            )
+        base = self.svc.model_of(nr.run).base
+        chat = body.get("chat", True)
+        for i, ex in enumerate(examples):  # the raw text's length first: no encoding of what cannot fit
+            where = f"examples[{i}]"
+            if not isinstance(ex, dict) or not isinstance(ex.get("completion"), str):
+                raise UserError(f"{where} must be an object {{prompt, completion}}", field=where)
+            prompt = ex.get("prompt")
+            if isinstance(prompt, str):
+                check_text(base, len(prompt) + len(ex["completion"]), where)
+            elif isinstance(prompt, list) and prompt:
+                check_messages(base, [*prompt, {"role": "assistant", "content": ex["completion"]}], where)
+            else:
+                raise UserError(
+                    f"{where}.prompt must be a string or a list of chat messages", field=f"{where}.prompt"
+                )
+        adam = adam_of(body.get("optimizer") or {}, base.defaults)
+        data, trained = await off_loop(
+            lambda: sft_datums(base.tokenizer, examples, bool(chat), base.vocab_size)
+        )
+        self.svc.checks.validate_datums(data, "cross_entropy", base)
+        inputs = {
+            "tenant": tenant,
+            "run_id": run_id,
+            "data": data,
+            "loss": "cross_entropy",
+            "config": {},
+            "adam": adam,
+            "idem": idem,
+            "counts": [trained, sum(len(d.tokens) + 1 for d in data) - trained],
+        }
+        return await self._intent("train_step", inputs, nr)
+
     async def _do_train_step(self, inputs: dict) -> dict:
         tenant, run_id, adam = inputs["tenant"], inputs["run_id"], inputs["adam"]
         nr = self.get(tenant, run_id)
@@ -928,6 +977,19 @@ class NativeRuns:
             )
         )
         nr.steps += 1
+        if inputs["loss"] == "cross_entropy":  # a supervised step (sft_step): the loss per trained token
+            trained = max(1, int(inputs["counts"][0]))
+            reply = {
+                "run_id": run_id,
+                "step": nr.steps,
+                "loss": result.loss / trained,
+                "tokens": trained,
+                "grad_norm": metrics["grad_norm:mean"],
+                "learning_rate": adam.learning_rate,
+                "snapshot": nr.steps,
+            }
+            self.events.publish(tenant, {"event": "step", **reply})
+            return reply
         st = result.stats or {}
         n = max(1, int(st.get("tokens", 0)))
         reply = {

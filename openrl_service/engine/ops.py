@@ -85,6 +85,7 @@ class Op:
     sliced_tokens: int = 0  # tokens of the slices already recorded
     queued_since: float = field(default_factory=time.monotonic)  # submission, or requeue after a slice
     fuse: Fusable | None = None  # set when the op may run as part of a fused call (fusion on)
+    admitted: bool = False  # its tenant's device time was checked already (engine/usage.py)
     companions: list[Op] | None = None  # the other members of its fused call, chosen by the worker
 
 
@@ -109,8 +110,9 @@ class OpLog:
         start: float,
         end: float,
         now: float,
-    ) -> None:
-        """One record per member, back to back within [start, end], each lasting its share of the tokens."""
+    ) -> list[int]:
+        """One record per member, back to back within [start, end], each lasting its share of the tokens
+        (returned: the device time is apportioned by the same shares, engine/usage.py)."""
         tokens = [max(0, tokens_of(op, result)) for op, (result, _) in zip(ops, results, strict=True)]
         weights = [t or op.fuse.size or 1 for t, op in zip(tokens, ops, strict=True)]  # type: ignore[union-attr]
         total = float(sum(weights))
@@ -130,6 +132,7 @@ class OpLog:
                 fused_runs=runs,
             )
             t = t_end
+        return weights
 
     def note(self, op: Op, start: float, end: float, tokens: int, queued_s: float) -> None:
         """Add a slice to the open record: contiguous slices of one op make one record."""

@@ -34,7 +34,8 @@ waiting for gaps) and one per sampler (FIFO). Rules it keeps:
   another. With fusion off nothing is fused and every op runs exactly as it would alone;
 - every executed op is recorded (run, kind, start, end, tokens) for telemetry. The members of one fused
   op are recorded one after another within the op's time, each with a share proportional to its
-  tokens, with the same ``fused_id`` and ``fused_runs`` (the runs the op covered).
+  tokens, with the same ``fused_id`` and ``fused_runs`` (the runs the op covered). Its device time is
+  charged to its tenant by the same shares (``usage``, engine/usage.py: the device-time quota).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import torch
 from openrl_service import progress
 from openrl_service.engine.futures import FutureRecord, FutureStore
 from openrl_service.engine.ops import Fusable, Op, OpLog, QueueFull, WorkerStopped, out_of_memory, tokens_of
+from openrl_service.engine.usage import DeviceUsage
 from openrl_service.errors import ApiError, InternalError, UserError
 from openrl_service.telemetry import OpRecorder
 
@@ -91,8 +93,10 @@ class Engine:
         fusion: bool = False,
         fusion_max_tokens: int = 16384,
         fusers: dict[str, Callable[[list[Any]], list[Any]]] | None = None,
+        usage: DeviceUsage | None = None,
     ):
         self.futures = futures
+        self.usage = usage or DeviceUsage()  # each executed op's device-seconds, charged to its tenant
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.recorder = recorder
         self.max_queued_per_lane = max_queued_per_lane
@@ -563,7 +567,7 @@ class Engine:
             return
         now = time.monotonic()
         self.oplog.close_unless(op)
-        start = time.time()
+        start, began = time.time(), self.usage.begin()
         result, error, more, sliced = None, op.error, False, 0
         if error is None:
             try:
@@ -586,6 +590,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to the client with an id, logged in full
                 error = self._internal(op, e)
         end = time.time()
+        if op.error is None:  # each slice as it runs: a long op counts while it holds the device
+            self.usage.charge(began, [(op.future.tenant, 1.0)])
         queued_s = max(0.0, now - op.queued_since)
         if more:
             op.sliced_tokens += sliced
@@ -632,7 +638,7 @@ class Engine:
     def _run_fused(self, ops: list[Op]) -> None:
         self.oplog.flush()
         now = time.monotonic()
-        start = time.time()
+        start, began = time.time(), self.usage.begin()
         parts, live = [], []
         for op in ops:
             try:
@@ -668,7 +674,8 @@ class Engine:
                 results.append((None, self._internal(op, e)))
         end = time.time()
         # recorded first: a client that has its result finds the op in its trace and in /metrics
-        self.oplog.record_fused(live, results, start, end, now)
+        shares = self.oplog.record_fused(live, results, start, end, now)  # each member's tokens
+        self.usage.charge(began, list(zip([op.future.tenant for op in live], shares, strict=True)))
         for op, (result, error) in zip(live, results, strict=True):
             self.futures.complete(op.future, result=result, error=error)
 

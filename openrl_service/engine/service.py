@@ -37,7 +37,7 @@ import torch
 
 from openrl_service import crashpoints, memory
 from openrl_service.checks import integer
-from openrl_service.config import Settings
+from openrl_service.config import Settings, check_device_quota
 from openrl_service.engine.durability import Durability
 from openrl_service.engine.export import Exports
 from openrl_service.engine.futures import FutureRecord, FutureStore
@@ -48,6 +48,7 @@ from openrl_service.engine.registry import Registry
 from openrl_service.engine.scheduler import Engine
 from openrl_service.engine.stability import StabilityRecords
 from openrl_service.engine.state import RunState, SamplerEntry, ServedModel, spec_from_manifest
+from openrl_service.engine.usage import DeviceUsage
 from openrl_service.engine.validation import Checks
 from openrl_service.errors import ApiError, NotReady, UserError
 from openrl_service.group.trainer import GroupTrainer
@@ -100,11 +101,13 @@ class TrainingService(Registry):
     def __init__(self, settings: Settings, *, base: BaseModel | None = None):
         self.settings = settings
         self.limits = settings.limits
+        check_device_quota(settings.limits)  # Settings made in Python are checked as the environment's are
         migrate_tenant_folders(settings.data_dir)  # before anything reads a tenant's folder
         self.store = CheckpointStore(settings.data_dir, settings.limits)
         self.checks = Checks(settings, self.store, self.require_ready)
         self.futures = FutureStore(ttl_s=settings.future_ttl_s, max_bytes=settings.max_result_bytes)
         self.recorder = OpRecorder()
+        self.device_time = DeviceUsage(settings.limits)  # each tenant's device-seconds, and their quota
         self.engine = Engine(
             futures=self.futures,
             seq_gap_timeout_s=settings.seq_gap_timeout_s,
@@ -115,6 +118,7 @@ class TrainingService(Registry):
             fusion=settings.fusion,
             fusion_max_tokens=settings.fusion_max_tokens or settings.microbatch_tokens,
             fusers={},  # "train:<model>" and "sample:<model>", one pair per model, set as they load
+            usage=self.device_time,
         )
         self.group = None  # the torch.distributed group at world size > 1 (group/comm.py)
         self._preloaded = base  # a model loaded by the caller: served as the first (default) one
@@ -133,6 +137,7 @@ class TrainingService(Registry):
             settings.max_stability_records, settings.max_stability_bytes
         )
         self.tenant_forgetters.append(self.stability.forget)
+        self.tenant_forgetters.append(self.device_time.forget)
         self.session_listeners.append(
             lambda tenant, session_id, _runs: self.stability.forget(tenant, session_id)
         )
@@ -204,8 +209,12 @@ class TrainingService(Registry):
                 f"world size {s.world_size} (OPENRL_WORLD_SIZE): the group's ranks are started by "
                 "`openrl-service serve --world-size N`"
             )
-        self.group = Group.from_env(timeout_s=s.group_timeout_s)  # formed once the models are loaded
-        return self.group
+        group = self.group = Group.from_env(timeout_s=s.group_timeout_s)  # formed once the models load
+        # an op's device time: its wall time here plus what the other ranks spent on it (engine/usage.py)
+        self.device_time.others_busy_s = lambda: sum(
+            stats.get("busy_s", 0.0) for rank, stats in list(group.rank_stats.items()) if rank
+        )
+        return group
 
     def _plan_memory(self, models: dict[str, ServedModel]) -> None:
         """The memory accountant (openrl_service/memory.py), once every model and sampler is up (vLLM's
@@ -318,6 +327,7 @@ class TrainingService(Registry):
         idem: str | None,
     ) -> FutureRecord:
         sess = self.session(tenant, session_id)
+        self.admit(tenant)  # now: once the run is registered below, its first op must be queued
         base_model = self._check_base_model(base_model)  # journaled resolved: a replay uses this model
         self.models[base_model].trainer.admit(spec)  # a full run too big for the device: refused now
         user_metadata = self.checks.check_metadata(user_metadata)
@@ -341,7 +351,9 @@ class TrainingService(Registry):
             self._write_run_meta(run)
             return {"model_id": run.run_id}
 
-        return self._submit_run(run, 0, "create_model", work, idem, call=call, model_id=run.run_id)
+        return self._submit_run(
+            run, 0, "create_model", work, idem, call=call, admitted=True, model_id=run.run_id
+        )
 
     def create_from_state(
         self,
@@ -369,6 +381,7 @@ class TrainingService(Registry):
             idem=idem,
         )
         sess = self.session(tenant, session_id)
+        self.admit(tenant)  # now: once the run is registered below, its first op must be queued
         user_metadata = self.checks.check_metadata(user_metadata)
         ref = parse_tinker_path(path)
         if ref.kind != "weights":
@@ -409,7 +422,9 @@ class TrainingService(Registry):
             self._write_run_meta(run, source_checkpoint=ref.path)
             return {"model_id": run.run_id, "path": ref.path}
 
-        return self._submit_run(run, 0, "load_weights", work, idem, call=call, model_id=run.run_id)
+        return self._submit_run(
+            run, 0, "load_weights", work, idem, call=call, admitted=True, model_id=run.run_id
+        )
 
     def verify_checkpoint(self, tenant: str, path: object, *, optimizer: bool = False) -> None:
         """Off the device worker, before a load is queued (a request's thread): hash the checkpoint's
@@ -442,6 +457,7 @@ class TrainingService(Registry):
         tokens: Callable[[Any], int] | None = None,
         fuse: Fusable | None = None,
         call: tuple | None = None,
+        admitted: bool = False,
         **extra,
     ) -> FutureRecord:
         integer(seq_id, "seq_id", 0)
@@ -460,14 +476,28 @@ class TrainingService(Registry):
             error=error,
             tokens=tokens,
             fuse=fuse if error is None else None,
+            admitted=admitted,
         )
         return self._queue(op, idem, call)
 
+    def admit(self, tenant: str) -> None:
+        """Refuse a tenant's new device work at its device-time quota (429, engine/usage.py); the ops
+        of a request admitted already (a notebook-API intent) or replayed from the journal run."""
+        if not self.durability.admitted:
+            self.device_time.check(tenant)
+
     def _queue(self, op: Op, idem: str | None, call: tuple | None) -> FutureRecord:
-        """Submit ``op``, journaling its call once it is known to be new; a retry gets the original
-        future (and the one made for it is dropped)."""
+        """Submit ``op``, journaling its call once it is known to be new (and within its tenant's
+        device time: a retry of an accepted request is never refused); a retry gets the original
+        future (and the one made for it is dropped). An op that is only an error runs nothing."""
+
+        def accept() -> None:
+            if op.error is None and not op.admitted:
+                self.admit(op.future.tenant)
+            self.durability.accept(call)
+
         try:
-            fut, retry = self.engine.submit(op, idem_key=idem, on_accept=lambda: self.durability.accept(call))
+            fut, retry = self.engine.submit(op, idem_key=idem, on_accept=accept)
         except BaseException:
             self.futures.discard(op.future)
             raise

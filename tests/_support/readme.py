@@ -1,13 +1,15 @@
-"""The fenced blocks of a Markdown file, in reading order, with the marker that says how to check them.
+"""The fenced blocks of a Markdown file, in reading order, with the marker that says how to check them;
+the docs site's pages in the order of its nav, and the links of a page.
 
-``tests/readme/test_readme.py`` executes README.md through this. A block is code when its fence names
+``tests/readme/test_readme.py`` executes README.md and the site's pages through this. A block is code
+when its fence names
 ``bash``/``sh``/``shell``/``python``, or has no language and starts with ``%`` (a notebook cell); any
 other block (a diagram, sample output) is text and never runs. An HTML comment on the line before the
 fence — invisible on GitHub — changes what the test does with the block:
 
     <!-- readme-test: background -->              a shell block that starts a server: it runs in the
-                                                  background until its ``##`` section ends
-    <!-- readme-test: background keep -->         ... until the end of the file
+                                                  background until its page ends
+    <!-- readme-test: background keep -->         ... until the reader's last page
     <!-- readme-test: new-kernel -->              a notebook block that starts in a fresh kernel
     <!-- readme-test: needs gpu: REASON -->       not run here; ``gpu``, ``cluster`` or ``files`` (the
     <!-- readme-test: needs cluster: REASON -->   reader's own model folder or data), with the reason
@@ -17,10 +19,15 @@ fence — invisible on GitHub — changes what the test does with the block:
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 CODE_LANGS = {"bash": "shell", "sh": "shell", "shell": "shell", "console": "shell", "python": "python"}
 NEEDS = ("gpu", "cluster", "files")
 _MARKER = re.compile(r"^<!--\s*readme-test:\s*(?P<body>.*?)\s*-->\s*$")
@@ -43,14 +50,6 @@ class Block:
     @property
     def where(self) -> str:
         return f"{self.path.name}:{self.line} ({self.headings[-1] if self.headings else 'top'})"
-
-    @property
-    def section(self) -> str:
-        """The ``##`` section the block is in (what a background server and a kernel live for)."""
-        for h in self.headings:
-            if h.startswith("## "):
-                return h
-        return ""
 
     @property
     def runs(self) -> bool:
@@ -146,3 +145,73 @@ def blocks(path: Path) -> list[Block]:
         out.append(Block(path, i + 1, kind, body, tuple(headings), marker))
         i = end + 1
     return out
+
+
+# -- the docs site ------------------------------------------------------------------------------------
+
+
+def generated() -> tuple[str, ...]:
+    """The pages ``make docs`` writes from the code (docs/_gen/reference.py; git-ignored, not read here)."""
+    spec = importlib.util.spec_from_file_location("docs_reference", DOCS / "_gen" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.GENERATED
+
+
+def nav_pages() -> list[str]:
+    """Every page of mkdocs.yml's nav, in order, relative to docs/."""
+    found: list[str] = []
+
+    def walk(item) -> None:
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            for value in item.values():
+                walk(value)
+        elif isinstance(item, list):
+            for value in item:
+                walk(value)
+
+    class Loader(yaml.SafeLoader):
+        """mkdocs.yml's ``!!python/...`` tags (a slugify function) are mkdocs's; the nav needs none."""
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    walk(yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)["nav"])
+    return found
+
+
+def docs_pages() -> list[Path]:
+    """The hand-written pages a reader goes through, in nav order."""
+    made = set(generated())
+    return [DOCS / p for p in nav_pages() if p not in made]
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(path: Path):
+    """``(line number, line)`` of a Markdown file outside its fenced blocks, inline code removed."""
+    fence = False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if _FENCE.match(line):
+            fence = not fence
+        elif not fence:
+            yield n, re.sub(r"`[^`]*`", "", line)
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """``(line, target)`` of each relative link and image outside code (URLs with a scheme left out)."""
+    found = [(n, target) for n, line in _prose(path) for target in _LINK.findall(line)]
+    return [(n, t) for n, t in found if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+def anchors(path: Path) -> set[str]:
+    """The heading anchors of a Markdown file as GitHub makes them (mkdocs.yml has the site do the same)."""
+    found = set()
+    text = path.read_text(encoding="utf-8").splitlines()
+    for n, _ in _prose(path):
+        heading = re.match(r"^#{1,6} (.*)", text[n - 1])
+        if heading:
+            words = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", words).replace(" ", "-"))
+    return found

@@ -81,6 +81,20 @@ def test_the_chat_box_answers_without_holding_the_kernel(shell, server, ckpt, mo
     assert "hello" in box.conversation.value and not box.button.disabled
 
 
+def test_a_blank_reply_says_why_and_what_to_try(shell, server, monkeypatch):
+    """The untrained tiny model answers "hi" with nothing printable (a newline and control bytes):
+    the cell says so, and why, instead of printing an empty line."""
+    connect(shell, server, monkeypatch)
+    want = direct_chat(server, TINY, [{"role": "user", "content": "hi"}], 16)
+    assert want and not want.isprintable() and not want.strip("\n\x02")  # the case a user met
+    out = run(shell, f"%openrl chat {TINY} hi --max-tokens 16").out.strip()
+    assert out.startswith(f"openrl: {TINY} replied with nothing printable ({len(want)} characters: "), out
+    assert "it used its max_tokens (16) on them" in out or "it ended its answer at once" in out, out
+    assert "--temperature 0.8" in out and "trained checkpoint" in out, out
+    reply = sess.get_session("m").chat(TINY, "hi", max_tokens=16, temperature=0)
+    assert reply == want and reply.finish_reason in ("stop", "length") and reply.completion_tokens is not None
+
+
 def test_chat_with_another_tenants_checkpoint_is_one_error_line(shell, server, ckpt, monkeypatch):
     monkeypatch.setenv("OPENRL_TOKEN", "tml-bob-0123456789abcdef")
     assert run(shell, f"%openrl connect {server.url} --name bobs").ok
@@ -96,7 +110,10 @@ def test_export_magic_writes_a_model_folder(shell, server, ckpt, monkeypatch, tm
     info = json.loads((tmp_path / "merged" / "openrl_export.json").read_text())
     assert info["tinker_path"] == ckpt and (tmp_path / "merged" / "model.safetensors").is_file()
     cell = run(shell, f"%openrl export {ckpt} {tmp_path / 'merged'}")
-    one_error_line(cell, "not empty")
+    line = one_error_line(cell, f"{tmp_path / 'merged'} exists and is not empty: add --force to replace it")
+    assert "overwrite=True" not in line
+    cell = run(shell, f"%openrl export {ckpt} {tmp_path / 'merged'} --force")  # the flag it named works
+    assert cell.ok, cell.text
     cell = run(shell, f"%openrl export {TINY} {tmp_path / 'base'}")
     one_error_line(cell, "tinker://")
 
@@ -109,6 +126,9 @@ def test_a_run_exports_its_current_weights(server, tmp_path):
         r = s.train(reward=name, prompts=PROMPTS, steps=1, **SMALL).wait(120)
         info = r.export(tmp_path / "adapter")
         assert info["format"] == "peft" and info["tinker_path"].startswith("tinker://")
+        with pytest.raises(sess.UsageError, match=r"adapter exists and is not empty: add overwrite=True to"):
+            r.export(tmp_path / "adapter")
+        assert r.export(tmp_path / "adapter", overwrite=True)["format"] == "peft"
         config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == TINY
         reply = s.chat(r.name, "hi", max_tokens=4, temperature=0)  # a run by name: its weights now

@@ -133,11 +133,16 @@ def test_payloads_that_cannot_travel_are_refused_at_submit_and_nothing_starts(
     folder.mkdir()
     (folder / "only_here.py").write_text("def score(c):\n    return 1.0\n")
     (folder / "data.txt").write_text("abc")
+    (folder / "stats_here.py").write_text(
+        "import threading\nlock = threading.Lock()\ndef mean(xs):\n    return sum(xs) / len(xs)\n"
+    )
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
     lock = threading.Lock()
+    import stats_here as np  # the notebook's own module under a familiar name, holding a lock
+
     cases = {
-        # a lock cannot be pickled at all
+        # a lock cannot be pickled at all: the message names the variable, what it is, and what to do
         "a lock": (
             dynamic(
                 """
@@ -147,7 +152,20 @@ def test_payloads_that_cannot_travel_are_refused_at_submit_and_nothing_starts(
                 """,
                 lock=lock,
             )["reward"],
-            "cannot pickle '_thread.lock' object",
+            "reward() uses 'lock' from the notebook (a _thread.lock), which cannot be copied to another "
+            "process (TypeError: cannot pickle '_thread.lock' object); create it inside the function",
+        ),
+        # a module of the notebook's folder travels by value, with the lock it holds
+        "a module": (
+            dynamic(
+                """
+                def reward(prompt, completion, **info):
+                    return np.mean([1.0])
+                """,
+                np=np,
+            )["reward"],
+            "reward() uses 'np' from the notebook (your module stats_here, sent by value as it is not "
+            "installed, whose 'lock' is what cannot travel)",
         ),
         # imported inside the function: importable from this folder only, not in the job
         "an import": (
@@ -178,12 +196,15 @@ def test_payloads_that_cannot_travel_are_refused_at_submit_and_nothing_starts(
             session.train(reward=fn, prompts=PROMPTS, steps=2, name=name, detach="local")
         message = str(err.value)
         assert expected in message, (what, message)
-        assert "Nothing was submitted" in message or "cannot be sent" in message, message
+        assert "Nothing was submitted" in message or message.startswith(
+            f"cannot send the detached run {name!r} to the process that runs it: "
+        ), message
         assert name not in session.detached
         names = {j["name"] for j in session.jobs()}
         assert name not in names, f"{what}: a job was submitted"
     assert list(jobs_dir.iterdir()) == [], "a worker was started"
     sys.modules.pop("only_here", None)
+    sys.modules.pop("stats_here", None)
 
 
 def test_detach_from_an_embedded_service_is_refused_unless_it_is_detached_too(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -87,12 +88,21 @@ def test_every_way_of_asking_for_help_answers(shell):
     for cell in (by_verb, by_flag):
         assert cell.ok, cell.text
         assert cell.out.lstrip().startswith("usage: %openrl train"), cell.out[:80]
-        assert "%%openrl" not in cell.out and "::" not in cell.out
+        assert "::" not in cell.out
+        # the cell magics keep their %%; every other subcommand is a line magic, written %openrl
+        assert set(re.findall(r"%%openrl (\w+)", cell.out)) == {"reward", "env"}, cell.out
         assert "RL steps to run (default: 60)" in " ".join(cell.out.split())
     one_error_line(
         run(shell, "%openrl help trian"), "UsageError", "no subcommand 'trian'", "did you mean train?"
     )
     from openrl_jupyter.magic_args import parsers
+
+    manual = run(shell, "%openrl help").out
+    assert set(re.findall(r"%%openrl (\w+)", manual)) == {"reward", "env"}, manual
+    assert "the next %openrl chat of the same model" in " ".join(manual.split())
+    assert "one subcommand's options: %openrl help train." in manual
+    chat = " ".join(run(shell, "%openrl chat --help").out.split())
+    assert "the next %openrl chat of the same model" in chat and "%%" not in chat
 
     undescribed = [(verb, a.dest) for verb, p in parsers().items() for a in p._actions if not a.help]
     assert undescribed == []
@@ -118,9 +128,10 @@ def test_connect_precedence_and_errors(shell, server, monkeypatch):
     one_error_line(run(shell, "%openrl connect"), "UsageError", "OPENRL_URL", "--local")
     dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setattr(sess, "Client", _no_retry_client(sess.Client))
-    one_error_line(run(shell, f"%openrl connect {dead}"), "ServiceUnavailable", dead, "is it running")
+    one_error_line(run(shell, f"%openrl connect {dead}"), "ServiceUnavailable", dead, "nothing answers")
     monkeypatch.setenv("OPENRL_TOKEN", "tml-wrong-key-000000")
-    one_error_line(run(shell, f"%openrl connect {server.url}"), "AuthenticationError", "check the key")
+    line = one_error_line(run(shell, f"%openrl connect {server.url}"), "AuthenticationError", "check the key")
+    assert line.count("check the key") == 1 and "connect(token=...)" in line, line
     monkeypatch.setenv("OPENRL_URL", server.url)
     monkeypatch.setenv("OPENRL_TOKEN", ALICE_KEY)
     cell = run(shell, "%openrl connect")
@@ -134,6 +145,22 @@ def test_connect_precedence_and_errors(shell, server, monkeypatch):
         assert cell.ok and "'fromconfig'" in cell.out
     finally:
         magics.url = None
+
+
+def test_a_url_where_nothing_answers_is_named_before_any_retrying_client_is_made(shell, monkeypatch):
+    """A wrong URL: connect tries it for a few seconds (refused connections again, as a service that
+    restarts refuses them), then says so, naming the URL, what it tried, and how to start a service;
+    the client whose retries take minutes is never made."""
+    made = []
+    monkeypatch.setattr(sess, "Client", lambda url, **kw: made.append(url))
+    monkeypatch.setenv("OPENRL_TOKEN", "tml-any-0123456789")
+    dead = f"http://127.0.0.1:{free_port()}"
+    line = one_error_line(run(shell, f"%openrl connect {dead}"), "ServiceUnavailable")
+    assert re.search(rf"nothing answers at {dead}: tried GET {dead}/readyz \d+ times over \d+\.\d s", line), (
+        line
+    )
+    assert "Connection refused" in line and "`openrl-service serve`" in line and "--local" in line, line
+    assert made == []
 
 
 def _no_retry_client(cls):

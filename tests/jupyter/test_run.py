@@ -76,6 +76,13 @@ def test_a_run_trains_in_the_background_and_reports_every_step(session):
     assert len(latest) == 3 and all(s["step"] == 4 and s["reward"] is not None for s in latest)
     frame = run.to_pandas()
     assert list(frame.index) == [1, 2, 3, 4] and "reward_mean" in frame
+    # step is a column too: selecting it with the metrics works, and so does sorting by it
+    picked = frame[["step", "reward_mean"]]
+    assert (
+        picked["step"].tolist() == [1, 2, 3, 4]
+        and picked.loc[3, "reward_mean"] == run.history[2]["reward_mean"]
+    )
+    assert frame.sort_values("step", ascending=False)["step"].tolist() == [4, 3, 2, 1]
 
 
 def test_hot_swap_applies_from_the_next_step_with_no_step_lost_or_repeated(session):

@@ -38,28 +38,37 @@ def session(server):
     sess.disconnect("sweeps")
 
 
-def shifted(name: str, base: float, barrier: threading.Barrier):
-    """A reward in [base, base + 0.1] that, on its first call, waits until every run of the sweep is
-    scoring at the same moment (so it only returns if the runs really step concurrently)."""
+def phased(name: str, early: float, late: float, barrier: threading.Barrier, runs: dict):
+    """A reward in [early, early + 0.05] for its run's first two steps and [late, late + 0.05] after
+    (``runs[name]``: its run, once the sweep made it). On its first call it waits until every run of
+    the sweep is scoring at the same moment (so it only returns if the runs really step concurrently)."""
     first = threading.Event()
 
     def reward(prompt, completion, **info):
         if not first.is_set():
             first.set()
             barrier.wait()  # BrokenBarrierError after the timeout: the runs did not overlap
-        return base + 0.1 * letters(prompt, completion)
+        run = runs.get(name)
+        base = early if run is None or run.step < 2 else late
+        return base + 0.05 * letters(prompt, completion)
 
     reward.__name__ = name
     return reward
 
 
 def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(session):
-    barrier = threading.Barrier(3, timeout=90)
-    low, mid, high = shifted("low", 0.0, barrier), shifted("mid", 0.4, barrier), shifted("high", 0.8, barrier)
+    """Three runs, four steps: one rung, at step 2 (never after one noisy step). Every reward falls
+    after step 2, so the run dropped there scored more over steps 1-2 than the winner does over
+    steps 3-4: the tables show the dropped run only beside the winner's score over steps 1-2."""
+    barrier, runs = threading.Barrier(3, timeout=90), {}
+    low = phased("low", 0.3, 0.3, barrier, runs)
+    high = phased("high", 0.8, 0.15, barrier, runs)
+    mid = phased("mid", 0.5, 0.0, barrier, runs)
     sweep = session.sweep(
         prompts=PROMPTS, grid={"reward": [low, high, mid], "lr": [1e-4]}, steps=4, name="sw", **SMALL
     )
-    assert sweep.rungs == [1, 2]  # three runs halve to one in two rungs: at steps/4 and steps/2
+    runs.update({r.name.split("-")[1]: r for r in sweep.runs})
+    assert sweep.rungs == [2]  # three runs would halve in two rungs; at 4 steps only step 2 is one
     names = [r.name for r in sweep.runs]
     assert names == ["sw-low-lr1e-4", "sw-high-lr1e-4", "sw-mid-lr1e-4"]
     assert len({r.run_id for r in sweep.runs}) == 3
@@ -67,17 +76,17 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
     sweep.wait(240)
     by = {r.name: r for r in sweep.runs}
     lo, hi, mi = by["sw-low-lr1e-4"], by["sw-high-lr1e-4"], by["sw-mid-lr1e-4"]
-    # rung 1 (step 1): of three, the better two go on; rung 2 (step 2): the better one
-    assert sweep.stopped_at_rung == {lo.name: 1, mi.name: 2}
-    assert [e["dropped"] for e in sweep.rung_log] == [[lo.name], [mi.name]]
-    assert lo.state == RunState.STOPPED and lo.step == 1  # held at the rung, then stopped: no step wasted
-    assert mi.state == RunState.STOPPED and mi.step == 2
-    assert lo.stop_reason.startswith(
-        "stopped by the sweep at rung 1 (step 1): score (mean reward_mean over step 1)"
+    # rung 1 (step 2): of three, the better two go on, ranked over steps 1-2
+    assert sweep.stopped_at_rung == {lo.name: 1}
+    assert [e["dropped"] for e in sweep.rung_log] == [[lo.name]]
+    assert lo.state == RunState.STOPPED and lo.step == 2  # held at the rung, then stopped: no step wasted
+    assert hi.state == mi.state == RunState.FINISHED and hi.step == mi.step == 4
+    at_rung = dict(sweep.rung_log[0]["ranking"])
+    assert lo.stop_reason == (
+        "stopped by the sweep at rung 1 (step 2): score (mean reward_mean over steps 1-2) "
+        f"{at_rung[lo.name]:.4g} vs {at_rung[mi.name]:.4g} for the last of the 2 kept"
     )
-    assert mi.stop_reason.startswith("stopped by the sweep at rung 2 (step 2)")
-    assert hi.state == RunState.FINISHED and hi.step == 4
-    assert all(0.8 <= r["reward_mean"] <= 0.9 for r in hi.history)
+    assert all(0.15 <= r["reward_mean"] <= 0.2 for r in hi.history if r["step"] > 2)
     assert sweep.best is hi
     assert sweep.checkpoint is not None and sweep.checkpoint.startswith("tinker://")
     assert sweep.checkpoint.endswith("/weights/sw-best") and sweep.save_error is None
@@ -85,44 +94,55 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
     frame = sweep.to_pandas()
     assert list(frame.index) == names
     assert list(frame["reward"]) == ["low", "high", "mid"] and list(frame["lr"]) == [1e-4] * 3
-    assert list(frame["steps"]) == [1, 4, 2]
-    assert list(frame["state"]) == ["stopped", "finished", "stopped"]
-    assert frame["stopped_at_rung"].tolist()[0] == 1 and frame["stopped_at_rung"].tolist()[2] == 2
+    assert list(frame["steps"]) == [2, 4, 4]
+    assert list(frame["state"]) == ["stopped", "finished", "finished"]
+    assert (
+        frame["stopped_at_rung"].tolist()[0] == 1
+        and frame["stopped_at_rung"].isna().tolist()[1:] == [True] * 2
+    )
     assert frame.loc[hi.name, "best"] and not frame.loc[lo.name, "best"]
-    assert 0.8 <= frame.loc[hi.name, "score"] <= 0.9 and frame.loc[lo.name, "final_reward_mean"] <= 0.1
     assert "max_reward_mean" in frame.columns and "best_reward_mean" not in frame.columns
 
-    # one score ranks the runs, and every surface shows that number and the steps it averages:
-    # a survivor's since the last rung (2, at step 2), a dropped run's the window it was dropped on
+    # the survivors' scores share one column, over the same steps (since the rung: 3-4)
     rule = sweep.score_rule()
     assert rule.startswith(
-        "score = mean reward_mean (higher is better) over each run's steps since rung 2 (step 2)"
+        "score = mean reward_mean (higher is better) over each run's steps since rung 1 (step 2)"
     )
     assert frame.attrs["score"] == rule
-    assert list(frame["score_steps"]) == ["1", "3-4", "2"]
+    assert list(frame["score_steps"]) == ["", "3-4", "3-4"]
     assert frame.loc[hi.name, "score"] == pytest.approx(
         statistics.fmean(r["reward_mean"] for r in hi.history if r["step"] > 2)
     )
-    assert frame.loc[lo.name, "score"] == dict(sweep.rung_log[0]["ranking"])[lo.name]
-    assert frame.loc[mi.name, "score"] == dict(sweep.rung_log[1]["ranking"])[mi.name]
-    at_rung_2 = dict(sweep.rung_log[1]["ranking"])
-    assert mi.stop_reason == (
-        "stopped by the sweep at rung 2 (step 2): score (mean reward_mean over step 2) "
-        f"{at_rung_2[mi.name]:.4g} vs {at_rung_2[hi.name]:.4g} for the last of the 1 kept"
-    )
     kept = frame[frame["stopped_at_rung"].isna() & (frame["state"] != "failed")]
     assert kept["score"].idxmax() == sweep.best.name
+    # the dropped run scored more over steps 1-2 than the winner over 3-4: it has no score in that
+    # column, only its rung score beside the winner's over the same steps
+    assert frame["score"].isna().tolist() == [True, False, False]
+    assert frame.loc[lo.name, "rung_score"] == at_rung[lo.name] > frame.loc[hi.name, "score"]
+    assert frame.loc[lo.name, "rung_steps"] == "1-2"
+    assert frame.loc[lo.name, "best_rung_score"] == pytest.approx(
+        statistics.fmean(r["reward_mean"] for r in hi.history if r["step"] <= 2)
+    )
+    assert frame.loc[lo.name, "best_rung_score"] > frame.loc[lo.name, "rung_score"]
+    assert frame[["rung_score", "best_rung_score"]].iloc[1:].isna().all().all()
 
     text, page = repr(sweep), sweep._repr_html_()
-    assert "* sw-high-lr1e-4" in text and "dropped at rung 1" in text and sweep.checkpoint in text
+    assert "* sw-high-lr1e-4" in text and sweep.checkpoint in text
     assert text.splitlines()[1] == f"  ranked by {rule}" and f"ranked by {html.escape(rule)}" in page
-    for name in names:
-        score, steps = f"{frame.loc[name, 'score']:.4g}", frame.loc[name, "score_steps"]
+    compared = (
+        f"dropped at rung 1: score {at_rung[lo.name]:.4g} vs "
+        f"{frame.loc[lo.name, 'best_rung_score']:.4g} for the best (steps 1-2)"
+    )
+    (line,) = [ln for ln in text.splitlines() if f" {lo.name} " in ln]
+    assert line.endswith(compared), line
+    cells = page.split(f"<td>{lo.name}</td>", 1)[1].split("</tr>", 1)[0]
+    assert f"<td></td><td></td><td>{html.escape(compared)}</td>" in cells, cells
+    for name in (hi.name, mi.name):
+        score = f"{frame.loc[name, 'score']:.4g}"
         (line,) = [ln for ln in text.splitlines() if f" {name} " in ln]
-        over = f"steps {steps}" if "-" in steps else f"step {steps}"
-        assert f"score {score} ({over})" in line, line
+        assert line.endswith(f"score {score} (steps 3-4)"), line
         cells = page.split(f"<td>{name}</td>", 1)[1].split("</tr>", 1)[0]
-        assert f"<td>{score}</td><td>{steps}</td>" in cells, cells
+        assert f"<td>{score}</td><td>3-4</td><td></td>" in cells, cells
     assert "font-weight:bold" in page.split("sw-high-lr1e-4")[0].rsplit("<tr", 1)[1]
 
     dash = sweep.dashboard(call_later=lambda delay, fn: None)  # drawn once when built
@@ -131,7 +151,7 @@ def test_a_sweep_runs_its_grid_concurrently_halves_at_rungs_and_saves_the_best(s
         assert set(traces) == {f"run:{n}" for n in names}
         best, dropped = traces[f"run:{hi.name}"], traces[f"run:{lo.name}"]
         assert list(best.x) == [1, 2, 3, 4] and best.name.startswith("★") and best.line.width == 4
-        assert list(dropped.x) == [1] and dropped.line.color == "#b0b0b0" and "rung 1" in dropped.name
+        assert list(dropped.x) == [1, 2] and dropped.line.color == "#b0b0b0" and "rung 1" in dropped.name
         assert list(traces[f"run:{mi.name}"].y) == [r["reward_mean"] for r in mi.history]
         assert "sw-best" in dash.table.value and dash._repr_mimebundle_()["text/plain"] == repr(sweep)
         assert dash.table.value == page  # the dashboard's table is the sweep's html: the same scores
@@ -217,6 +237,10 @@ def test_a_failed_run_is_never_the_best(session):
             {"grid": {"lr": [1e-4]}, "steps": 10, "rungs": [10]},
             r"rungs must be steps from 1 to steps-1 \(9\)",
         ),
+        (
+            {"grid": {"lr": [1e-4, 2e-4]}, "steps": 4, "rungs": 3},
+            r"rungs=3 does not fit 4 steps: .* no earlier than step 2",
+        ),
         ({"grid": {"lr": [1e-4]}, "mode": "up"}, "mode must be 'max'"),
         ({"grid": {"lr": [1e-4]}, "lr": 1e-3}, "lr is both in the grid and given as an option"),
         ({"grid": {"lr": list(range(1, 66))}}, "the grid has 65 points; a sweep starts at most 64"),
@@ -260,8 +284,18 @@ def test_grid_points_names_and_rungs():
     assert plan_rungs(None, 40, 4, 0.5) == [10, 20]  # 4 -> 2 -> 1: two rungs, at steps/4 and steps/2
     assert plan_rungs(None, 40, 6, 0.5) == [5, 10, 20]  # 6 -> 3 -> 2 -> 1: three
     assert plan_rungs(None, 40, 6, 0.25) == [10, 20]  # 6 -> 2 -> 1
-    assert plan_rungs(2, 4, 3, 0.5) == [1, 2] and plan_rungs(0, 4, 3, 0.5) == []
-    assert plan_rungs([3, 7], 10, 4, 0.5) == [3, 7]
+    # rungs scale with the steps: none before steps/8 (at least step 2, at most 10), none within 2 steps
+    # of another; a short sweep drops fewer runs rather than dropping them after one noisy step
+    assert plan_rungs(None, 4, 3, 0.5) == [2] and plan_rungs(None, 2, 8, 0.5) == []
+    assert plan_rungs(None, 6, 8, 0.5) == [3] and plan_rungs(None, 10, 8, 0.5) == [3, 5]
+    assert plan_rungs(None, 60, 8, 0.5) == [8, 15, 30]
+    assert plan_rungs(None, 1000, 64, 0.5) == [16, 32, 63, 125, 250, 500]  # 64 -> 1 in six
+    assert plan_rungs(1, 4, 3, 0.5) == [2] and plan_rungs(0, 4, 3, 0.5) == []
+    with pytest.raises(
+        UsageError, match=r"rungs=2 does not fit 4 steps: at most 1 rung\(s\) fit \(steps 2\)"
+    ):
+        plan_rungs(2, 4, 3, 0.5)
+    assert plan_rungs([3, 7], 10, 4, 0.5) == [3, 7] and plan_rungs([1, 2], 4, 3, 0.5) == [1, 2]  # as given
 
 
 def test_a_numpy_grid_starts_its_runs_with_those_values(session):
@@ -316,13 +350,26 @@ def test_the_sweep_magic_starts_a_sweep_from_comma_separated_lists(shell):
 
     registry.register("sweep_letters", letters)
     shell.user_ns["P"] = PROMPTS
-    line = "sweep --reward sweep_letters --prompts P --lr 1e-4,2e-4 --loss ppo --steps 2 --rungs 1"
+    line = "sweep --reward sweep_letters --prompts P --lr 1e-4,2e-4 --loss ppo --steps 4 --rungs 1"
     sweep = shell.run_line_magic("openrl", line + " --group 4 --batch 2 --max-tokens 8 --name msw")
-    assert isinstance(sweep, Sweep) and sweep.rungs == [1]
+    assert isinstance(sweep, Sweep) and sweep.rungs == [2]
     assert [r.name for r in sweep.runs] == ["msw-lr1e-4-ppo", "msw-lr2e-4-ppo"]
-    sweep.wait(120)
+    sweep.wait(180)
     assert len(sweep.stopped_at_rung) == 1 and sweep.best is not None
-    assert sweep.best.step == 2 and sweep.best.name not in sweep.stopped_at_rung
+    assert sweep.best.step == 4 and sweep.best.name not in sweep.stopped_at_rung
     with pytest.raises(IPythonUsageError, match="--lr takes comma-separated float values"):
         shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,fast")
-    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in help_text(parsers())
+    with pytest.raises(IPythonUsageError, match=r"rungs=2 does not fit 2 steps: at most 0 rung"):
+        shell.run_line_magic(
+            "openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4,2e-4 --steps 2 --rungs 2"
+        )
+    with pytest.raises(IPythonUsageError, match=r"--rungs: takes a count \(2\) or comma-separated steps"):
+        shell.run_line_magic("openrl", "sweep --reward sweep_letters --prompts P --lr 1e-4 --rungs soon")
+    assert parsers()["sweep"].parse_args(["--reward", "r", "--prompts", "P", "--rungs", "5,10"]).rungs == [
+        5,
+        10,
+    ]
+    manual = help_text(parsers())
+    assert "sweep = %openrl sweep --reward REWARD --prompts PROMPTS" in manual
+    sweep_help = " ".join(parsers()["sweep"].format_help().split())
+    assert "none before steps/8, at least step 2 and at most step 10" in sweep_help

@@ -1,15 +1,16 @@
-"""README.md, executed as a reader meets it: every shell, Python and ``%openrl`` block, in order.
+"""README.md and the docs site, executed as a reader meets them: every shell, Python and ``%openrl``
+block, README first, then the site's pages in the order of mkdocs.yml's nav.
 
-A newcomer copies the README's blocks top to bottom; this test does the same, so the README cannot
-drift from the code. How a block runs (tests/_support/readme.py has the markers):
+A newcomer copies the blocks top to bottom; this test does the same, so neither the README nor the site
+can drift from the code. How a block runs (tests/_support/readme.py has the markers):
 
 - shell blocks run in bash (``set -e``) from the checkout, with ``.venv/bin`` first on PATH; what a
-  block ``export``s stays set for the blocks after it, as in the reader's shell. A block marked
-  ``background`` (a server) runs beside the later blocks until its ``##`` section ends (``keep``: until
-  the end); it must answer ``/readyz`` first, and the ``export`` lines it prints are run, as the README
-  tells the reader to.
-- Python and ``%openrl`` blocks run in a real kernel, one per ``##`` section (a fresh one where the
-  block is marked ``new-kernel``), started in an empty notebook folder with the environment so far.
+  block ``export``s stays set for the blocks after it, on later pages too, as in the reader's shell. A
+  block marked ``background`` (a server) runs beside the later blocks until its page ends (``keep``:
+  until the last page); it must answer ``/readyz`` first, and the ``export`` lines it prints are run,
+  as the page tells the reader to.
+- Python and ``%openrl`` blocks run in a real kernel, one per page (a fresh one where the block is
+  marked ``new-kernel``), started in an empty notebook folder with the environment so far.
 - Blocks marked ``needs gpu|cluster|files`` or ``covered-by`` are skipped with their reason (and a
   ``covered-by`` path must exist); every other code block runs, so CI's strict mode sees no silent skip.
 
@@ -37,11 +38,11 @@ import pytest
 
 from openrl_jupyter.local import free_port
 from tests._support.kernel import Kernel
-from tests._support.readme import Block, MarkerError, blocks
+from tests._support.readme import ROOT, Block, MarkerError, blocks, docs_pages
 
-ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 K8S_README = ROOT / "k8s" / "README.md"
+PAGES = [README, *docs_pages()]  # what a reader goes through, in order
 BLOCK_TIMEOUT_S = 300  # a hang guard, not a speed check: each block takes under a minute on an idle machine
 READY_TIMEOUT_S = 120
 # What the reader's environment does not have: the test's own service and keys come from the README.
@@ -57,6 +58,11 @@ def _shell(code: str, port: int, tmp: Path) -> str:
         line = re.sub(r"\bpip install (?!--dry-run)", "pip install --dry-run ", line)
         out.append(line)
     return "\n".join(out) + "\n"
+
+
+def _tag(block: Block) -> str:
+    """A name for the block's files, unique across pages (``docs_service_openai.md-12``)."""
+    return f"{block.path.relative_to(ROOT).as_posix().replace('/', '_')}-{block.line}"
 
 
 def _common(code: str, port: int, tmp: Path) -> str:
@@ -87,8 +93,8 @@ class Reader:
     # -- shell -------------------------------------------------------------------------------------
 
     def shell(self, block: Block) -> None:
-        script = self.tmp / f"block-{block.line}.sh"
-        env_out = self.tmp / f"block-{block.line}.env"
+        script = self.tmp / f"block-{_tag(block)}.sh"
+        env_out = self.tmp / f"block-{_tag(block)}.env"
         body = _shell(block.code, self.port, self.tmp)
         script.write_text(f"set -eo pipefail\n{body}\nenv -0 > {env_out}\n")
         r = subprocess.run(
@@ -113,10 +119,10 @@ class Reader:
         port = self.port if first else free_port()
         env = dict(self.env, OPENRL_PORT=str(port))
         if not first:  # a second service beside the first: its own data folder (the first holds its lock)
-            env["XDG_DATA_HOME"] = str(self.tmp / f"data-{block.line}")
-        script = self.tmp / f"block-{block.line}.sh"
+            env["XDG_DATA_HOME"] = str(self.tmp / f"data-{_tag(block)}")
+        script = self.tmp / f"block-{_tag(block)}.sh"
         script.write_text("set -eo pipefail\n" + _shell(block.code, self.port, self.tmp))
-        log = self.tmp / f"block-{block.line}.log"
+        log = self.tmp / f"block-{_tag(block)}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(
                 ["bash", str(script)],
@@ -142,15 +148,33 @@ class Reader:
             if time.monotonic() > deadline:
                 pytest.fail(f"{block.where}: no /readyz in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
-        if first:  # "Run those two lines in the shell that starts Python or Jupyter" (what serve printed)
-            for name, value in re.findall(r"^export (\w+)=(\S+)\s*$", log.read_text(), re.M):
+        if first:  # run the export lines serve printed in the reader's shell, as the page says
+            self.run_exports(log.read_text())
+
+    def run_exports(self, output: str) -> None:
+        """Run each ``export NAME=...`` command in ``output`` (from its ``export`` to the line's end) in
+        bash, and keep what it set: serve prints them for the reader to paste."""
+        lines = [
+            line[m.start() :] for line in output.splitlines() if (m := re.search(r"\bexport \w+=", line))
+        ]
+        if not lines:
+            return
+        r = subprocess.run(
+            ["bash", "-c", "set -e\n" + "\n".join(lines) + "\nenv -0"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert r.returncode == 0, f"the export lines serve printed fail in bash: {lines}\n{r.stderr}"
+        for item in r.stdout.split("\0"):
+            name, eq, value = item.partition("=")
+            if eq and any(line.startswith(f"export {name}=") or f" {name}=" in line for line in lines):
                 self.env[name] = value
 
-    def stop_servers(self, section: str | None) -> None:
-        """Stop the servers started in ``section`` (None: all), as the reader's Ctrl-C would."""
-        for s in [
-            s for s in self.servers if section is None or (s.block.section == section and not s.block.keep)
-        ]:
+    def stop_servers(self, page: Path | None) -> None:
+        """Stop the servers started on ``page`` (None: all), as the reader's Ctrl-C would."""
+        for s in [s for s in self.servers if page is None or (s.block.path == page and not s.block.keep)]:
             if s.proc.poll() is None:
                 os.killpg(s.proc.pid, signal.SIGINT)
                 try:
@@ -165,7 +189,7 @@ class Reader:
     def cell(self, block: Block) -> None:
         if self.kernel is None or block.new_kernel:
             self.end_kernel()
-            self.notebook_dir = self.tmp / f"notebook-{block.line}"
+            self.notebook_dir = self.tmp / f"notebook-{_tag(block)}"
             self.notebook_dir.mkdir()
             self.kernel = Kernel(env=self.env, cwd=self.notebook_dir, startup_timeout=60).start()
         r = self.kernel.execute(
@@ -217,18 +241,18 @@ def _stray_processes(tmp: Path) -> list[str]:
     return ended
 
 
-def test_the_readme_runs_as_written(tmp_path, monkeypatch):
+def test_the_readme_and_the_docs_run_as_written(tmp_path, monkeypatch):
     env = _clean_env(monkeypatch, tmp_path)
     reader = Reader(tmp_path, free_port(), env)
-    section = None
+    page = None
     ran, skipped = [], []
     try:
-        for block in blocks(README):
-            if block.section != section:
-                if section is not None:
+        for block in (b for path in PAGES for b in blocks(path)):
+            if block.path != page:
+                if page is not None:
                     reader.end_kernel()
-                    reader.stop_servers(section)
-                section = block.section
+                    reader.stop_servers(page)
+                page = block.path
             if block.kind == "text":
                 continue
             if not block.runs:
@@ -241,21 +265,26 @@ def test_the_readme_runs_as_written(tmp_path, monkeypatch):
         reader.stop_servers(None)
         left = _stray_processes(tmp_path)
     print(
-        f"README: {len(ran)} blocks ran, {len(skipped)} skipped; left running, now ended: {left or 'nothing'}"
+        f"README and {len(PAGES) - 1} pages: {len(ran)} blocks ran, {len(skipped)} skipped; "
+        f"left running, now ended: {left or 'nothing'}"
     )
     for where, kind, seconds in reader.timings:
         print(f"  {seconds:6.1f} s  {kind:8}  {where}")
     for line in skipped:
         print(f"  skipped  {line}")
-    assert ran, "no README block ran"
+    assert any(w.startswith("README.md:") for w in ran), "no README block ran"
+    assert any(not w.startswith("README.md:") for w in ran), "no docs page's block ran"
 
 
-@pytest.mark.parametrize("path", [README, K8S_README], ids=["README.md", "k8s/README.md"])
+@pytest.mark.parametrize(
+    "path", [*PAGES, K8S_README], ids=lambda p: p.relative_to(ROOT).as_posix() if isinstance(p, Path) else p
+)
 def test_every_code_block_runs_or_says_why_not(path):
     """A block that is not run carries its reason (and a covered-by path that exists); the markers parse."""
     found = blocks(path)
     code = [b for b in found if b.kind != "text"]
-    assert code, f"no code blocks found in {path}"
+    if path in (README, K8S_README):
+        assert code, f"no code blocks found in {path}"
     for b in code:
         if b.covered_by:
             assert (ROOT / b.covered_by).exists(), f"{b.where}: covered-by {b.covered_by} does not exist"

@@ -23,7 +23,7 @@ from tests._support.jhub import FakeHub
 from tests._support.serve import serving
 
 V1 = "/openrl/v1"
-LIMIT = 25  # OPENRL_HUB_FAILED_LOOKUPS_PER_MIN in these tests (the default is in README's table)
+LIMIT = 25  # OPENRL_HUB_FAILED_LOOKUPS_PER_MIN in these tests (the default is in docs/reference/settings.md)
 CHUNK = 1000  # flood requests between two checks of the hub's count
 # Made-up tokens in the flood: 3,000 in `make test` (the bound is LIMIT a minute whatever the size);
 # OPENRL_HUB_FLOOD_TOKENS=20000 replays the size (about 2 minutes here).

@@ -1,4 +1,4 @@
-"""Every OPENRL_* variable, in the format the README and the manifests write it, parses to the setting
+"""Every OPENRL_* variable, in the format the docs (docs/service/serve.md) and the manifests write it, parses to the setting
 it names (the environment is read by pydantic-settings; the formats are the service's own: comma
 lists, on/off switches, choices in any case, ``tenant:key`` pairs, not JSON)."""
 
@@ -103,6 +103,8 @@ EVERY_VARIABLE = {
     "OPENRL_JOB_LOST_AFTER_S": ("120", 120),
     "OPENRL_MAX_QUEUED_PER_RUN": ("8", 8),
     "OPENRL_MAX_QUEUED_TOTAL": ("128", 128),
+    "OPENRL_MAX_DEVICE_SECONDS_PER_TENANT": ("3600", 3600.0),
+    "OPENRL_DEVICE_SECONDS_WINDOW_S": ("86400", 86400.0),
 }
 
 
