@@ -310,7 +310,9 @@ class RunDashboard(_LiveDashboard):
         """The curves as an <img> of an SVG data URI: sanitizers that drop inline SVG (an untrusted
         notebook in JupyterLab) keep it."""
         svg = base64.b64encode(self._snapshot_svg().encode()).decode()
-        return f"<img alt='reward, loss and KL per step' src='data:image/svg+xml;base64,{svg}'>"
+        return (
+            f"<img alt='reward, loss and KL per step, and utilisation' src='data:image/svg+xml;base64,{svg}'>"
+        )
 
     def _snapshot_svg(self) -> str:
         steps, rows = self._rows.keys, self._rows
@@ -322,13 +324,21 @@ class RunDashboard(_LiveDashboard):
         kl = [("KL", steps, rows.column("kl"), "#00cc96")]
         if any(v is not None for v in rows.column("kl_ref")):  # kl_coef > 0: KL to the starting weights
             kl.append(("to reference", steps, rows.column("kl_ref"), "#ab63fa"))
-        return svg_panels(
-            [
-                ("reward", reward, [(float(s), label) for s, label in self._version_changes()]),
-                ("loss", [("loss", steps, rows.column("loss"), "#ef553b")], []),
-                ("KL", kl, []),
-            ]
-        )
+        if any(v is not None for v in rows.column("eval_reward")):  # greedy evaluation (eval_every)
+            reward.append(("eval", steps, rows.column("eval_reward"), "#00a000"))
+        panels = [
+            ("reward", reward, [(float(s), label) for s, label in self._version_changes()]),
+            ("loss", [("loss", steps, rows.column("loss"), "#ef553b")], []),
+            ("KL", kl, []),
+        ]
+        util = self._util
+        if util.times:  # the device's busy share over the run's seconds, and this run's part of it
+            xs = [t - util.times[0] for t in util.times]
+            lines = [("all runs", xs, util.total, "#19d3f3")]
+            if self.run.run_id in util.by_run:
+                lines.append(("this run", xs, util.by_run[self.run.run_id], "#ffa15a"))
+            panels.append((f"{util.label or 'utilisation'} (x: seconds)", lines, []))
+        return svg_panels(panels)
 
     def _draw_rows(self) -> None:
         steps = self._rows.keys

@@ -39,8 +39,10 @@ RECORD = """
 def quickstart_with(steps: int) -> nbformat.NotebookNode:
     nb = nbformat.read(ROOT / "notebooks" / "01-quickstart.ipynb", as_version=4)
     params = next(c for c in nb.cells if "OPENRL_DEMO_STEPS" in c.source)
-    params.source, n = re.subn(r'os\.environ\.get\("OPENRL_DEMO_STEPS", \d+\)', str(steps), params.source)
-    assert n == 1, "the quickstart's parameters cell changed; update this test"
+    short = {"OPENRL_DEMO_STEPS": steps, "OPENRL_DEMO_SFT_STEPS": 20, "OPENRL_DEMO_BATCH": 8}
+    for name, value in short.items():  # what the plot shows, not what the model learns: a short run
+        params.source, n = re.subn(rf'os\.environ\.get\("{name}", \d+\)', str(value), params.source)
+        assert n == 1, f"the quickstart's parameters cell has no {name}; update this test"
     return nb
 
 

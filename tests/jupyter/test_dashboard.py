@@ -611,3 +611,18 @@ def test_kl_to_the_reference_and_the_eval_reward_are_drawn_when_the_run_has_them
     assert "to reference" in dash._snapshot_svg()
     plain = make_dash(FakeRun([row(1, 0.1), row(2, 0.2)]))
     assert "to reference" not in plain._snapshot_svg()
+
+
+def test_the_static_picture_shows_utilisation_and_the_greedy_evaluation(make_dash, timers):
+    """What a reader of a saved notebook sees without the kernel: the device's busy share beside the
+    curves (this run's part and everyone's), and the periodic greedy evaluation on the reward panel."""
+    run = FakeRun([row(1, 0.2), row(2, 0.4, eval_reward=0.7)])
+    dash = make_dash(run)
+    assert "engine busy" not in dash._snapshot_svg()  # no tick yet: no panel that says nothing
+    run.emit({"kind": "tick", "tick": tick(1_700_000_000.0, 0.8, {run.run_id: 0.75, "run-b": 0.25})})
+    run.emit({"kind": "tick", "tick": tick(1_700_000_002.0, 0.4, {run.run_id: 1.0})})
+    timers.advance_to(0.5)
+    picture = dash._snapshot_svg()
+    assert "engine busy (x: seconds)" in picture and "this run" in picture and "all runs" in picture
+    assert ">eval<" in picture
+    assert picture.count("<polyline") >= 7  # reward mean/min/max, eval, loss, KL, utilisation
