@@ -20,7 +20,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openrl_common.datadirs import local_data_dir
+from openrl_common.datadirs import local_data_dir, read_private
 from openrl_jupyter import credentials
 from openrl_jupyter._exceptions import OpenRLError, ServiceUnavailable, UsageError
 from openrl_jupyter.chat_reply import ChatReply
@@ -526,12 +526,13 @@ def _join(
             f"with that kernel, so it cannot serve detached runs: stop it (openrl-service stop --data-dir "
             f"{folder}, or %openrl disconnect --stop-service in that kernel) and connect --local --detached again"
         )
+    wait_ready(found, model, timeout_s)  # it proves it is the folder's service before the key goes
+    found.key = found.key or read_private(os.path.join(folder, "api-key"))  # a just-started serve's
     if not found.key:
         raise UsageError(
             f"the service holding {folder} (pid {pid}, {found.url}) was started with keys of its own: "
             f"connect to it by URL with its key, or stop it (openrl-service stop --data-dir {folder})"
         )
-    wait_ready(found, model, timeout_s)  # it proves it is the folder's service before the key goes
     if check_model:  # a model asked for by name: the running one must serve it
         _check_detached_model(found, model)
     return found

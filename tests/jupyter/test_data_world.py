@@ -63,13 +63,10 @@ def test_a_notebook_joins_the_service_a_terminal_started_and_the_tinker_cli_list
     )
     try:
         deadline = time.monotonic() + 120
-        while (
-            lock_holder(home / "tiny") is None
-            or b"openrl-service: serving" not in (tmp_path / "serve.log").read_bytes()
-        ):
+        while lock_holder(home / "tiny") is None:  # it holds its folder: a kernel may join from now on
             assert serve.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "serve did not take its folder"
-            time.sleep(0.2)
+            time.sleep(0.05)
         session = sess.connect(local=True, name="world")
         try:
             assert session.local.process.pid == serve.pid  # joined, not a second service
