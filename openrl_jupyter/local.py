@@ -10,9 +10,11 @@ a start secret for it (in its environment) and sends it nothing of value until `
 holds that secret for that port (``wait_ready``; openrl_common/datadirs.py), so another account on the
 host cannot take its place on a port it guessed. The child runs with
 ``--exit-with-parent``: it watches a pipe on its stdin and stops when this process closes it, exits
-or dies, so no service outlives its owner. Its output goes to ``service.log`` in its data folder.
-``start_service(detached=True)`` is the exception, for detached runs: no ``--exit-with-parent``, its
-own process session (a kernel's death or interrupt does not reach it), a persistent data folder,
+or dies, so no service outlives its owner. It runs in a process session of its own, so the signals a
+kernel's interrupt or shutdown sends to its process group never reach it: the pipe alone stops it, with
+one clean drain. Its output goes to ``service.log`` in its data folder.
+``start_service(detached=True)`` is the exception, for detached runs: no ``--exit-with-parent`` (a
+kernel's death does not stop it), a persistent data folder,
 and a discovery file marked ``"detached": true`` by which ``find_detached()`` finds it again from
 the next kernel. No torch here (the notebook side imports this module).
 
@@ -69,6 +71,10 @@ READY_TIMEOUT_S = 300.0
 PROVE_TIMEOUT_S = 60.0  # a running service that lost a connection: how long it has to prove itself again
 EXIT_DATA_DIR_IN_USE = 3  # serve's exit code when another process holds its data folder
 LOG_KEEP_BYTES = 4 << 20  # a kept data folder's service.log: the older part is dropped past this
+# At this process's exit: how long an embedded service may drain before it is killed. Above the default
+# drain grace (25 s, OPENRL_DRAIN_GRACE_S) plus closing, so its shutdown snapshot is not cut; an idle
+# one exits in well under a second.
+EXIT_DRAIN_WAIT_S = 30.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -350,7 +356,10 @@ def start_service(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=child_env,
-            start_new_session=detached,  # a detached one is outside the kernel's process group
+            # Its own session, outside the kernel's process group: a cell's interrupt (SIGINT to the group)
+            # and ipykernel's shutdown (SIGTERM to the group's children, five times in 1.4 s, then
+            # SIGKILL) do not reach it; an embedded one stops when the pipe on its stdin closes.
+            start_new_session=True,
             pass_fds=(reported,),
         )
     finally:
@@ -358,7 +367,7 @@ def start_service(
         os.close(reported)  # the child holds its own copy: EOF here once it has written or died
     service = LocalService(proc, "", data_dir, api_key, secret, tmp, detached=detached, log_file=log_path)
     if not detached:
-        atexit.register(service.stop)
+        atexit.register(service.stop, EXIT_DRAIN_WAIT_S)
     try:
         service.url = _reported_url(report, service, timeout_s)
         wait_ready(service, model or "openrl/tiny", timeout_s, progress)

@@ -497,7 +497,7 @@ def start_local(
         if not all(_installed(m) for m in ("openrl_service", "torch", "fastapi", "transformers")):
             raise UsageError(
                 "connect(local=True) needs the service installed in this environment: "
-                "pip install 'openrl-jupyter[service]' (or connect to a running service by URL)"
+                'pip install -e ".[service]" from a clone (or connect to a running service by URL)'
             )
         try:
             local = start_service(

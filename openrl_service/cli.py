@@ -9,12 +9,10 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 from pathlib import Path
-from types import FrameType
 
 import uvicorn
 
@@ -26,7 +24,7 @@ from openrl_service.checks import number
 from openrl_service.group.comm import env_rank
 from openrl_service.group.launch import add_arguments as add_group_arguments
 from openrl_service.kube import KubeSettings, load_api_client
-from openrl_service.lifecycle import Lifecycle
+from openrl_service.server import DrainingServer, exit_when_stdin_closes
 from openrl_service.storage.layout import LayoutError
 from openrl_service.storage.lock import DataDirInUse, DataDirLock
 
@@ -266,7 +264,7 @@ def _serve_app(args, settings, models, sock: socket.socket, url: str, lock) -> i
         print(f"openrl-service: {e}", file=sys.stderr)
         return 2
     if args.exit_with_parent:
-        _exit_when_stdin_closes()
+        exit_when_stdin_closes()
     config = uvicorn.Config(
         app,
         host=host,
@@ -314,49 +312,6 @@ def _report(fd: int, url: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server with the drain taking over SIGTERM and SIGINT (see lifecycle.py): the first
-    signal drains (the port stays open, new work gets 503) and the server closes once drained; a
-    second one skips the rest of the grace; one more while it closes stops waiting for connections."""
-
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle):
-        super().__init__(config)
-        self.lifecycle = lifecycle
-        lifecycle.on_stopped = self.close
-
-    def close(self) -> None:
-        self.should_exit = True
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            self.force_exit = True
-        elif not self.lifecycle.request_stop(f"received {signal.Signals(sig).name}"):
-            self.should_exit = True  # no event loop yet (still starting up): exit at once
-
-
-def _exit_when_stdin_closes() -> None:
-    """For embedded services: the parent (a notebook kernel) holds our stdin open; when it exits or
-    dies the pipe closes, and we shut down gracefully (SIGTERM to ourselves, as a user's Ctrl-C)."""
-    import os
-    import signal
-    import threading
-
-    fd = sys.stdin.fileno()
-
-    def watch() -> None:
-        # os.read on the descriptor, not sys.stdin.buffer: a daemon thread blocked inside the buffered
-        # reader holds its lock, and the interpreter's exit then aborts (SIGABRT, "could not acquire
-        # lock for <stdin>") instead of exiting 0
-        try:
-            while os.read(fd, 4096):
-                pass
-        except OSError:
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -192,7 +192,7 @@ class Lifecycle:
     def _stop_requested(self, reason: str) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self.drain(reason))
-        else:
+        elif not self._cut_short:  # once: a supervisor may repeat its signal
             log.warning("%s during the drain: skipping the rest of the grace", reason)
             self._cut_short = reason.removeprefix("received ")
             self._deadline = time.monotonic()

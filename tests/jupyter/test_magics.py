@@ -173,7 +173,7 @@ def _no_retry_client(cls):
 
 def test_local_without_the_service_extra_names_it(shell, monkeypatch):
     monkeypatch.setattr(sess, "_installed", lambda module: False)
-    one_error_line(run(shell, "%openrl connect --local"), "UsageError", "openrl-jupyter[service]")
+    one_error_line(run(shell, "%openrl connect --local"), "UsageError", 'pip install -e ".[service]"')
 
 
 def test_reward_cells_register_versions_and_a_failing_cell_registers_nothing(shell):

@@ -159,7 +159,7 @@ def test_local_without_the_service_extra_names_the_extra():
         "try:\n    session.connect(local=True)\nexcept session.UsageError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "openrl-jupyter[service]" in out.stdout, out.stderr
+    assert 'pip install -e ".[service]"' in out.stdout, out.stderr
 
 
 def test_unreachable_url_is_a_clear_error():

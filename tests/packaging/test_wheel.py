@@ -1,11 +1,10 @@
 """The wheel carries the prebuilt JupyterLab extension and enables the server extension on install.
 
-Builds the wheel from this checkout (``pip wheel --no-build-isolation``: hatchling and
-hatch-jupyter-builder come from the test venv's dev extra, so no network; the lab build itself runs only
-if ``make labextension`` has not built ``openrl_jupyter/labextension`` yet), installs it with ``--no-deps``
-into a fresh venv whose dependencies are borrowed from the test venv through a ``.pth`` line (Jupyter,
-httpx...), and asks that venv's own ``jupyter labextension list`` and ``jupyter server extension list``
-with empty user config/data folders, so nothing but the wheel's files can make them say "enabled".
+The wheel is the release's (conftest.py's ``release``: ``.ci/release-build``, built once for the
+packaging tests). It is installed with ``--no-deps`` into a fresh venv whose dependencies are borrowed
+from the test venv through a ``.pth`` line (Jupyter, httpx...), and that venv's own ``jupyter
+labextension list`` and ``jupyter server extension list`` are asked with empty user config/data folders,
+so nothing but the wheel's files can make them say "enabled".
 """
 
 from __future__ import annotations
@@ -34,39 +33,12 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 300) -> str:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    for module in ("hatchling", "hatch_jupyter_builder"):
-        try:
-            __import__(module)
-        except ImportError:
-            pytest.skip(f"{module} is missing: pip install -e '.[dev]' (make venv)")
+def installed(tmp_path_factory, release):
     tmp = tmp_path_factory.mktemp("wheel")
     home = tmp / "home"
     home.mkdir()
-    # jlpm/jupyter-builder/node for a lab build that has not happened yet come from this venv's bin
-    env = {
-        **os.environ,
-        "HOME": str(home),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-    }
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp / "dist"),
-            str(ROOT),
-        ],
-        env,
-        timeout=600,
-    )
-    (wheel,) = (tmp / "dist").glob("openrl_jupyter-*.whl")
+    env = {**os.environ, "HOME": str(home), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    wheel = release["wheel"]
 
     target = tmp / "venv"
     venv.EnvBuilder(with_pip=False).create(target)

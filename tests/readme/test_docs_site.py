@@ -127,3 +127,40 @@ def test_the_readme_stays_short():
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; move reference material to docs/"
     assert any("make demo" in line for line in lines) and any("make test" in line for line in lines)
     assert Path(ROOT / "mkdocs.yml").exists()
+
+
+def test_every_pip_install_line_names_a_source_that_exists():
+    """The package is on no index until a release is published: a line that installs it does so from
+    the clone (``-e ".[extra]"``, with extras pyproject.toml defines); any other package is pinned, so
+    the line means the same tomorrow; files it names (``-c``, ``-r``) exist."""
+    import re
+    import shlex
+
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    bad = []
+    for page in [README, K8S_README, *docs_pages()]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for m in re.finditer(r"pip install ([^`#|]*)", line):
+                where = f"{page.relative_to(ROOT)}:{n}: pip install {m.group(1).strip()}"
+                args = shlex.split(m.group(1))
+                while args:
+                    arg = args.pop(0)
+                    if arg in ("-c", "-r"):
+                        name = args.pop(0) if args else ""
+                        if not (ROOT / name).is_file():
+                            bad.append(f"{where}: no file {name!r} in the repository")
+                    elif arg.startswith("-"):
+                        continue
+                    elif re.fullmatch(r"\.(\[[\w,-]+\])?", arg):
+                        unknown = set(arg[2:-1].split(",")) - extras if "[" in arg else set()
+                        if unknown:
+                            bad.append(f"{where}: pyproject.toml defines no extra {sorted(unknown)}")
+                    elif re.match(r"openrl[-_]jupyter\b", arg):
+                        bad.append(
+                            f'{where}: openrl-jupyter is on no index; from a clone: pip install -e ".[…]"'
+                        )
+                    elif "==" not in arg:
+                        bad.append(f"{where}: {arg} is not pinned (name==version)")
+    assert not bad, "\n".join(bad)
