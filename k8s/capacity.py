@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -124,21 +123,12 @@ def base_parameters(model: str) -> int:
 
 def vllm_share(overlay: str) -> float:
     """OPENRL_VLLM_GPU_MEMORY_UTILIZATION as the overlay sets it (components/gpu)."""
-    import subprocess
+    sys.path.insert(0, str(ROOT / "k8s" / "images"))
+    from images import rendered_container
 
-    kubectl = Path(sys.executable).parent / "kubectl"
-    text = subprocess.run(
-        [str(kubectl), "kustomize", str(ROOT / "k8s" / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for doc in yaml.safe_load_all(text):
-        if doc and doc["kind"] == "Deployment":
-            for c in doc["spec"]["template"]["spec"]["containers"]:
-                for e in c.get("env", []):
-                    if e["name"] == "OPENRL_VLLM_GPU_MEMORY_UTILIZATION":
-                        return float(e["value"])
+    for e in rendered_container(overlay).get("env", []):
+        if e["name"] == "OPENRL_VLLM_GPU_MEMORY_UTILIZATION":
+            return float(e["value"])
     raise SystemExit(f"{overlay}: no OPENRL_VLLM_GPU_MEMORY_UTILIZATION")
 
 

@@ -147,7 +147,8 @@ def kubectl() -> str:
     return str(local) if local.is_file() else (shutil.which("kubectl") or "kubectl")
 
 
-def rendered_image(overlay: str, container: str = "openrl-service") -> str:
+def rendered_container(overlay: str, container: str = "openrl-service") -> dict:
+    """The ``container`` of the Deployment that k8s/overlays/``overlay`` renders (kubectl kustomize)."""
     import yaml
 
     text = subprocess.run(
@@ -160,8 +161,12 @@ def rendered_image(overlay: str, container: str = "openrl-service") -> str:
         if doc and doc["kind"] == "Deployment":
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 if c["name"] == container:
-                    return c["image"]
+                    return c
     raise SystemExit(f"images: no {container} container in k8s/overlays/{overlay}")
+
+
+def rendered_image(overlay: str, container: str = "openrl-service") -> str:
+    return rendered_container(overlay, container)["image"]
 
 
 def tag_of(name: str) -> str:
