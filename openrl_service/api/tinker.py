@@ -363,6 +363,7 @@ def build_router(svc: TrainingService) -> APIRouter:
             raise UserError(
                 "target_prompt_logprobs is not supported by this service", field="target_prompt_logprobs"
             )
+        await svc.sampler_ready(tenant(request), b.sampling_session_id)  # a save still queued creates it
         params = svc.checks.sampling_params(
             b.sampling_params.model_dump(exclude_none=True) if b.sampling_params else {},
             svc.base_of_sampler(tenant(request), b.sampling_session_id),

@@ -23,6 +23,7 @@ join only ops of one model (the fusion key names it). The first model is the def
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -124,6 +125,9 @@ class TrainingService(Registry):
         self._preloaded = base  # a model loaded by the caller: served as the first (default) one
         self.models: dict[str, ServedModel] = {}  # name -> model, the default first; set by _setup
         self.sample_notices: dict[str, str] = {}  # run or sampler id -> why torch sampled its last job
+        # sampler id -> the accepted save_weights_for_sampler that creates it, until it has run: a sample
+        # for it waits (after a restart the replayed save may still be queued when the client samples)
+        self.pending_samplers: dict[str, FutureRecord] = {}
         # Run control (set by the notebook API's /runs/{id}/control): a paused or stopped Tinker-SDK
         # run's ops complete as this error (in their seq slot, so a resume continues in order), and
         # the last forward_backward loss of each run, for the runs list.
@@ -908,7 +912,23 @@ class TrainingService(Registry):
                 return ephemeral
             return self._export(run, "sampler_weights", name, user_metadata, ttl_seconds)
 
-        return self.run_op(tenant, model_id, seq_id, "save_weights_for_sampler", prepare, idem, call=call)
+        rec = self.run_op(tenant, model_id, seq_id, "save_weights_for_sampler", prepare, idem, call=call)
+        run = self.runs.get(model_id) if isinstance(model_id, str) else None
+        if name is None and run is not None and run.tenant == tenant and not rec.done:
+            for sid in [k for k, r in self.pending_samplers.items() if r.done]:  # those that ran
+                del self.pending_samplers[sid]
+            self.pending_samplers[f"{run.session_id}:sample:{sampling_session_seq_id}"] = rec
+        return rec
+
+    async def sampler_ready(self, tenant: str, sampler_id: str, timeout_s: float = 120.0) -> None:
+        """Wait (at most ``timeout_s``) while an accepted save_weights_for_sampler that creates
+        ``sampler_id`` has not run yet; then sampler_entry answers, a 404 if that save failed."""
+        deadline = time.monotonic() + timeout_s
+        while (rec := self.pending_samplers.get(sampler_id)) is not None and rec.tenant == tenant:
+            if rec.done or sampler_id in self.samplers or time.monotonic() > deadline:
+                self.pending_samplers.pop(sampler_id, None)
+                return
+            await asyncio.sleep(0.05)
 
     def save_external(
         self,
