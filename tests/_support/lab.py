@@ -354,7 +354,7 @@ _RUN_STATE = """sel => {
     c => (c.querySelector('.cm-content')?.textContent ?? 'x').trim() !== '');  // empty cells never run
   const prompts = cells.map(c => c.querySelector('.jp-InputArea-prompt')?.textContent.trim() ?? '');
   const errors = [...nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
-    .map(e => e.textContent).filter(t => t.includes('Traceback (most recent call last)'));
+    .map(e => e.textContent).filter(t => t.includes('Traceback (most recent call last)') || /^UsageError: /m.test(t));
   const status = nb.querySelector('.jp-Notebook-ExecutionIndicator')?.dataset.status;
   return {prompts, errors, status, seen: !!window.__openrlRunSeen};
 }"""

@@ -55,7 +55,7 @@ def test_quickstart_reward_plot_grows_to_the_completed_steps(lab, page):
     seen = page.evaluate("() => { clearInterval(window.__pointsTimer); return window.__points; }")
     assert seen == sorted(seen) and seen[-1] == STEPS, f"drawn points over time: {seen}"
     assert len([n for n in seen if 0 < n < STEPS]) >= 1, f"the plot never showed a run in progress: {seen}"
-    history = json.loads((lab.root_dir / "quickstart-history.json").read_text())
+    history = json.loads((lab.root_dir / "quickstart-history.json").read_text())["rl"]
     assert len(history) == STEPS  # what the run completed is what the plot shows
     text = page.locator("body").inner_text()
     assert "Error displaying widget" not in text, report(page, lab)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from openrl_service.api.metrics import EngineCollector
 from openrl_service.engine.events import EVENTS_SCHEMA_VERSION
 from openrl_service.engine.native import NativeRuns
+from openrl_service.engine.usage import DeviceUsage
 from openrl_service.telemetry import OpRecorder, percentile, token_direction
 from tests.conftest import ALICE_KEY, BOB_KEY, fake_pynvml
 from tests.service.test_scheduling import held_worker, wait_for
@@ -229,6 +230,7 @@ def fake_service(device: str) -> types.SimpleNamespace:
         sweepers=[],  # NativeRuns hooks into both, and into the journal
         settings=types.SimpleNamespace(future_ttl_s=3600.0),
         durability=types.SimpleNamespace(loop_state=[], intent_replayers={}, record_replayers={}),
+        device_time=DeviceUsage(),  # /metrics counts the device-seconds of every service
     )
 
 
