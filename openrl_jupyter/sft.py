@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from openrl_common.checks import integer, number
 from openrl_jupyter._exceptions import OpenRLError, UsageError
 from openrl_jupyter.config import load_prompts
 from openrl_jupyter.series import svg_panels
@@ -76,14 +77,6 @@ def examples_of(src: Any) -> list[dict]:
     return out
 
 
-def _positive(value: Any, name: str, kind: type = int) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value <= 0:
-        raise UsageError(
-            f"{name} must be a positive {'number' if kind is float else 'integer'}; got {value!r}"
-        )
-    return value
-
-
 def sft(
     session: Any,
     examples: Any,
@@ -100,16 +93,14 @@ def sft(
     a fresh run of ``session``'s model, save it as ``name`` (replacing a checkpoint of that name) and
     return a :class:`WarmStart`. ``learning_rate``/``rank``: the model's defaults when None."""
     rows = examples_of(examples)
-    _positive(steps, "steps")
-    if steps > MAX_STEPS:
-        raise UsageError(f"steps must be at most {MAX_STEPS}; got {steps}")
-    _positive(batch, "batch")
+    steps = integer(steps, "steps", 1, MAX_STEPS, error=UsageError)
     limit = session.checked_by(session.model).get("max_datums")
-    if limit and batch > limit:
-        raise UsageError(f"batch must be at most {limit} (the service's OPENRL_MAX_DATUMS); got {batch}")
-    optimizer = (
-        {} if learning_rate is None else {"learning_rate": _positive(learning_rate, "learning_rate", float)}
-    )
+    batch = integer(batch, "batch", 1, limit or None, setting="OPENRL_MAX_DATUMS", error=UsageError)
+    optimizer = {}
+    if learning_rate is not None:
+        optimizer["learning_rate"] = number(
+            learning_rate, "learning_rate", 0, None, lo_open=True, error=UsageError
+        )
     fields: dict[str, Any] = {"name": name, "seed": seed, "steps": steps}
     if rank is not None:
         fields["rank"] = rank

@@ -23,7 +23,6 @@ join only ops of one model (the fusion key names it). The first model is the def
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -923,12 +922,13 @@ class TrainingService(Registry):
     async def sampler_ready(self, tenant: str, sampler_id: str, timeout_s: float = 120.0) -> None:
         """Wait (at most ``timeout_s``) while an accepted save_weights_for_sampler that creates
         ``sampler_id`` has not run yet; then sampler_entry answers, a 404 if that save failed."""
-        deadline = time.monotonic() + timeout_s
-        while (rec := self.pending_samplers.get(sampler_id)) is not None and rec.tenant == tenant:
-            if rec.done or sampler_id in self.samplers or time.monotonic() > deadline:
-                self.pending_samplers.pop(sampler_id, None)
-                return
-            await asyncio.sleep(0.05)
+        rec = self.pending_samplers.get(sampler_id)
+        if rec is None or rec.tenant != tenant:
+            return
+        if sampler_id not in self.samplers:
+            await self.futures.wait(rec, timeout_s)  # the save's own completion event, no polling
+        if rec.done:
+            self.pending_samplers.pop(sampler_id, None)
 
     def save_external(
         self,
